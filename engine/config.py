@@ -1,0 +1,263 @@
+"""Every engine flag, defined once: its default, its validation and its CLI spelling.
+
+The offline API (`LLM(**kwargs)`), the server's argument parser and the TOML config file all read
+this one dataclass, so a flag can never mean two things in two places.  Server-only flags (host,
+port, api key) live with the server; everything that changes what the engine computes or how much
+memory it takes lives here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+BLOCK_SIZES = (8, 16, 32)
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+class ConfigError(ValueError):
+    """A setting the user can fix; the message names the flag and what to change it to."""
+
+
+def _flag(help_text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": help_text, **extra}
+
+
+@dataclass
+class EngineConfig:
+    """The engine's settings.  Field names are the flag names with dashes turned into underscores."""
+
+    model: str | None = field(
+        default=None,
+        metadata=_flag("Path of a local HF checkpoint directory; empty means the embedded default model."),
+    )
+    tokenizer: str | None = field(
+        default=None, metadata=_flag("Tokenizer directory if it differs from --model.")
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata=_flag("Model name reported by the API and in metric labels (default: the model directory's name)."),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_flag("Weight and activation dtype; auto follows the checkpoint.", choices=DTYPES),
+    )
+    device: str = field(
+        default="auto", metadata=_flag("cpu, cuda, cuda:N, or auto (cuda when available).")
+    )
+    seed: int = field(default=0, metadata=_flag("Seed for requests that do not bring their own."))
+    max_model_len: int | None = field(
+        default=None,
+        metadata=_flag("Longest prompt + output in tokens (default: the checkpoint's max_position_embeddings)."),
+    )
+    block_size: int = field(
+        default=16, metadata=_flag("Tokens per KV block.", choices=BLOCK_SIZES)
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata=_flag("Fraction of GPU memory the engine may use in total (0, 1].")
+    )
+    kv_cache_memory_bytes: int | None = field(
+        default=None,
+        metadata=_flag("Exact KV cache size in bytes; overrides the profiled budget (and the CPU default)."),
+    )
+    cpu_kv_cache_fraction: float = field(
+        default=0.1,
+        metadata=_flag("On CPU without --kv-cache-memory-bytes: fraction of available RAM for the KV cache."),
+    )
+    swap_space: float = field(
+        default=4.0, metadata=_flag("GiB of pinned CPU memory for swapped-out KV blocks.")
+    )
+    preemption_mode: Literal["swap", "recompute"] | None = field(
+        default=None,
+        metadata=_flag(
+            "How to preempt when KV blocks run out (default: swap when --swap-space > 0 on CUDA, else recompute).",
+            choices=("swap", "recompute"),
+        ),
+    )
+    max_num_seqs: int = field(
+        default=256, metadata=_flag("Most sequences in one step (the batch size cap).")
+    )
+    max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata=_flag(
+            f"Most tokens in one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS} with chunked prefill, "
+            "else max(max_model_len, that))."
+        ),
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata=_flag("Split long prompts into chunks that share steps with decodes.")
+    )
+    enable_prefix_caching: bool = field(
+        default=False, metadata=_flag("Reuse KV blocks of identical prompt prefixes.")
+    )
+    enforce_eager: bool = field(
+        default=False, metadata=_flag("Never capture CUDA graphs.")
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata=_flag("Passed to transformers when reading the config and tokenizer.")
+    )
+    max_num_on_the_fly_batches: int = field(
+        default=1,
+        metadata=_flag("Depth of the step pipeline: 1 is synchronous, 2 overlaps scheduling with execution."),
+    )
+    tensor_parallel_size: int = field(
+        default=1, metadata=_flag("GPUs to shard the model over (only 1 is supported yet).")
+    )
+    fragmentation_buffer_factor: float = field(
+        default=2.0,
+        metadata=_flag("KV budget keeps max(150 MiB, factor x profiled allocator fragmentation) in reserve."),
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Reject settings that can never work, naming the flag; called on construction."""
+        if self.block_size not in BLOCK_SIZES:
+            raise ConfigError(f"--block-size must be one of {BLOCK_SIZES}, got {self.block_size}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if not 0.0 < self.cpu_kv_cache_fraction < 1.0:
+            raise ConfigError(
+                f"--cpu-kv-cache-fraction must be in (0, 1), got {self.cpu_kv_cache_fraction}"
+            )
+        _positive("--max-num-seqs", self.max_num_seqs)
+        _positive("--max-num-on-the-fly-batches", self.max_num_on_the_fly_batches)
+        _positive("--tensor-parallel-size", self.tensor_parallel_size)
+        if self.max_model_len is not None:
+            _positive("--max-model-len", self.max_model_len)
+        if self.max_num_batched_tokens is not None:
+            _positive("--max-num-batched-tokens", self.max_num_batched_tokens)
+        if self.kv_cache_memory_bytes is not None:
+            _positive("--kv-cache-memory-bytes", self.kv_cache_memory_bytes)
+        if self.swap_space < 0:
+            raise ConfigError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
+        if self.fragmentation_buffer_factor < 0:
+            raise ConfigError(
+                f"--fragmentation-buffer-factor must be >= 0, got {self.fragmentation_buffer_factor}"
+            )
+        if self.preemption_mode not in (None, "swap", "recompute"):
+            raise ConfigError(
+                f"--preemption-mode must be swap or recompute, got {self.preemption_mode!r}"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"--tensor-parallel-size {self.tensor_parallel_size} is not supported yet: "
+                "pagekeeper serves on one GPU; use --tensor-parallel-size 1 with a model that fits one GPU"
+            )
+
+    def resolve_limits(self, model_max_len: int, sliding_window: int | None = None) -> None:
+        """Fill max_model_len and max_num_batched_tokens once the checkpoint's limits are known."""
+        limit = model_max_len
+        if sliding_window is not None and sliding_window < limit:
+            # Attention over a window shorter than the context is not implemented: cap the context
+            # at the window so that full attention is exact.
+            limit = sliding_window
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len > limit:
+            why = "its sliding window" if limit == sliding_window else "max_position_embeddings"
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} exceeds the model's limit of {limit} tokens "
+                f"({why}); use --max-model-len {limit} or less"
+            )
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (
+                DEFAULT_MAX_NUM_BATCHED_TOKENS
+                if self.enable_chunked_prefill
+                else max(self.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than --max-model-len "
+                f"({self.max_model_len}) with chunked prefill off, so a long prompt could never be scheduled; "
+                "raise --max-num-batched-tokens, lower --max-model-len, or --enable-chunked-prefill"
+            )
+        # Every scheduled sequence takes at least one token of the step's budget.
+        self.max_num_seqs = min(self.max_num_seqs, self.max_num_batched_tokens)
+
+    def resolved_device(self) -> str:
+        """'cuda' when asked for or when auto finds a GPU, else 'cpu'."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_preemption_mode(self, device: str) -> str:
+        if self.preemption_mode is not None:
+            return self.preemption_mode
+        return "swap" if self.swap_space > 0 and device.startswith("cuda") else "recompute"
+
+    def model_path(self) -> str:
+        """The checkpoint directory, the embedded default when none was given."""
+        if self.model:
+            return os.path.expanduser(self.model)
+        from engine.default_model import DEFAULT_MODEL_DIR
+
+        return str(DEFAULT_MODEL_DIR)
+
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if not self.model:
+            return "pagekeeper-default"
+        return os.path.basename(os.path.normpath(self.model_path()))
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments, naming any unknown one instead of a TypeError deep inside."""
+        unknown = sorted(set(kwargs) - cls.field_names())
+        if unknown:
+            raise ConfigError(
+                f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(cls.field_names()))}"
+            )
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one `--flag-name` per field, vLLM-style (booleans also accept --no-flag-name)."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            meta = dict(f.metadata)
+            kwargs: dict[str, Any] = {"help": meta.get("help"), "default": f.default, "dest": f.name}
+            if "choices" in meta:
+                kwargs["choices"] = meta["choices"]
+            if f.type in ("bool", bool):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = _cli_type(f)
+            parser.add_argument(flag, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{name: getattr(args, name) for name in cls.field_names() if hasattr(args, name)})
+
+
+def _positive(flag: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{flag} must be >= 1, got {value}")
+
+
+def _cli_type(f: dataclasses.Field) -> Any:
+    text = str(f.type)
+    if "float" in text:
+        return float
+    if "int" in text:
+        return int
+    return str

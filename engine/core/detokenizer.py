@@ -1,0 +1,65 @@
+"""Incremental detokenization: text deltas as tokens arrive, in O(1) work per token.
+
+Decoding the whole output every step is quadratic and, for byte-level BPE, a single token can end
+in the middle of a UTF-8 character.  So each step decodes only a short window of recent tokens,
+emits the text that the newest token added, and holds back text that ends in an incomplete
+character until the next token completes it.  Stop strings are matched here too, because they
+are a property of the text, not of token ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_CONTEXT_TOKENS = 5  # tokens of left context kept so that tokenizers that merge spaces decode right
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        stop_strings: tuple[str, ...] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._stop_strings = stop_strings
+        self._include_stop = include_stop_str_in_output
+        self.text = ""
+
+    def add_token(self, token_id: int) -> str | None:
+        """Append one token; returns the stop string it completed, if any (text is then truncated)."""
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        before = len(self.text)
+        self.text += full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        if len(self._ids) > 4 * _CONTEXT_TOKENS:  # keep the window bounded
+            drop = self._prefix_offset
+            self._ids = self._ids[drop:]
+            self._prefix_offset -= drop
+            self._read_offset -= drop
+        return self._check_stop(before)
+
+    def _check_stop(self, new_text_start: int) -> str | None:
+        for stop in self._stop_strings:
+            search_from = max(0, new_text_start - len(stop) + 1)
+            idx = self.text.find(stop, search_from)
+            if idx != -1:
+                self.text = self.text[: idx + len(stop)] if self._include_stop else self.text[:idx]
+                return stop
+        return None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
+        )

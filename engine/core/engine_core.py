@@ -1,0 +1,135 @@
+"""The step loop: schedule, execute, record, and finish what is done.
+
+`step()` is the engine's heartbeat: every call advances `steps`, which the server's health check
+and the `vllm_engine_steps_total` metric read to tell a busy engine from a hung one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from engine.config import EngineConfig
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.logs import configure_logging
+from engine.memory.budget import KVPlan, plan_kv_cache
+from engine.model.loader import ModelInfo, inspect_model, load_model, load_tokenizer
+from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
+
+log = structlog.get_logger("pagekeeper.engine")
+
+
+@dataclass
+class StepStats:
+    """Counters a step adds to; the metrics layer reads them once per step."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    last_step_time: float = field(default_factory=time.monotonic)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        configure_logging()
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        self.model_info: ModelInfo = inspect_model(config)
+        config.resolve_limits(self.model_info.max_position_embeddings, self.model_info.sliding_window)
+        self.tokenizer = load_tokenizer(config)
+        started = time.monotonic()
+        self.model = load_model(self.model_info, config.max_model_len, self.device)
+        per_block = kv_bytes_per_block(self.model, config.block_size, self.model_info.dtype)
+        self.kv_plan: KVPlan = plan_kv_cache(config, per_block, _hidden_size(self.model_info), self.device)
+        self.kv = KVCacheManager(self.kv_plan.num_blocks, config.block_size)
+        self.runner = ModelRunner(self.model, self.kv_plan.num_blocks, config.block_size,
+                                  self.model_info.dtype, self.device, config.seed)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.eos_token_ids = set(self.model_info.eos_token_ids)
+        self.stats = StepStats()
+        mode = config.resolved_preemption_mode(self.device.type)
+        if mode == "swap":
+            log.warning("preemption_mode_fallback", requested="swap", used="recompute",
+                        reason="swap to CPU is not implemented yet; preempted requests are recomputed")
+        log.info(
+            "engine_ready", model=str(self.model_info.path), architecture=self.model_info.architecture,
+            dtype=str(self.model_info.dtype).removeprefix("torch."), device=str(self.device),
+            max_model_len=config.max_model_len, block_size=config.block_size,
+            num_blocks=self.kv_plan.num_blocks, kv_bytes=self.kv_plan.kv_bytes,
+            load_seconds=round(time.monotonic() - started, 3),
+        )
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        self.scheduler.add(req)
+
+    def abort(self, req: Request) -> None:
+        if not req.status.finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def token_utilization(self) -> float:
+        """Tokens with KV / token slots of the blocks running sequences hold (internal fragmentation)."""
+        slots = stored = 0
+        for req in self.scheduler.running:
+            slots += self.kv.tokens_capacity(req.seq_id)
+            stored += req.num_computed_tokens
+        return stored / slots if slots else 1.0
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Run one iteration; returns the sequences that got a token or finished in it."""
+        self.stats.steps += 1
+        self.stats.last_step_time = time.monotonic()
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        tables = [self.kv.block_table(s.request.seq_id) for s in plan.seqs]
+        sampled, out = self.runner.execute(plan, tables)
+        self.scheduler.record_progress(plan)
+        if out is None:
+            return []
+        now = time.monotonic()
+        for i, req in enumerate(sampled):
+            lp = out.logprobs[i] if out.logprobs is not None else None
+            top = out.top_logprobs[i] if out.top_logprobs is not None else None
+            self._append_token(req, out.token_ids[i], lp, top, now)
+        return sampled
+
+    def _append_token(self, req: Request, token: int, logprob: float | None,
+                      top: dict[int, float] | None, now: float) -> None:
+        req.output_token_ids.append(token)
+        if logprob is not None and req.params.logprobs is not None:
+            req.output_logprobs.append(logprob)
+            k = req.params.logprobs
+            req.output_top_logprobs.append(dict(list((top or {}).items())[:k]))
+        self.stats.generation_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.stats.prompt_tokens += req.num_prompt_tokens
+        stop_string = req.detokenizer.add_token(token)
+        p = req.params
+        if stop_string is not None:
+            req.stop_reason = stop_string
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        elif token in p.stop_token_ids:
+            req.stop_reason = token
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        elif not p.ignore_eos and token in self.eos_token_ids:
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        elif len(req.output_token_ids) >= req.max_tokens:
+            self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
+
+
+def _hidden_size(info: ModelInfo) -> int:
+    return int(info.hf_config.hidden_size)

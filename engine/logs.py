@@ -1,0 +1,31 @@
+"""structlog set-up: JSON lines when stderr is not a terminal, readable key=value when it is.
+
+Logs go to stderr so that programs using the offline API keep stdout for their own output.
+Applications that configure structlog themselves are left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def configure_logging(level: str = "info", force: bool = False) -> None:
+    if structlog.is_configured() and not force:
+        return
+    tty = sys.stderr.isatty()
+    renderer = structlog.dev.ConsoleRenderer(colors=tty) if tty else structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )

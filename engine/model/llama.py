@@ -1,0 +1,181 @@
+"""The Llama family: Llama 2/3, Mistral (full attention), Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
+
+These differ only in a few switches read from the HF config, so one implementation serves all of
+them.  Module names mirror the HF checkpoints except where matrices are fused (qkv_proj,
+gate_up_proj), which the loader fills shard by shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from engine.model.layers.attention import AttentionMetadata, PagedAttention
+from engine.model.layers.linear import MergedLinear
+from engine.model.layers.norm import RMSNorm
+from engine.model.layers.rotary import RotaryEmbedding, rope_settings
+from engine.model.weights import load_named_weights
+
+
+@dataclass
+class LlamaShape:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    rope_theta: float
+    rope_scaling: dict[str, Any]
+
+    @classmethod
+    def from_hf(cls, cfg: Any, architecture: str) -> LlamaShape:
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{architecture} with hidden_act={act!r} is not supported (only silu)")
+        heads = cfg.num_attention_heads
+        theta, scaling = rope_settings(cfg)
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, s: LlamaShape, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.qkv_proj = MergedLinear(s.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(q_size, s.hidden_size, bias=s.o_bias)
+        self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
+        self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(s.num_heads, s.num_kv_heads, s.head_dim, s.head_dim**-0.5)
+        self._split = (q_size, kv_size, kv_size)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self._split, dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, kv_cache, meta)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, s: LlamaShape) -> None:
+        super().__init__()
+        i = s.intermediate_size
+        self.gate_up_proj = MergedLinear(s.hidden_size, {"gate": i, "up": i}, bias=s.mlp_bias)
+        self.down_proj = nn.Linear(i, s.hidden_size, bias=s.mlp_bias)
+        self._i = i
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self._i, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, s: LlamaShape, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.self_attn = LlamaAttention(s, rotary)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.mlp = LlamaMLP(s)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaInner(nn.Module):
+    def __init__(self, s: LlamaShape, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(s, rotary) for _ in range(s.num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Stacked checkpoint names map onto the fused layers: (fused module, shard) per source name."""
+
+    STACKED = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, hf_config: Any, architecture: str, max_positions: int, device: torch.device | str) -> None:
+        super().__init__()
+        self.shape = s = LlamaShape.from_hf(hf_config, architecture)
+        self.rotary = RotaryEmbedding(s.head_dim, max_positions, s.rope_theta, s.rope_scaling, device)
+        self.model = LlamaInner(s, self.rotary)
+        self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+
+    # KV cache geometry, read by the runner to size and shape the cache.
+    @property
+    def num_layers(self) -> int:
+        return self.shape.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.shape.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer, cache in zip(self.model.layers, kv_caches):
+            x = layer(positions, x, cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.t()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def rename(name: str) -> str | None:
+            if "rotary_emb.inv_freq" in name:
+                return None
+            if name == "lm_head.weight" and self.lm_head is None:
+                return None  # tied to the embedding
+            return name
+
+        load_named_weights(self, weights, rename, self.STACKED)

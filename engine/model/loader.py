@@ -1,0 +1,135 @@
+"""Turn a local HF checkpoint directory into a ready model, its tokenizer and its limits.
+
+Everything a user can get wrong here (a path that does not exist, no config.json, an architecture
+we do not implement, a dtype the checkpoint cannot use) raises ConfigError with a one-line message
+that says what to change; the CLI prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.config import ConfigError, EngineConfig
+from engine.model.registry import ARCHITECTURES, supported
+from engine.model.weights import iter_checkpoint
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ModelInfo:
+    """What the rest of the engine needs to know about a checkpoint before loading its weights."""
+
+    path: Path
+    hf_config: Any
+    architecture: str
+    dtype: torch.dtype
+    max_position_embeddings: int
+    sliding_window: int | None
+    eos_token_ids: list[int]
+
+
+def inspect_model(config: EngineConfig) -> ModelInfo:
+    from transformers import AutoConfig
+
+    path = Path(config.model_path())
+    if not path.is_dir():
+        raise ConfigError(
+            f"--model {path}: no such directory; pagekeeper loads local HF checkpoint directories "
+            "(config.json + *.safetensors + tokenizer files)"
+        )
+    if not (path / "config.json").exists():
+        raise ConfigError(f"--model {path}: no config.json in the directory, so it is not an HF checkpoint")
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=config.trust_remote_code)
+    except (ValueError, KeyError, OSError) as e:
+        raise ConfigError(f"--model {path}: config.json could not be read by transformers: {e}") from e
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise ConfigError(
+            f"--model {path}: architecture {archs or hf_config.model_type!r} is not supported; "
+            f"supported: {supported()}"
+        )
+    return ModelInfo(
+        path=path,
+        hf_config=hf_config,
+        architecture=arch,
+        dtype=_resolve_dtype(config.dtype, hf_config),
+        max_position_embeddings=int(hf_config.max_position_embeddings),
+        sliding_window=_sliding_window(hf_config),
+        eos_token_ids=_eos_ids(path, hf_config),
+    )
+
+
+def _resolve_dtype(requested: str, hf_config: Any) -> torch.dtype:
+    if requested != "auto":
+        return _DTYPES[requested]
+    found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(found, torch.dtype):
+        return found if found in _DTYPES.values() else torch.float32
+    return _DTYPES.get(str(found), torch.float32)
+
+
+def _sliding_window(hf_config: Any) -> int | None:
+    window = getattr(hf_config, "sliding_window", None)
+    if not window:
+        return None
+    # Qwen2/Qwen3 carry a window that is only used when use_sliding_window is set.
+    if hasattr(hf_config, "use_sliding_window") and not hf_config.use_sliding_window:
+        return None
+    return int(window)
+
+
+def _eos_ids(path: Path, hf_config: Any) -> list[int]:
+    """EOS ids from generation_config.json when present (it may list several), else config.json."""
+    ids: Any = None
+    gen = path / "generation_config.json"
+    if gen.exists():
+        import json
+
+        ids = json.loads(gen.read_text()).get("eos_token_id")
+    if ids is None:
+        ids = getattr(hf_config, "eos_token_id", None)
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+
+
+def load_tokenizer(config: EngineConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    source = config.tokenizer or config.model_path()
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"tokenizer at {source} could not be loaded: {e}; pass --tokenizer DIR") from e
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(info: ModelInfo, max_model_len: int, device: torch.device) -> nn.Module:
+    """Build the model without initialising weights (meta device), then fill it from the checkpoint."""
+    cls = ARCHITECTURES[info.architecture]
+    try:
+        with torch.device("meta"), _default_dtype(info.dtype):
+            model = cls(info.hf_config, info.architecture, max_model_len, device)
+    except ValueError as e:
+        raise ConfigError(f"--model {info.path}: {e}") from e
+    model = model.to_empty(device=device)
+    model.load_weights(iter_checkpoint(info.path))
+    return model.eval()

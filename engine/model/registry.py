@@ -1,0 +1,20 @@
+"""Which HF architectures pagekeeper implements, and the class that implements each."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from engine.model.llama import LlamaForCausalLM
+from engine.model.opt import OPTForCausalLM
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
+}
+
+
+def supported() -> str:
+    return ", ".join(sorted(ARCHITECTURES))

@@ -1,0 +1,62 @@
+"""How one request is decoded: the vLLM-compatible SamplingParams.
+
+Validation happens here, once, with errors that name the offending parameter: the server turns a
+`SamplingParamsError` into an HTTP 400 whose `param` is `error.param`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop_strings = (self.stop,) if self.stop else ()
+        else:
+            self.stop_strings = tuple(s for s in (self.stop or []) if s)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k < 0:  # vLLM spells "disabled" as -1; we also accept 0
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        if self.n < 1:
+            raise SamplingParamsError("n", f"n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise SamplingParamsError("temperature", f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise SamplingParamsError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise SamplingParamsError("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise SamplingParamsError("stop_token_ids", "stop_token_ids must be non-negative token ids")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise SamplingParamsError("seed", f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

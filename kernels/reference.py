@@ -1,0 +1,127 @@
+"""Plain-torch paged attention and cache ops: the CPU path and the oracle for the Triton kernels.
+
+KV cache layout, one tensor per layer: ``[2, num_blocks, num_kv_heads, block_size, head_dim]``
+(index 0 holds keys, 1 values).  A block of one head is one contiguous ``block_size x head_dim``
+tile, which is what a GPU kernel wants to load; the block id is the second index so that swapping
+or copying a block is one indexed copy over both K and V.
+
+Token positions map to cache slots through a slot number ``block_id * block_size + offset``;
+slot -1 means "do not write" (padding).
+
+Attention metadata for a batch of sequences (flattened along tokens):
+
+- ``query_start_loc`` ``[B + 1]`` int32: sequence b's query tokens are rows
+  ``query_start_loc[b]:query_start_loc[b + 1]`` of ``query``;
+- ``seq_lens`` ``[B]`` int32: tokens of context *including* this step's queries, so the queries of
+  sequence b sit at positions ``seq_lens[b] - q_len_b .. seq_lens[b] - 1`` and attend causally to
+  every earlier position (earlier chunks and prefix-cache hits come from the cache);
+- ``block_tables`` ``[B, max_blocks]`` int32, padded with any valid block id.
+
+Decode is the case q_len = 1 for every sequence; prefill, chunked prefill and extend are the
+general case.  All math is done in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Above this many score elements (batch x query x key x heads) per call, sequences are processed in
+# smaller groups so that a long prefill on the CPU does not need gigabytes of scratch memory.
+_MAX_SCORE_ELEMENTS = 1 << 26
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store key/value ``[T, num_kv_heads, head_dim]`` into their slots of ``kv_cache``."""
+    block_size = kv_cache.shape[3]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    blocks = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    # Advanced indices separated by a slice put the indexed dimension first: [T, H, D].
+    kv_cache[0][blocks, :, offsets] = key.to(kv_cache.dtype)
+    kv_cache[1][blocks, :, offsets] = value.to(kv_cache.dtype)
+
+
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous ``[B, num_kv_heads, max_len, head_dim]`` keys and values read through block tables."""
+    _, _, num_kv_heads, block_size, head_dim = kv_cache.shape
+    nblk = -(-max_len // block_size)
+    table = block_tables[:, :nblk].long()
+    batch = table.shape[0]
+
+    def one(cache: torch.Tensor) -> torch.Tensor:
+        x = cache[table]  # [B, nblk, H, bs, D]
+        x = x.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, nblk * block_size, head_dim)
+        return x[:, :, :max_len]
+
+    return one(kv_cache[0]), one(kv_cache[1])
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """Causal attention of each sequence's query chunk over its paged context; ``[T, Hq, D]`` out."""
+    out = torch.empty_like(query)
+    num_seqs = seq_lens.shape[0]
+    heads = query.shape[1]
+    start = 0
+    while start < num_seqs:
+        end = start + 1
+        while end < num_seqs and (end + 1 - start) * max_query_len * max_seq_len * heads <= _MAX_SCORE_ELEMENTS:
+            end += 1
+        _attend_group(query, kv_cache, block_tables[start:end], seq_lens[start:end],
+                      query_start_loc[start : end + 1], scale, out)
+        start = end
+    return out
+
+
+def _attend_group(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    device = query.device
+    q_start = query_start_loc[:-1].long()
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    seq_lens = seq_lens.long()
+    max_q = int(q_lens.max())
+    max_len = int(seq_lens.max())
+    num_heads, head_dim = query.shape[1], query.shape[2]
+
+    arange_q = torch.arange(max_q, device=device)
+    rows = q_start[:, None] + arange_q[None, :]  # [B, max_q]
+    valid = arange_q[None, :] < q_lens[:, None]
+    q = query[rows.clamp(max=query.shape[0] - 1)].float()  # [B, max_q, Hq, D]
+    q = q.transpose(1, 2)  # [B, Hq, max_q, D]
+
+    k, v = gather_kv(kv_cache, block_tables, max_len)
+    k, v = k.float(), v.float()
+
+    q_pos = seq_lens[:, None] - q_lens[:, None] + arange_q[None, :]  # [B, max_q]
+    k_pos = torch.arange(max_len, device=device)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=k.shape[1] != num_heads
+    )  # [B, Hq, max_q, D]
+    o = o.transpose(1, 2)  # [B, max_q, Hq, D]
+    out[rows[valid]] = o[valid].to(out.dtype).reshape(-1, num_heads, head_dim)
+
+
+def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy whole blocks ``src[i] -> dst[i]`` (K and V): the copy-on-write primitive."""
+    kv_cache[:, dst.long()] = kv_cache[:, src.long()]

@@ -1,0 +1,1 @@
+"""opsctl: start, supervise, drain and restart the pagekeeper engine."""
