@@ -31,9 +31,12 @@ class IncrementalDetokenizer:
         self._stop_strings = stop_strings
         self._include_stop = include_stop_str_in_output
         self.text = ""
+        self.stopped: str | None = None  # the stop string that ended the text; later tokens are ignored
 
     def add_token(self, token_id: int) -> str | None:
         """Append one token; returns the stop string it completed, if any (text is then truncated)."""
+        if self.stopped is not None:
+            return None
         self._ids.append(token_id)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
@@ -56,6 +59,7 @@ class IncrementalDetokenizer:
             idx = self.text.find(stop, search_from)
             if idx != -1:
                 self.text = self.text[: idx + len(stop)] if self._include_stop else self.text[:idx]
+                self.stopped = stop
                 return stop
         return None
 

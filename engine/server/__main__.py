@@ -1,0 +1,176 @@
+"""`python -m engine.server`: the OpenAI-compatible HTTP server.
+
+Start-up order is chosen so that mistakes surface fast and clearly: parse flags, bind the port
+(taken → exit 2 at once, before minutes of model loading), load the engine (configuration or
+memory problems → exit 2 with the numbers), then serve.  SIGTERM drains: no new requests (503),
+in-flight ones finish, then exit 0.  A second SIGTERM or SIGINT stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+
+import structlog
+import uvicorn
+
+from engine.config import ConfigError, EngineConfig
+from engine.logs import configure_logging
+
+log = structlog.get_logger("pagekeeper.server")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    admin_key: str | None = None
+    disable_log_requests: bool = False
+    max_waiting: int | None = None
+    health_stall_seconds: float = 30.0
+    drain_timeout: float = 60.0
+    enable_debug_hooks: bool = False
+    log_level: str = "info"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine.server",
+                                     description="pagekeeper OpenAI-compatible server")
+    s = parser.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="Bind address (default loopback only).")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("PAGEKEEPER_API_KEY"),
+                   help="Require 'Authorization: Bearer KEY' on /v1/* and /tokenize (env PAGEKEEPER_API_KEY).")
+    s.add_argument("--admin-key", default=os.environ.get("PAGEKEEPER_ADMIN_KEY"),
+                   help="Key for /drain from non-loopback clients (env PAGEKEEPER_ADMIN_KEY).")
+    s.add_argument("--disable-log-requests", action="store_true", help="Do not log each HTTP request.")
+    s.add_argument("--max-waiting", type=int, default=None,
+                   help="Most requests waiting to be scheduled; beyond it, 429 with Retry-After.")
+    s.add_argument("--health-stall-seconds", type=float, default=30.0,
+                   help="/health says 'stalled' when work waits and the step loop has not advanced this long.")
+    s.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="On SIGTERM, wait this long for in-flight requests before exiting.")
+    s.add_argument("--enable-debug-hooks", action="store_true", help="Enable /debug/* test hooks (tests only).")
+    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    EngineConfig.add_cli_args(parser.add_argument_group("engine"))
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> tuple[ServerConfig, EngineConfig]:
+    args = build_parser().parse_args(argv)
+    server = ServerConfig(**{k: getattr(args, k) for k in ServerConfig.__dataclass_fields__})
+    if server.max_waiting is not None and server.max_waiting < 1:
+        raise ConfigError(f"--max-waiting must be >= 1, got {server.max_waiting}")
+    if server.health_stall_seconds <= 0:
+        raise ConfigError(f"--health-stall-seconds must be > 0, got {server.health_stall_seconds}")
+    return server, EngineConfig.from_cli_args(args)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}; stop whatever holds it or use --port") from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def log_inapplicable_flags(engine_config: EngineConfig, device: str) -> None:
+    if device.startswith("cuda"):
+        return
+    defaults = EngineConfig()
+    for name in ("gpu_memory_utilization", "swap_space", "enforce_eager", "max_num_on_the_fly_batches",
+                 "fragmentation_buffer_factor"):
+        if getattr(engine_config, name) != getattr(defaults, name):
+            log.info("flag_ignored_on_cpu", flag="--" + name.replace("_", "-"), value=getattr(engine_config, name))
+
+
+def serve(server_config: ServerConfig, engine_config: EngineConfig, sock: socket.socket) -> int:
+    from engine.llm_engine import LLMEngine
+    from engine.metrics import EngineMetrics
+    from engine.server.app import build_app
+    from engine.server.async_engine import AsyncEngine
+    from engine.server.state import ServerState
+
+    engine = LLMEngine(engine_config)
+    core = engine.core
+    log_inapplicable_flags(engine_config, str(core.device))
+    model_name = engine_config.model_name()
+    cache_info = {
+        "block_size": str(engine_config.block_size),
+        "num_gpu_blocks": str(core.kv.num_blocks),
+        "num_cpu_blocks": "0",
+        "gpu_memory_utilization": str(engine_config.gpu_memory_utilization),
+        "enable_prefix_caching": str(engine_config.enable_prefix_caching),
+        "max_model_len": str(engine_config.max_model_len),
+    }
+    metrics = EngineMetrics(model_name, cache_info, fragmentation_buffer_bytes=0)
+    async_engine = AsyncEngine(engine, metrics, server_config.health_stall_seconds, server_config.max_waiting)
+    state = ServerState(
+        engine=engine, async_engine=async_engine, metrics=metrics, model_name=model_name,
+        model_root=engine_config.model_path(), api_key=server_config.api_key, admin_key=server_config.admin_key,
+        enable_debug_hooks=server_config.enable_debug_hooks, log_requests=not server_config.disable_log_requests,
+    )
+    app = build_app(state)
+    async_engine.start()
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                            lifespan="off")
+    server = DrainOnTermServer(config, async_engine, server_config.drain_timeout)
+    host, port = sock.getsockname()[:2]
+    log.info("serving", url=f"http://{host}:{port}", model=model_name, pid=os.getpid())
+    try:
+        server.run(sockets=[sock])
+    finally:
+        async_engine.stop()
+    log.info("stopped", reason=server.exit_reason)
+    return 0
+
+
+class DrainOnTermServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM drains before exiting instead of cutting requests off."""
+
+    def __init__(self, config: uvicorn.Config, async_engine, drain_timeout: float) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(config)
+        self.async_engine = async_engine
+        self.drain_timeout = drain_timeout
+        self.exit_reason = "signal"
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame) -> None:  # type: ignore[no-untyped-def]
+        if sig == signal.SIGTERM and not self._draining:
+            self._draining = True
+            asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
+            return
+        super().handle_exit(sig, frame)
+
+    async def _drain_then_exit(self) -> None:
+        result = await self.async_engine.drain(self.drain_timeout)
+        self.exit_reason = "drained" if result.drained else "drain_timeout"
+        self.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        server_config, engine_config = parse_args(argv)
+        configure_logging(server_config.log_level, force=True)
+        sock = bind(server_config.host, server_config.port)
+        return serve(server_config, engine_config, sock)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

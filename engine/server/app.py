@@ -1,0 +1,85 @@
+"""The FastAPI application: routers, error handlers, request logging."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Awaitable, Callable
+
+import structlog
+from fastapi import FastAPI
+
+from engine.server import admin, openai_api
+from engine.server.errors import install_error_handlers
+from engine.server.state import ServerState
+
+log = structlog.get_logger("pagekeeper.server")
+
+_QUIET_PATHS = ("/health", "/metrics")
+
+
+class RequestLog:
+    """Plain ASGI middleware (not BaseHTTPMiddleware, which hides client disconnects from routes).
+
+    Logs method, path, status and duration: never bodies, so prompts stay out of the logs.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
+                       send: Callable[[dict], Awaitable[None]]) -> None:
+        if scope["type"] != "http" or scope["path"] in _QUIET_PATHS:
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        status = 0
+
+        async def send_and_note(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            log.info("http_request", method=scope["method"], path=scope["path"], status=status,
+                     seconds=round(time.monotonic() - start, 4))
+
+
+def _openapi_with_model_names(app: FastAPI, names: list[str]) -> Callable[[], dict[str, Any]]:
+    """The spec names the served models as an enum, so generated clients and fuzzers use real ones."""
+    from fastapi.openapi.utils import get_openapi
+
+    def build() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, description=app.description,
+                               routes=app.routes)
+            for schema in spec.get("components", {}).get("schemas", {}).values():
+                prop = schema.get("properties", {}).get("model")
+                if prop is None:
+                    continue
+                enum = {"type": "string", "enum": names}
+                if "anyOf" in prop:
+                    prop["anyOf"] = [enum if v.get("type") == "string" else v for v in prop["anyOf"]]
+                else:
+                    prop.update(enum)
+                    prop.pop("minLength", None)
+                    prop.pop("maxLength", None)
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    return build
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="pagekeeper", version=admin.package_version(),
+                  description="OpenAI-compatible LLM server with PagedAttention")
+    app.state.pk = state
+    app.include_router(openai_api.router)
+    app.include_router(admin.router)
+    install_error_handlers(app)
+    app.openapi = _openapi_with_model_names(app, sorted(state.model_names))  # type: ignore[method-assign]
+    if state.log_requests:
+        app.add_middleware(RequestLog)
+    return app

@@ -1,0 +1,398 @@
+"""OpenAI-compatible routes: completions, chat completions (both streaming), models, tokenize.
+
+Every request is checked completely (model name, parameters, prompt length against
+max_model_len and the KV pool, admission) before anything is queued, so a request that gets a 200
+status line is one the engine has accepted and will finish.  Streams hold back the tail of the text
+that could still turn into a stop string, so a client never sees text that is later cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.server import protocol as p
+from engine.server.errors import OpenAIError, error_responses
+from engine.server.state import ServerState, get_state, require_api_key
+
+router = APIRouter(dependencies=[Depends(require_api_key)], responses=error_responses(400, 401, 404, 429, 503))
+
+_DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    ids: list[int]
+
+
+# -- shared plumbing --------------------------------------------------------------------------
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.model_names:
+        raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+                          "NotFoundError", "model", "model_not_found")
+
+
+def _sampling_params(body: p._SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise OpenAIError(400, f"{name} is not supported yet; send 0 or leave it out", param=name)
+    try:
+        return SamplingParams(
+            n=body.n,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
+    except SamplingParamsError as e:
+        raise OpenAIError(400, str(e), param=e.param) from e
+
+
+def _hold_back(params: SamplingParams) -> int:
+    return max((len(s) for s in params.stop_strings), default=1) - 1
+
+
+@dataclass
+class _Admitted:
+    request_id: str
+    slot: Any
+
+
+def _admit(state: ServerState, request_id: str, prompts: list[_Prompt], params: SamplingParams) -> list[_Admitted]:
+    """Refuse now (400/429/503) or accept every prompt of the request; nothing is half-admitted."""
+    for i, prompt in enumerate(prompts):
+        try:
+            state.engine.validate(prompt.ids, params)
+        except SamplingParamsError as e:
+            param = e.param if len(prompts) == 1 or e.param != "prompt" else f"prompt[{i}]"
+            state.metrics.request_failed("invalid")
+            raise OpenAIError(400, str(e), param=param) from e
+    admitted: list[_Admitted] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            admitted.append(_Admitted(rid, state.admit(rid, prompt, params)))
+    except BaseException:
+        for a in admitted:
+            state.async_engine.release(a.request_id, a.slot)
+        raise
+    return admitted
+
+
+async def _final(state: ServerState, http: Request, admitted: _Admitted) -> RequestOutput:
+    """Run an admitted request to the end, aborting it if the client goes away meanwhile."""
+
+    async def collect() -> RequestOutput:
+        last = None
+        async for out in state.async_engine.results(admitted.request_id, admitted.slot):
+            last = out
+        assert last is not None
+        return last
+
+    task = asyncio.ensure_future(collect())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await http.is_disconnected():
+                task.cancel()
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+        state.async_engine.release(admitted.request_id, admitted.slot)
+
+
+async def _merged(state: ServerState, admitted: list[_Admitted]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several prompts' requests as they come, tagged with the prompt's index."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, a: _Admitted) -> None:
+        try:
+            async for out in state.async_engine.results(a.request_id, a.slot):
+                await queue.put((i, out))
+            await queue.put((i, None))
+        except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, a)) for i, a in enumerate(admitted)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for a in admitted:
+            state.async_engine.release(a.request_id, a.slot)
+
+
+def _sse(data: Any) -> str:
+    if isinstance(data, str):
+        return f"data: {data}\n\n"
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _usage(prompts: list[_Prompt], outputs: list[RequestOutput]) -> p.Usage:
+    prompt_tokens = sum(len(pr.ids) for pr in prompts)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return p.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+
+
+def _streaming(body: Any) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _Deltas:
+    """Per-choice bookkeeping for streams: how much text and how many tokens were already sent."""
+
+    def __init__(self, hold_back: int) -> None:
+        self.hold_back = hold_back
+        self.text_sent: dict[int, int] = {}
+        self.tokens_sent: dict[int, int] = {}
+        self.finished: set[int] = set()
+
+    def take(self, index: int, c: CompletionOutput) -> tuple[str, list[int], bool]:
+        """(new text, new token positions, just finished) for the choice at `index`."""
+        done = c.finish_reason is not None
+        start = self.text_sent.get(index, 0)
+        end = len(c.text) if done else max(start, len(c.text) - self.hold_back)
+        tok_start = self.tokens_sent.get(index, 0)
+        self.text_sent[index] = end
+        self.tokens_sent[index] = len(c.token_ids)
+        just_finished = done and index not in self.finished
+        if just_finished:
+            self.finished.add(index)
+        return c.text[start:end], list(range(tok_start, len(c.token_ids))), just_finished
+
+
+# -- /v1/completions ----------------------------------------------------------------------------
+
+
+def _completion_prompts(state: ServerState, prompt: Any) -> list[_Prompt]:
+    if isinstance(prompt, str):
+        return [_Prompt(prompt, state.encode(prompt))]
+    if prompt and isinstance(prompt[0], int):
+        return [_Prompt(None, list(prompt))]
+    if prompt and isinstance(prompt[0], str):
+        return [_Prompt(s, state.encode(s)) for s in prompt]
+    return [_Prompt(None, list(ids)) for ids in prompt]
+
+
+def _completion_logprobs(state: ServerState, c: CompletionOutput, positions: list[int],
+                         offset: int) -> p.CompletionLogprobs | None:
+    if c.logprobs is None:
+        return None
+    lp = p.CompletionLogprobs()
+    for pos in positions:
+        tok = c.token_ids[pos]
+        entry = c.logprobs[pos]
+        piece = state.decode_token(tok)
+        lp.tokens.append(piece)
+        lp.token_logprobs.append(entry[tok].logprob)
+        lp.top_logprobs.append({state.decode_token(t): v.logprob for t, v in entry.items()})
+        lp.text_offset.append(offset)
+        offset += len(piece)
+    return lp
+
+
+@router.post("/v1/completions", response_model=p.CompletionResponse,
+             responses={200: {"content": {"text/event-stream": {}}}})
+async def completions(body: p.CompletionRequest, http: Request) -> Any:
+    state = get_state(http)
+    _check_model(state, body.model)
+    prompts = _completion_prompts(state, body.prompt)
+    params = _sampling_params(body, body.max_tokens, body.logprobs)
+    request_id = p.new_id("cmpl")
+    admitted = _admit(state, request_id, prompts, params)
+    created = p.now()
+    n = params.n
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[str]:
+            deltas = _Deltas(_hold_back(params))
+            last: dict[int, RequestOutput] = {}
+            if body.echo:
+                for i, pr in enumerate(prompts):
+                    text = pr.text if pr.text is not None else state.decode(pr.ids)
+                    for j in range(n):
+                        yield _sse(_completion_chunk(request_id, created, state, i * n + j, text, None, None))
+            async for i, out in _merged(state, admitted):
+                last[i] = out
+                for c in out.outputs:
+                    index = i * n + c.index
+                    text, positions, finished = deltas.take(index, c)
+                    if not text and not finished:
+                        continue
+                    lp = _completion_logprobs(state, c, positions, 0)
+                    reason = c.finish_reason if finished else None
+                    yield _sse(_completion_chunk(request_id, created, state, index, text, lp, reason,
+                                                 c.stop_reason if finished else None))
+            if include_usage:
+                usage = _usage(prompts, [last[i] for i in sorted(last)])
+                yield _sse({"id": request_id, "object": "text_completion", "created": created,
+                            "model": state.model_name, "choices": [], "usage": usage.model_dump()})
+            yield _sse("[DONE]")
+
+        return _streaming(events())
+
+    outputs = await asyncio.gather(*(_final(state, http, a) for a in admitted))
+    choices = []
+    for i, (pr, out) in enumerate(zip(prompts, outputs)):
+        prefix = ""
+        if body.echo:
+            prefix = pr.text if pr.text is not None else state.decode(pr.ids)
+        for c in out.outputs:
+            choices.append(p.CompletionChoice(
+                index=i * n + c.index, text=prefix + c.text,
+                logprobs=_completion_logprobs(state, c, list(range(len(c.token_ids))), len(prefix)),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            ))
+    return p.CompletionResponse(id=request_id, created=created, model=state.model_name, choices=choices,
+                                usage=_usage(prompts, list(outputs)))
+
+
+def _completion_chunk(request_id: str, created: int, state: ServerState, index: int, text: str,
+                      logprobs: p.CompletionLogprobs | None, finish_reason: str | None,
+                      stop_reason: int | str | None = None) -> dict[str, Any]:
+    choice = p.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
+                                stop_reason=stop_reason)
+    return {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
+            "choices": [choice.model_dump()]}
+
+
+# -- /v1/chat/completions -----------------------------------------------------------------------
+
+
+def _chat_logprobs(state: ServerState, c: CompletionOutput, positions: list[int]) -> p.ChatLogprobs | None:
+    if c.logprobs is None:
+        return None
+    entries = []
+    for pos in positions:
+        tok = c.token_ids[pos]
+        entry = c.logprobs[pos]
+        piece = state.decode_token(tok)
+        top = [p.TopLogprob(token=state.decode_token(t), logprob=v.logprob,
+                            bytes=list(state.decode_token(t).encode()))
+               for t, v in entry.items() if v.rank is not None]
+        entries.append(p.ChatLogprobEntry(token=piece, logprob=entry[tok].logprob, bytes=list(piece.encode()),
+                                          top_logprobs=top))
+    return p.ChatLogprobs(content=entries)
+
+
+@router.post("/v1/chat/completions", response_model=p.ChatCompletionResponse,
+             responses={200: {"content": {"text/event-stream": {}}}})
+async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
+    state = get_state(http)
+    _check_model(state, body.model)
+    prompt = _Prompt(None, state.apply_chat_template(body.messages, body.add_generation_prompt))
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, logprobs)
+    request_id = p.new_id("chatcmpl")
+    (admitted,) = _admit(state, request_id, [prompt], params)
+    created = p.now()
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> str:
+            msg = p.ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
+                                        choices=choices, usage=usage)
+            data = msg.model_dump(exclude_none=True)
+            data["choices"] = [
+                {"index": c.index, "delta": c.delta.model_dump(exclude_none=True),
+                 "logprobs": c.logprobs.model_dump() if c.logprobs else None, "finish_reason": c.finish_reason}
+                for c in choices
+            ]
+            return _sse(data)
+
+        async def events() -> AsyncIterator[str]:
+            deltas = _Deltas(_hold_back(params))
+            yield chunk([p.ChatChunkChoice(index=j, delta=p.DeltaMessage(role="assistant", content=""))
+                         for j in range(params.n)])
+            last = None
+            async for _, out in _merged(state, [admitted]):
+                last = out
+                for c in out.outputs:
+                    text, positions, finished = deltas.take(c.index, c)
+                    if not text and not finished:
+                        continue
+                    yield chunk([p.ChatChunkChoice(
+                        index=c.index, delta=p.DeltaMessage(content=text),
+                        logprobs=_chat_logprobs(state, c, positions),
+                        finish_reason=c.finish_reason if finished else None,
+                    )])
+            if include_usage and last is not None:
+                yield chunk([], _usage([prompt], [last]))
+            yield _sse("[DONE]")
+
+        return _streaming(events())
+
+    out = await _final(state, http, admitted)
+    choices = [
+        p.ChatChoice(index=c.index, message=p.AssistantMessage(content=c.text),
+                     logprobs=_chat_logprobs(state, c, list(range(len(c.token_ids)))),
+                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        for c in out.outputs
+    ]
+    return p.ChatCompletionResponse(id=request_id, created=created, model=state.model_name, choices=choices,
+                                    usage=_usage([prompt], [out]))
+
+
+# -- models, tokenize, detokenize --------------------------------------------------------------
+
+
+@router.get("/v1/models", response_model=p.ModelList)
+async def models(http: Request) -> p.ModelList:
+    state = get_state(http)
+    return p.ModelList(data=[p.ModelCard(id=state.model_name, created=state.started_at, root=state.model_root,
+                                         max_model_len=state.engine.max_model_len)])
+
+
+@router.post("/tokenize", response_model=p.TokenizeResponse)
+async def tokenize(body: p.TokenizeRequest, http: Request) -> p.TokenizeResponse:
+    state = get_state(http)
+    _check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise OpenAIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+    if body.messages is not None:
+        ids = state.apply_chat_template(body.messages, True)
+    else:
+        ids = state.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+    return p.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.engine.max_model_len)
+
+
+@router.post("/detokenize", response_model=p.DetokenizeResponse)
+async def detokenize(body: p.DetokenizeRequest, http: Request) -> p.DetokenizeResponse:
+    state = get_state(http)
+    _check_model(state, body.model)
+    vocab = state.vocab_size
+    bad = next((t for t in body.tokens if t >= vocab), None)
+    if bad is not None:
+        raise OpenAIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+    return p.DetokenizeResponse(prompt=state.decode(body.tokens))

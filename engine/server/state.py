@@ -1,0 +1,113 @@
+"""What the route handlers share: the engine, its async bridge, metrics, and tokenizer helpers.
+
+Tokenization happens in the handlers (before a request is admitted), detokenization of whole
+outputs in the engine thread; these helpers are the one place handlers touch the tokenizer.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from fastapi import Request
+
+from engine.llm_engine import LLMEngine
+from engine.metrics import EngineMetrics
+from engine.server.async_engine import AsyncEngine, EngineDraining, EngineOverloaded
+from engine.server.errors import OpenAIError
+
+
+@dataclass
+class ServerState:
+    engine: LLMEngine
+    async_engine: AsyncEngine
+    metrics: EngineMetrics
+    model_name: str
+    model_root: str
+    api_key: str | None = None
+    admin_key: str | None = None
+    enable_debug_hooks: bool = False
+    log_requests: bool = True
+    retry_after_seconds: int = 1
+    started_at: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.tokenizer = self.engine.tokenizer
+        self.vocab_size = int(self.engine.core.model_info.hf_config.vocab_size)
+        self.model_names = {self.model_name, self.model_root}
+        self.decode_token = lru_cache(maxsize=65536)(self._decode_one)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def apply_chat_template(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise OpenAIError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions",
+                              param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in messages],
+                tokenize=False, add_generation_prompt=add_generation_prompt,
+            )
+        except Exception as e:  # jinja raises for conversations the template refuses
+            raise OpenAIError(400, f"the chat template refused these messages: {e}", param="messages") from e
+        return self.encode(text, add_special_tokens=False)
+
+    def admit(self, request_id: str, prompt: Any, params: Any) -> Any:
+        """Admit into the engine, turning a refusal into 503 (draining) or 429 (queue full)."""
+        retry = {"Retry-After": str(self.retry_after_seconds)}
+        try:
+            return self.async_engine.admit(request_id, prompt.ids, params, prompt.text)
+        except EngineDraining as e:
+            self.metrics.request_failed("rejected")
+            raise OpenAIError(503, str(e), code="draining", headers=retry) from e
+        except EngineOverloaded as e:
+            self.metrics.request_failed("rejected")
+            raise OpenAIError(429, str(e), code="overloaded", headers=retry) from e
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.pk
+
+
+def _bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _matches(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+async def require_api_key(request: Request) -> None:
+    """Bearer auth on /v1/* and /tokenize when --api-key is set (constant-time comparison)."""
+    key = get_state(request).api_key
+    if key and not _matches(_bearer(request), key):
+        raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def is_loopback(request: Request) -> bool:
+    host = request.client.host if request.client else ""
+    return host in ("::1", "localhost") or host.startswith("127.") or host.startswith("::ffff:127.")
+
+
+async def require_admin(request: Request) -> None:
+    """Admin routes: loopback clients, or anyone with the admin key."""
+    if is_loopback(request):
+        return
+    key = get_state(request).admin_key
+    if key and _matches(_bearer(request), key):
+        return
+    raise OpenAIError(403, "admin endpoints accept loopback clients or 'Authorization: Bearer <admin key>' "
+                           "(--admin-key / PAGEKEEPER_ADMIN_KEY)", code="forbidden")

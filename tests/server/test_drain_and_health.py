@@ -1,0 +1,94 @@
+"""Must-show 3 and 4: drain under load on SIGTERM, and /health that sees a frozen step loop."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+
+MODEL = "pagekeeper-default"
+
+
+def _stream_tokens(url: str, max_tokens: int, out: list, idx: int) -> None:
+    body = {"model": MODEL, "prompt": "Errors should", "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            usage = None
+            done = False
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    usage = json.loads(line[6:]).get("usage") or usage
+            out[idx] = (r.status_code, done, usage and usage["completion_tokens"])
+    except httpx.HTTPError as e:
+        out[idx] = ("error", repr(e))
+
+
+def test_sigterm_drains_in_flight_streams_refuses_new_work_and_exits_0(launch):
+    server = launch("--max-num-seqs", "4", "--drain-timeout", "120")
+    results: list = [None] * 8
+    threads = [threading.Thread(target=_stream_tokens, args=(server.url, 240, results, i)) for i in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # all 8 admitted (4 running, 4 waiting)
+        m = httpx.get(server.url + "/metrics").text
+        if 'vllm_num_requests_running{model_name="pagekeeper-default"} 4.0' in m and \
+                'vllm_num_requests_waiting{model_name="pagekeeper-default"} 4.0' in m:
+            break
+        time.sleep(0.01)
+    server.proc.send_signal(15)
+    time.sleep(0.3)
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 503 and health.json() == {"status": "draining"}
+    late = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert late.status_code == 503 and late.headers["retry-after"]
+    assert late.json()["error"]["code"] == "draining"
+    assert 'vllm_engine_draining{model_name="pagekeeper-default"} 1.0' in httpx.get(server.url + "/metrics").text
+    for t in threads:
+        t.join(120)
+    assert results == [(200, True, 240)] * 8
+    assert server.proc.wait(30) == 0
+    assert '"reason": "drained"' in server.log()
+
+
+def test_drain_endpoint_reports_counts_and_can_be_undone(launch):
+    server = launch()
+    r = httpx.post(server.url + "/drain", params={"timeout": 5})
+    assert r.status_code == 200 and r.json()["drained"] is True and r.json()["in_flight"] == 0
+    assert httpx.get(server.url + "/health").status_code == 503
+    assert httpx.delete(server.url + "/drain").status_code == 200
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_health_turns_stalled_when_the_step_loop_freezes(launch):
+    server = launch("--enable-debug-hooks", "--health-stall-seconds", "1")
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    results: list = [None]
+    worker = threading.Thread(target=_stream_tokens, args=(server.url, 200, results, 0))
+    worker.start()
+    time.sleep(0.2)
+    assert httpx.post(server.url + "/debug/freeze", params={"seconds": 4}).status_code == 200
+    frozen_at = time.monotonic()
+    status = None
+    while time.monotonic() - frozen_at < 3.5:
+        r = httpx.get(server.url + "/health")
+        if r.status_code == 503:
+            status = r.json()["status"]
+            break
+        time.sleep(0.05)
+    detected_after = time.monotonic() - frozen_at
+    assert status == "stalled"
+    assert detected_after < 1 + 1.0, detected_after  # within the window plus one poll
+    worker.join(60)
+    assert results[0] == (200, True, 200)  # the request survives the freeze
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_debug_hooks_are_off_by_default(launch):
+    server = launch()
+    assert httpx.post(server.url + "/debug/freeze", params={"seconds": 1}).status_code == 404
