@@ -37,6 +37,7 @@ class ServerConfig:
     drain_timeout: float = 60.0
     enable_debug_hooks: bool = False
     log_level: str = "info"
+    listen_fd: int | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="On SIGTERM, wait this long for in-flight requests before exiting.")
     s.add_argument("--enable-debug-hooks", action="store_true", help="Enable /debug/* test hooks (tests only).")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    s.add_argument("--listen-fd", type=int, default=None,
+                   help="Serve on this inherited listening socket instead of binding (opsctl passes one).")
     EngineConfig.add_cli_args(parser.add_argument_group("engine"))
     return parser
 
@@ -70,6 +73,26 @@ def parse_args(argv: list[str] | None) -> tuple[ServerConfig, EngineConfig]:
     if server.health_stall_seconds <= 0:
         raise ConfigError(f"--health-stall-seconds must be > 0, got {server.health_stall_seconds}")
     return server, EngineConfig.from_cli_args(args)
+
+
+SD_LISTEN_FDS_START = 3
+
+
+def inherited_socket(listen_fd: int | None) -> socket.socket | None:
+    """A listening socket handed over by opsctl (--listen-fd) or systemd socket activation (LISTEN_FDS).
+
+    Serving on a socket someone else holds open means that during a restart, connections wait in
+    the kernel's queue for the next engine instead of being refused.
+    """
+    if listen_fd is not None:
+        return socket.socket(fileno=listen_fd)
+    fds = os.environ.get("LISTEN_FDS")
+    pid = os.environ.get("LISTEN_PID")
+    if fds and int(fds) >= 1 and (pid is None or int(pid) == os.getpid()):
+        for var in ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"):
+            os.environ.pop(var, None)  # not for our children
+        return socket.socket(fileno=SD_LISTEN_FDS_START)
+    return None
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -165,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server_config, engine_config = parse_args(argv)
         configure_logging(server_config.log_level, force=True)
-        sock = bind(server_config.host, server_config.port)
+        sock = inherited_socket(server_config.listen_fd) or bind(server_config.host, server_config.port)
         return serve(server_config, engine_config, sock)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

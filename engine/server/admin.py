@@ -7,6 +7,7 @@ work is waiting and the loop has not stepped within --health-stall-seconds.
 
 from __future__ import annotations
 
+import asyncio
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -35,7 +36,13 @@ async def health(http: Request) -> JSONResponse:
 
 @router.get("/metrics", response_class=Response)
 async def metrics(http: Request) -> Response:
-    return Response(get_state(http).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    state = get_state(http)
+    mode, seconds = state.debug_metrics_mode
+    if mode == "garbage":
+        return Response(b"this is {not prometheus text\nvllm_num_requests_running{{{ 1\n", media_type=CONTENT_TYPE_LATEST)
+    if mode == "slow":
+        await asyncio.sleep(seconds)
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/version")
@@ -65,3 +72,14 @@ async def freeze(http: Request, seconds: float = Query(..., gt=0.0, le=3600.0)) 
         raise OpenAIError(404, "Not Found")
     state.async_engine.freeze(seconds)
     return {"frozen_seconds": seconds}
+
+
+@router.post("/debug/metrics", dependencies=[Depends(require_admin)], include_in_schema=False)
+async def debug_metrics(http: Request, mode: str = Query(..., pattern="^(normal|garbage|slow)$"),
+                        seconds: float = Query(5.0, ge=0.0, le=600.0)) -> dict[str, Any]:
+    """Test hook (--enable-debug-hooks): make /metrics answer garbage, or slowly, to test its scrapers."""
+    state = get_state(http)
+    if not state.enable_debug_hooks:
+        raise OpenAIError(404, "Not Found")
+    state.debug_metrics_mode = (mode, seconds)
+    return {"mode": mode, "seconds": seconds}

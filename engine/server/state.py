@@ -32,6 +32,7 @@ class ServerState:
     enable_debug_hooks: bool = False
     log_requests: bool = True
     retry_after_seconds: int = 1
+    debug_metrics_mode: tuple[str, float] = ("normal", 0.0)  # test hook, see admin.debug_metrics
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:

@@ -1,0 +1,52 @@
+"""The client side of the supervisor's control socket (one JSON request, one JSON reply)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+from opsctl.supervisor import SOCKET_NAME
+
+
+class SupervisorNotRunning(RuntimeError):
+    pass
+
+
+def socket_path(runtime_dir: Path) -> Path:
+    return runtime_dir / SOCKET_NAME
+
+
+def send(runtime_dir: Path, cmd: str, args: dict[str, Any] | None = None, timeout: float = 900.0) -> dict[str, Any]:
+    path = socket_path(runtime_dir)
+    if not path.exists():
+        raise SupervisorNotRunning(f"no supervisor socket at {path}")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout + 5)
+        try:
+            s.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError) as e:
+            raise SupervisorNotRunning(f"supervisor socket {path} does not answer ({e})") from e
+        s.sendall(json.dumps({"cmd": cmd, "args": args or {}, "timeout": timeout}).encode() + b"\n")
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    if not data:
+        raise SupervisorNotRunning("the supervisor closed the connection without answering")
+    return json.loads(data)
+
+
+def status(runtime_dir: Path) -> dict[str, Any]:
+    return send(runtime_dir, "status", timeout=10)["status"]
+
+
+def is_running(runtime_dir: Path) -> bool:
+    try:
+        status(runtime_dir)
+        return True
+    except (SupervisorNotRunning, OSError, ValueError):
+        return False

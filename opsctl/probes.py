@@ -1,0 +1,270 @@
+"""What the supervisor looks at: the engine's /health and /metrics, the GPU (NVML), the process.
+
+Every probe returns a reading or says plainly why it has none; none of them raises into the
+supervisor's loop, because a monitoring daemon that dies on a bad scrape is worse than none.
+Metrics are parsed with prometheus_client's own text parser, so labels, escaping and exemplars
+are handled (the seed sidecar split lines on spaces and broke on the first label).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import httpx
+import psutil
+import structlog
+from prometheus_client.parser import text_string_to_metric_families
+
+log = structlog.get_logger("pagekeeper.supervisor")
+
+# Engine metrics the policy and the status read, summed over their label sets.
+WANTED = {
+    "vllm_gpu_cache_usage_perc": "cache_usage",
+    "vllm_num_requests_running": "running",
+    "vllm_num_requests_waiting": "waiting",
+    "vllm_num_requests_swapped": "swapped",
+    "vllm_engine_steps_total": "steps_total",
+    "vllm_gpu_allocator_efficiency": "allocator_efficiency",
+    "vllm_engine_draining": "draining",
+    "vllm_kv_cache_token_utilization": "token_utilization",
+    "vllm_num_preemptions_total": "preemptions",
+}
+
+
+@dataclass
+class EngineReading:
+    health: str  # ok | draining | stalled | unreachable | timeout | error
+    health_detail: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+    metrics_error: str | None = None
+    model_name: str | None = None
+
+
+class EngineProbe:
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url = url.rstrip("/")
+        self.client = httpx.Client(timeout=timeout)
+
+    def read(self) -> EngineReading:
+        health, detail = self._health()
+        reading = EngineReading(health=health, health_detail=detail)
+        if health in ("unreachable", "timeout"):
+            reading.metrics_error = f"engine {health}"
+            return reading
+        try:
+            text = self.client.get(self.url + "/metrics").text
+            reading.metrics, reading.model_name = parse_engine_metrics(text)
+        except httpx.TimeoutException:
+            reading.metrics_error = "metrics endpoint timed out"
+        except httpx.HTTPError as e:
+            reading.metrics_error = f"metrics request failed: {e}"
+        except ValueError as e:
+            reading.metrics_error = f"unparseable metrics: {e}"
+        return reading
+
+    def _health(self) -> tuple[str, str]:
+        try:
+            r = self.client.get(self.url + "/health")
+        except httpx.TimeoutException:
+            return "timeout", "no answer within the probe timeout"
+        except httpx.HTTPError as e:
+            return "unreachable", str(e) or type(e).__name__
+        try:
+            status = r.json().get("status", "")
+        except ValueError:
+            status = ""
+        if r.status_code == 200:
+            return "ok", status
+        if status in ("draining", "stalled"):
+            return status, f"HTTP {r.status_code}"
+        return "error", f"HTTP {r.status_code}"
+
+    def drain(self, timeout: float) -> dict[str, Any]:
+        r = self.client.post(self.url + "/drain", params={"timeout": timeout}, timeout=timeout + 10)
+        r.raise_for_status()
+        return r.json()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def parse_engine_metrics(text: str) -> tuple[dict[str, float], str | None]:
+    """{policy field: value} for the engine metrics we use; ValueError if the text is not Prometheus."""
+    values: dict[str, float] = {}
+    model = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = WANTED.get(sample.name)
+            if key is None:
+                continue
+            values[key] = values.get(key, 0.0) + float(sample.value)
+            model = sample.labels.get("model_name", model)
+    if not values:
+        raise ValueError("none of the vllm_* metrics the supervisor needs are present")
+    return values, model
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class GpuReading:
+    index: int
+    name: str
+    memory_used_bytes: int
+    memory_total_bytes: int
+    utilization_ratio: float | None
+    temperature_celsius: float | None
+    xid_errors_total: int = 0
+    ecc_errors_total: int | None = None
+
+
+class GpuProbe(Protocol):
+    available: bool
+    reason: str  # why not available, or the driver version when it is
+
+    def read(self) -> list[GpuReading]: ...
+
+
+class NvmlGpuProbe:
+    """The real NVML (pynvml).  No NVML on the machine is a normal state, reported once."""
+
+    def __init__(self) -> None:
+        self.available = False
+        self.reason = ""
+        self._nvml: Any = None
+        self._handles: list[Any] = []
+        self._events: Any = None
+        self._xids: dict[int, int] = {}
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            count = pynvml.nvmlDeviceGetCount()
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            self._xids = {i: 0 for i in range(count)}
+            self.reason = f"driver {_text(pynvml.nvmlSystemGetDriverVersion())}, {count} GPU(s)"
+            self.available = True
+            self._register_xid_events()
+        except Exception as e:  # ImportError, NVMLError_LibraryNotFound, DriverNotLoaded, ...
+            self.reason = f"NVML unavailable: {type(e).__name__}: {e}".rstrip(": ")
+        log.info("nvml", available=self.available, detail=self.reason)
+
+    def _register_xid_events(self) -> None:
+        n = self._nvml
+        try:
+            self._events = n.nvmlEventSetCreate()
+            for h in self._handles:
+                n.nvmlDeviceRegisterEvents(h, n.nvmlEventTypeXidCriticalError, self._events)
+        except Exception as e:
+            self._events = None
+            log.info("nvml_xid_events_unavailable", error=str(e))
+
+    def read(self) -> list[GpuReading]:
+        if not self.available:
+            return []
+        n = self._nvml
+        self._drain_xid_events()
+        out = []
+        for i, h in enumerate(self._handles):
+            mem = n.nvmlDeviceGetMemoryInfo(h)
+            out.append(GpuReading(
+                index=i, name=_text(n.nvmlDeviceGetName(h)),
+                memory_used_bytes=int(mem.used), memory_total_bytes=int(mem.total),
+                utilization_ratio=_maybe(lambda: n.nvmlDeviceGetUtilizationRates(h).gpu / 100.0),
+                temperature_celsius=_maybe(lambda: float(n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU))),
+                xid_errors_total=self._xids.get(i, 0),
+                ecc_errors_total=_maybe(lambda: int(n.nvmlDeviceGetTotalEccErrors(
+                    h, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC))),
+            ))
+        return out
+
+    def _drain_xid_events(self) -> None:
+        if self._events is None:
+            return
+        n = self._nvml
+        while True:
+            try:
+                event = n.nvmlEventSetWait(self._events, 0)
+            except Exception:
+                return  # NVML_ERROR_TIMEOUT: no more events
+            for i, h in enumerate(self._handles):
+                if event.device == h:
+                    self._xids[i] = self._xids.get(i, 0) + 1
+                    log.warning("gpu_xid_error", gpu=i, xid=int(event.eventData))
+
+
+class FakeGpuProbe:
+    """Stands in for NVML on machines without a GPU; reads GpuReadings from a JSON file.
+
+    Same interface as NvmlGpuProbe, selected with PAGEKEEPER_FAKE_NVML=<file>; the file is re-read
+    every poll so a test can change the readings while the supervisor runs.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.available = True
+        self.reason = f"fake NVML from {path}"
+
+    def read(self) -> list[GpuReading]:
+        try:
+            with open(self.path) as f:
+                return [GpuReading(**g) for g in json.load(f)]
+        except (OSError, ValueError, TypeError) as e:
+            log.warning("fake_nvml_unreadable", path=self.path, error=str(e))
+            return []
+
+
+def gpu_probe() -> GpuProbe:
+    fake = os.environ.get("PAGEKEEPER_FAKE_NVML")
+    return FakeGpuProbe(fake) if fake else NvmlGpuProbe()
+
+
+def _maybe(read: Any) -> Any:
+    try:
+        return read()
+    except Exception:
+        return None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# -- the process --------------------------------------------------------------------------------
+
+
+@dataclass
+class ProcessReading:
+    alive: bool
+    pid: int | None = None
+    status: str = "absent"
+    rss_bytes: int | None = None
+    cpu_percent: float | None = None
+
+
+class ProcessProbe:
+    def __init__(self) -> None:
+        self._proc: psutil.Process | None = None
+
+    def read(self, pid: int | None) -> ProcessReading:
+        if pid is None:
+            return ProcessReading(alive=False)
+        try:
+            if self._proc is None or self._proc.pid != pid:
+                self._proc = psutil.Process(pid)
+                self._proc.cpu_percent(None)  # prime the CPU counter
+            status = self._proc.status()
+            alive = self._proc.is_running() and status != psutil.STATUS_ZOMBIE
+            return ProcessReading(alive=alive, pid=pid, status=status, rss_bytes=self._proc.memory_info().rss,
+                                  cpu_percent=self._proc.cpu_percent(None))
+        except psutil.Error:
+            return ProcessReading(alive=False, pid=pid, status="gone")
+
+
+def as_dict(obj: Any) -> dict[str, Any]:
+    return asdict(obj)

@@ -1,0 +1,424 @@
+"""The supervisor daemon: observe the engine, decide with the policy, act through the launcher.
+
+One loop thread does every poll and every action, so actions never overlap (a drain is never
+racing a restart).  `opsctl` talks to the daemon over a unix socket (mode 0600, in the runtime
+dir), one JSON request and one JSON reply per connection.  The daemon exports its own metrics
+(`pagekeeper_supervisor_*`, and NVML readings as `pagekeeper_gpu_*`) and logs every decision as one
+structured event with its evidence.
+
+    python -m opsctl.supervisor [--config FILE] [--runtime-dir DIR] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import socketserver
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterator
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.config import ConfigError
+from engine.logs import configure_logging
+from opsctl.config import PagekeeperConfig, load_config
+from opsctl.launcher import Launcher, ProcessLauncher, SystemdLauncher, systemd_available
+from opsctl.policy import Action, Observation, PolicyState, decide
+from opsctl.probes import EngineProbe, GpuProbe, GpuReading, ProcessProbe, gpu_probe
+
+log = structlog.get_logger("pagekeeper.supervisor")
+
+SOCKET_NAME = "supervisor.sock"
+PID_NAME = "supervisor.pid"
+ENGINE_LOG_NAME = "engine.log"
+SUPERVISOR_LOG_NAME = "supervisor.log"
+
+
+class _GpuCollector:
+    """Exports the latest NVML readings at scrape time (values come from the last poll)."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    def collect(self) -> Iterator[Any]:
+        readings: list[GpuReading] = self.supervisor.last_gpu
+        fams = {
+            "memory_used_bytes": GaugeMetricFamily("pagekeeper_gpu_memory_used_bytes", "GPU memory used (NVML)", labels=["gpu"]),
+            "memory_total_bytes": GaugeMetricFamily("pagekeeper_gpu_memory_total_bytes", "GPU memory total (NVML)", labels=["gpu"]),
+            "utilization_ratio": GaugeMetricFamily("pagekeeper_gpu_utilization_ratio", "GPU utilization 0-1 (NVML)", labels=["gpu"]),
+            "temperature_celsius": GaugeMetricFamily("pagekeeper_gpu_temperature_celsius", "GPU temperature (NVML)", labels=["gpu"]),
+        }
+        xid = CounterMetricFamily("pagekeeper_gpu_xid_errors", "Critical XID events seen (NVML)", labels=["gpu"])
+        for g in readings:
+            for key, fam in fams.items():
+                value = getattr(g, key)
+                if value is not None:
+                    fam.add_metric([str(g.index)], float(value))
+            xid.add_metric([str(g.index)], float(g.xid_errors_total))
+        yield from fams.values()
+        yield xid
+
+
+class SupervisorMetrics:
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.registry = r = CollectorRegistry()
+        self.engine_up = Gauge("pagekeeper_supervisor_engine_up", "1 while the engine answers /health", registry=r)
+        self.restarts = Counter("pagekeeper_supervisor_restarts", "Engine restarts by the supervisor", ["reason"], registry=r)
+        self.decisions = Counter("pagekeeper_supervisor_decisions", "Acting decisions (also in dry-run)",
+                                 ["action", "reason"], registry=r)
+        self.gave_up = Gauge("pagekeeper_supervisor_crash_loop_gave_up", "1 after the crash-loop guard gave up", registry=r)
+        self.last_restart = Gauge("pagekeeper_supervisor_last_restart_timestamp_seconds", "Unix time of the last restart",
+                                  registry=r)
+        self.scrape_ok = Gauge("pagekeeper_supervisor_engine_metrics_ok", "1 when the last engine /metrics parsed", registry=r)
+        self.nvml = Gauge("pagekeeper_supervisor_nvml_available", "1 when NVML readings are available", registry=r)
+        self.polls = Counter("pagekeeper_supervisor_polls", "Polls of the engine", registry=r)
+        r.register(_GpuCollector(supervisor))
+
+
+@dataclass
+class _Command:
+    name: str
+    args: dict[str, Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    reply: dict[str, Any] = field(default_factory=dict)
+
+
+class Supervisor:
+    def __init__(self, cfg: PagekeeperConfig, launcher: Launcher, engine: EngineProbe, gpu: GpuProbe) -> None:
+        self.cfg = cfg
+        self.sup = cfg.supervisor
+        self.policy_cfg = self.sup.policy()
+        self.launcher = launcher
+        self.engine = engine
+        self.gpu = gpu
+        self.process = ProcessProbe()
+        self.history: deque[Observation] = deque(maxlen=self.sup.history_size)
+        self.state = PolicyState(started_at=time.monotonic())
+        self.started_wall = time.time()
+        self.engine_started_wall = time.time()
+        self.restart_log: list[dict[str, Any]] = []
+        self.last_decision: dict[str, Any] | None = None
+        self.last_gpu: list[GpuReading] = []
+        self.last_reading: dict[str, Any] = {}
+        self.gave_up_reason: str | None = None
+        self.busy: str | None = None  # the action in progress, for status
+        self.commands: queue.Queue[_Command] = queue.Queue()
+        self.stopping = False
+        self.lock = threading.RLock()
+        self.metrics = SupervisorMetrics(self)
+        self.metrics.nvml.set(1 if gpu.available else 0)
+        self.metrics_port: int | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def serve_metrics(self) -> None:
+        server, _ = start_http_server(self.sup.metrics_port, addr=self.sup.metrics_host, registry=self.metrics.registry)
+        self.metrics_port = server.server_port
+        log.info("supervisor_metrics", url=f"http://{self.sup.metrics_host}:{self.metrics_port}/metrics")
+
+    def run(self) -> None:
+        log.info("supervisor_started", launcher=self.launcher.name, engine_url=self.cfg.engine_url,
+                 poll_interval=self.sup.poll_interval, dry_run=self.sup.dry_run, gpu=self.gpu.reason)
+        self._start_engine()
+        while not self.stopping:
+            self.poll_once()
+            self._wait_and_serve_commands(self.sup.poll_interval)
+        log.info("supervisor_stopped")
+
+    def _wait_and_serve_commands(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                cmd = self.commands.get(timeout=left)
+            except queue.Empty:
+                return
+            try:
+                cmd.reply = self._run_command(cmd)
+            except Exception as e:  # a failed command must not kill the daemon
+                log.exception("command_failed", command=cmd.name)
+                cmd.reply = {"ok": False, "error": str(e)}
+            cmd.done.set()
+
+    # -- one poll -------------------------------------------------------------------------------
+
+    def observe(self) -> Observation:
+        sent = time.monotonic()  # an observation is dated when its probes were sent
+        pid = self.launcher.pid()
+        alive = self.launcher.alive()
+        proc = self.process.read(pid if alive else None)
+        reading = self.engine.read() if alive else None
+        m = reading.metrics if reading else {}
+        obs = Observation(
+            t=sent, process_alive=alive and proc.alive, health=reading.health if reading else "unreachable",
+            cache_usage=m.get("cache_usage"), running=m.get("running"), waiting=m.get("waiting"),
+            steps_total=m.get("steps_total"), allocator_efficiency=m.get("allocator_efficiency"),
+            metrics_error=reading.metrics_error if reading else "engine not running",
+        )
+        gpu = self.gpu.read()
+        with self.lock:
+            self.last_gpu = gpu
+            self.last_reading = {
+                "health": obs.health, "health_detail": reading.health_detail if reading else "",
+                "metrics": m, "metrics_error": obs.metrics_error,
+                "model": reading.model_name if reading else None, "process": asdict(proc),
+            }
+        self.metrics.polls.inc()
+        self.metrics.engine_up.set(1 if obs.health in ("ok", "draining") else 0)
+        self.metrics.scrape_ok.set(0 if obs.metrics_error else 1)
+        return obs
+
+    def poll_once(self) -> Action:
+        obs = self.observe()
+        self.history.append(obs)
+        if self.state.ready_at is None and obs.health == "ok":
+            self.state = replace(self.state, ready_at=obs.t)
+            log.info("engine_ready", seconds_since_start=round(obs.t - self.state.started_at, 2))
+        action = decide(list(self.history), self.state, self.policy_cfg, time.monotonic())
+        self._record(action)
+        if action.acts and not self.sup.dry_run:
+            self._execute(action)
+        return action
+
+    def _record(self, action: Action) -> None:
+        previous = self.last_decision
+        entry = {"action": action.kind, "reason": action.reason, "evidence": action.evidence,
+                 "time": time.time(), "dry_run": self.sup.dry_run}
+        with self.lock:
+            self.last_decision = entry
+        if action.acts:
+            self.metrics.decisions.labels(action.kind, action.reason).inc()
+            log.warning("decision", action=action.kind, reason=action.reason, evidence=action.evidence,
+                        dry_run=self.sup.dry_run)
+        elif previous is None or previous["reason"] != action.reason:
+            log.info("decision", action=action.kind, reason=action.reason, evidence=action.evidence)
+
+    # -- actions ----------------------------------------------------------------------------------
+
+    def _execute(self, action: Action) -> None:
+        if action.kind == "give_up":
+            detail = self.launcher.exit_summary() or action.reason
+            with self.lock:
+                self.state = replace(self.state, gave_up=True)
+                self.gave_up_reason = detail
+            self.metrics.gave_up.set(1)
+            log.error("crash_loop_gave_up", restarts=len(self.state.restarts), last_exit=detail,
+                      hint="fix the cause, then `opsctl restart`")
+            return
+        decided_at = time.time()
+        if action.kind == "drain_restart":
+            self._drain(self.sup.drain_timeout)
+        self._restart(action.reason, counts_as_crash=action.reason in ("engine_exited", "hang", "start_timeout"),
+                      decided_at=decided_at)
+
+    def _drain(self, timeout: float) -> dict[str, Any]:
+        with self.lock:
+            self.busy = "draining"
+        try:
+            result = self.engine.drain(timeout)
+            log.info("engine_drained", **result)
+            return result
+        except Exception as e:  # the restart goes ahead; in-flight work was given its chance
+            log.warning("drain_failed", error=str(e))
+            return {"drained": False, "error": str(e)}
+
+    def _restart(self, reason: str, counts_as_crash: bool, decided_at: float | None = None) -> None:
+        now = time.monotonic()
+        with self.lock:
+            self.busy = "restarting"
+        grace = self.sup.drain_timeout + 10 if reason in ("manual", "high_cache", "backlog", "fragmentation") else 5.0
+        log.warning("engine_restart", reason=reason)
+        if isinstance(self.launcher, SystemdLauncher):
+            self.launcher.restart()
+        else:
+            self.launcher.stop(grace)
+            self.launcher.forget_exit()
+            self.launcher.start()
+        restarts = self.state.restarts + ((now,) if counts_as_crash else ())
+        with self.lock:
+            self.state = PolicyState(started_at=time.monotonic(), restarts=restarts)
+            self.history.clear()
+            self.engine_started_wall = time.time()
+            self.restart_log.append({"time": time.time(), "decided_at": decided_at or time.time(), "reason": reason})
+            self.busy = None
+        self.metrics.restarts.labels(reason).inc()
+        self.metrics.last_restart.set(time.time())
+
+    def _start_engine(self) -> None:
+        self.launcher.start()
+        self.state = replace(self.state, started_at=time.monotonic())
+        self.engine_started_wall = time.time()
+
+    # -- commands (run on the loop thread) ------------------------------------------------------
+
+    def submit(self, name: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
+        if name == "status":
+            return {"ok": True, "status": self.status()}
+        cmd = _Command(name, args)
+        self.commands.put(cmd)
+        if not cmd.done.wait(timeout):
+            return {"ok": False, "error": f"{name} did not finish within {timeout:.0f} s; see `opsctl status`"}
+        return cmd.reply
+
+    def _run_command(self, cmd: _Command) -> dict[str, Any]:
+        if cmd.name == "drain":
+            return {"ok": True, "drain": self._drain(float(cmd.args.get("timeout", self.sup.drain_timeout)))}
+        if cmd.name == "restart":
+            if cmd.args.get("drain", True):
+                self._drain(float(cmd.args.get("drain_timeout", self.sup.drain_timeout)))
+            with self.lock:
+                self.state = replace(self.state, gave_up=False)
+                self.gave_up_reason = None
+            self.metrics.gave_up.set(0)
+            self._restart("manual", counts_as_crash=False)
+            return {"ok": True}
+        if cmd.name == "stop":
+            with self.lock:
+                self.busy = "stopping"
+            if cmd.args.get("drain", True) and self.launcher.alive():
+                self._drain(float(cmd.args.get("drain_timeout", self.sup.drain_timeout)))
+            self.launcher.stop(self.sup.drain_timeout + 10)
+            self.stopping = True
+            return {"ok": True}
+        return {"ok": False, "error": f"unknown command {cmd.name!r}"}
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            reading = dict(self.last_reading)
+            metrics = reading.get("metrics", {})
+            alive = self.launcher.alive()
+            health = reading.get("health", "unknown")
+            if self.state.gave_up:
+                state = "gave_up"
+            elif self.busy:
+                state = self.busy
+            elif not alive:
+                state = "exited"
+            elif self.state.ready_at is None:
+                state = "starting"
+            else:
+                state = {"ok": "serving", "draining": "draining", "stalled": "stalled"}.get(health, "unresponsive")
+            return {
+                "engine": {
+                    "state": state, "health": health, "health_detail": reading.get("health_detail"),
+                    "pid": self.launcher.pid() if alive else None,
+                    "uptime_s": round(time.time() - self.engine_started_wall, 1) if alive else None,
+                    "url": self.cfg.engine_url, "model": reading.get("model"),
+                    "kv_cache_usage": metrics.get("cache_usage"), "running": metrics.get("running"),
+                    "waiting": metrics.get("waiting"), "steps_total": metrics.get("steps_total"),
+                    "metrics_error": reading.get("metrics_error"), "process": reading.get("process"),
+                    "last_exit": self.launcher.exit_summary(),
+                },
+                "gpu": {"available": self.gpu.available, "detail": self.gpu.reason,
+                        "devices": [asdict(g) for g in self.last_gpu]},
+                "last_decision": self.last_decision,
+                "restarts": {"total": len(self.restart_log), "recent": self.restart_log[-10:],
+                             "counted_for_crash_loop": len(self.state.restarts)},
+                "crash_loop": {"gave_up": self.state.gave_up, "reason": self.gave_up_reason,
+                               "max_restarts": self.sup.max_restarts, "restart_window_s": self.sup.restart_window},
+                "supervisor": {"pid": os.getpid(), "launcher": self.launcher.name, "dry_run": self.sup.dry_run,
+                               "uptime_s": round(time.time() - self.started_wall, 1),
+                               "metrics_url": f"http://{self.sup.metrics_host}:{self.metrics_port}/metrics",
+                               "config": self.cfg.source, "poll_interval_s": self.sup.poll_interval},
+                "engine_log": str(self.launcher.log_path()) if self.launcher.log_path() else None,
+            }
+
+
+# -- control socket ---------------------------------------------------------------------------------
+
+
+class _ControlHandler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        supervisor: Supervisor = self.server.supervisor  # type: ignore[attr-defined]
+        try:
+            request = json.loads(self.rfile.readline() or b"{}")
+            reply = supervisor.submit(str(request.get("cmd", "")), dict(request.get("args") or {}),
+                                      float(request.get("timeout", 900)))
+        except (ValueError, TypeError) as e:
+            reply = {"ok": False, "error": f"bad request: {e}"}
+        self.wfile.write(json.dumps(reply, default=str).encode() + b"\n")
+
+
+class _ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+def serve_control(supervisor: Supervisor, path: Path) -> _ControlServer:
+    if path.exists():
+        path.unlink()
+    old = os.umask(0o177)  # the socket is created 0600: only its owner may command the supervisor
+    try:
+        server = _ControlServer(str(path), _ControlHandler)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    server.supervisor = supervisor  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, name="control", daemon=True).start()
+    return server
+
+
+def build_launcher(cfg: PagekeeperConfig, runtime: Path) -> Launcher:
+    choice = cfg.supervisor.launcher
+    if choice == "auto":
+        choice = "systemd" if systemd_available(cfg.supervisor.unit) else "process"
+    if choice == "systemd":
+        return SystemdLauncher(cfg.supervisor.unit)
+    return ProcessLauncher(cfg.engine_args(), cfg.host, cfg.port, runtime / ENGINE_LOG_NAME)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m opsctl.supervisor")
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--runtime-dir", default=None)
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--launcher", choices=("auto", "process", "systemd"), default=None)
+    args = parser.parse_args(argv)
+    configure_logging()
+    try:
+        cfg = load_config(args.config, {"supervisor": {"runtime_dir": args.runtime_dir,
+                                                       "dry_run": True if args.dry_run else None,
+                                                       "launcher": args.launcher}})
+        runtime = cfg.supervisor.runtime_path()
+        runtime.mkdir(parents=True, exist_ok=True, mode=0o700)
+        launcher = build_launcher(cfg, runtime)
+        supervisor = Supervisor(cfg, launcher, EngineProbe(cfg.engine_url, cfg.supervisor.probe_timeout), gpu_probe())
+        supervisor.serve_metrics()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    control = serve_control(supervisor, runtime / SOCKET_NAME)
+    (runtime / PID_NAME).write_text(str(os.getpid()))
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        # queue.put from a signal handler could deadlock on the queue's lock: hand it to a thread
+        log.info("supervisor_signal", signal=signal.Signals(signum).name)
+        threading.Thread(target=supervisor.commands.put, args=(_Command("stop", {"drain": True}),)).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        supervisor.run()
+    finally:
+        control.shutdown()
+        for name in (SOCKET_NAME, PID_NAME):
+            (runtime / name).unlink(missing_ok=True)
+        if isinstance(launcher, ProcessLauncher):
+            launcher.stop(5)
+            launcher.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

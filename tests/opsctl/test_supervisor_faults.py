@@ -1,0 +1,237 @@
+"""Must-show 2-7: fault injection against the real engine and the real supervisor process.
+
+Each test starts `opsctl start` on the embedded model with fast policy settings (0.5 s polls,
+2 s hang threshold), injects one fault, and checks what the supervisor did through
+`opsctl status --json` and its /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "pagekeeper-default"
+
+
+def _start(d) -> dict:
+    r = d.opsctl("start")
+    assert r.returncode == 0, r.stdout + r.stderr + d.log("supervisor.log")[-3000:]
+    assert f"serving {MODEL} at {d.url}" in r.stdout
+    return d.status()
+
+
+def test_kill_9_of_the_engine_is_restarted(deploy, record_property):
+    d = deploy()
+    st = _start(d)
+    old = st["engine"]["pid"]
+    os.kill(old, signal.SIGKILL)
+    killed = time.monotonic()
+    st, _ = d.wait_for(lambda s: s["engine"]["state"] == "serving" and s["engine"]["pid"] not in (None, old),
+                       60, "a new engine serving")
+    seconds = time.monotonic() - killed
+    record_property("kill_to_ready_seconds", round(seconds, 2))
+    print(f"kill -9 -> serving again in {seconds:.2f} s")
+    r = httpx.post(d.url + "/v1/completions", json={"model": MODEL, "prompt": "Now is", "max_tokens": 8,
+                                                    "temperature": 0}, timeout=30)
+    assert r.json()["choices"][0]["text"] == " better than never."
+    assert st["restarts"]["recent"][-1]["reason"] == "engine_exited"
+    assert st["last_decision"]["action"] in ("none", "restart")
+    m = d.supervisor_metrics()
+    assert m["pagekeeper_supervisor_restarts_total{reason=engine_exited}"] == 1
+    assert m["pagekeeper_supervisor_decisions_total{action=restart,reason=engine_exited}"] == 1
+    assert m["pagekeeper_supervisor_engine_up"] == 1
+    assert m["pagekeeper_supervisor_last_restart_timestamp_seconds"] > 0
+
+
+def test_sigstop_is_detected_as_a_hang_and_restarted(deploy, record_property):
+    d = deploy()
+    st = _start(d)
+    old = st["engine"]["pid"]
+    time.sleep(1.5)  # past the cooldown
+    os.kill(old, signal.SIGSTOP)
+    stopped = time.time()
+    st, _ = d.wait_for(lambda s: any(r["reason"] == "hang" for r in s["restarts"]["recent"]), 30, "a hang restart")
+    restart = next(r for r in st["restarts"]["recent"] if r["reason"] == "hang")
+    detected = restart["decided_at"] - stopped
+    record_property("sigstop_to_hang_decision_seconds", round(detected, 2))
+    print(f"SIGSTOP -> hang decided after {detected:.2f} s, restarted after {restart['time'] - stopped:.2f} s")
+    # hang_seconds (2) + one poll: its interval (0.5) and its probe's timeout (1), + scheduling slack
+    assert detected <= 2 + 0.5 + 1 + 0.5, detected
+    st, _ = d.wait_for(lambda s: s["engine"]["state"] == "serving" and s["engine"]["pid"] != old, 60, "serving")
+    m = d.supervisor_metrics()
+    assert m["pagekeeper_supervisor_restarts_total{reason=hang}"] == 1
+    assert m["pagekeeper_supervisor_decisions_total{action=restart,reason=hang}"] == 1
+
+
+FLOOD = 24
+
+
+def test_stuck_cache_drains_then_restarts_and_no_request_is_lost(deploy):
+    # 32 KV blocks of 16 tokens: a handful of long requests fills the cache for many seconds.
+    # Many short prompts with long outputs: a block freed by a finished or preempted request is
+    # taken by the next waiting one within a step, so the pool stays full.
+    d = deploy(engine={"kv_cache_memory_bytes": 32 * 32768, "max_num_seqs": 64, "max_model_len": 256,
+                       "enable_debug_hooks": True},
+               # the backlog rule is switched off here so that only the cache rule can act
+               supervisor={"cooldown_seconds": 0.5, "drain_timeout": 120, "backlog_factor": 1000.0})
+    _start(d)
+    body = {"model": MODEL, "prompt": "Errors should", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+    short = {**body, "max_tokens": 16}
+
+    async def traffic() -> list:
+        results = []
+
+        async def one(client: httpx.AsyncClient, payload: dict) -> None:
+            try:
+                r = await client.post("/v1/completions", json=payload)
+                tokens = r.json().get("usage", {}).get("completion_tokens") if r.status_code == 200 else None
+                results.append((r.status_code, tokens, payload["max_tokens"]))
+            except httpx.HTTPError as e:
+                results.append(("no answer", repr(e), payload["max_tokens"]))
+
+        async with httpx.AsyncClient(base_url=d.url, timeout=180) as client:
+            flood = [asyncio.create_task(one(client, body)) for _ in range(FLOOD)]
+            await asyncio.sleep(0.5)
+            # a steady trickle through the drain, the restart and 3 s of the new engine
+            later, restarted_at, deadline = [], None, time.monotonic() + 150
+            while time.monotonic() < deadline:
+                later.append(asyncio.create_task(one(client, short)))
+                await asyncio.sleep(0.25)
+                st = await asyncio.to_thread(d.fast_status)
+                if restarted_at is None and st["restarts"]["recent"]:
+                    restarted_at = time.monotonic()
+                if restarted_at is not None and time.monotonic() - restarted_at > 3:
+                    break
+            await asyncio.gather(*flood, *later)
+        return results
+
+    results = asyncio.run(traffic())
+    st = d.status()
+    reasons = [r["reason"] for r in st["restarts"]["recent"]]
+    assert reasons and set(reasons) == {"high_cache"}, (reasons, st["last_decision"])
+    events = [json.loads(l) for l in d.log("supervisor.log").splitlines() if '"action": "drain_restart"' in l]
+    assert events and events[0]["evidence"]["peak_cache_usage"] > 0.95
+    lost = [r for r in results if r[0] not in (200, 503, 429)]
+    assert not lost, lost
+    assert all(tokens == wanted for code, tokens, wanted in results if code == 200)  # complete outputs
+    assert sum(1 for code, _, wanted in results if code == 200 and wanted == 240) == FLOOD  # the whole flood
+    assert any(code == 503 for code, _, _ in results)  # arrivals during the drain were told to retry
+    print(f"stuck cache: {len(results)} requests, " + ", ".join(
+        f"{sum(1 for r in results if r[0] == c)} x {c}" for c in (200, 503, 429)))
+    log = [json.loads(l) for l in d.log("supervisor.log").splitlines() if l.startswith("{")]
+    order = [e["event"] for e in log if e["event"] in ("decision", "engine_drained", "engine_restart")
+             and e.get("action", "drain_restart") == "drain_restart"]
+    assert order[:3] == ["decision", "engine_drained", "engine_restart"], order
+    drained = next(e for e in log if e["event"] == "engine_drained")
+    assert drained["drained"] is True and drained["in_flight_at_start"] > 0
+    m = d.supervisor_metrics()
+    assert sum(v for k, v in m.items() if k.startswith("pagekeeper_supervisor_decisions_total{action=drain_restart")) >= 1
+
+
+def test_a_model_that_cannot_load_ends_in_a_reported_crash_loop(deploy):
+    d = deploy(engine={"model": "/nonexistent/model"}, supervisor={"max_restarts": 2})
+    r = d.opsctl("start")
+    assert r.returncode == 1
+    assert "gave up" in r.stderr and "no such directory" in r.stderr
+    st = d.status()
+    assert st["engine"]["state"] == "gave_up"
+    assert st["crash_loop"]["gave_up"] is True
+    assert "exit code 2" in st["crash_loop"]["reason"] and "/nonexistent/model" in st["crash_loop"]["reason"]
+    assert st["restarts"]["counted_for_crash_loop"] == 2
+    text = d.opsctl("status").stdout
+    assert "GAVE UP" in text and "no such directory" in text
+    m = d.supervisor_metrics()
+    assert m["pagekeeper_supervisor_crash_loop_gave_up"] == 1
+    assert m["pagekeeper_supervisor_restarts_total{reason=engine_exited}"] == 2
+    assert m["pagekeeper_supervisor_decisions_total{action=give_up,reason=crash_loop}"] == 1
+    time.sleep(2)  # and it stays given up, no more restarts
+    assert d.status()["restarts"]["total"] == 2
+
+
+def test_garbage_metrics_slow_metrics_and_no_nvml_are_reported_not_fatal(deploy):
+    d = deploy(engine={"enable_debug_hooks": True})
+    st = _start(d)
+    assert st["gpu"]["available"] is False and "NVML unavailable" in st["gpu"]["detail"]
+    assert d.supervisor_metrics()["pagekeeper_supervisor_nvml_available"] == 0
+
+    httpx.post(d.url + "/debug/metrics", params={"mode": "garbage"})
+    st, _ = d.wait_for(lambda s: (s["engine"]["metrics_error"] or "").startswith("unparseable metrics"), 10,
+                       "the garbage to be reported")
+    assert st["engine"]["state"] == "serving"
+    assert d.supervisor_metrics()["pagekeeper_supervisor_engine_metrics_ok"] == 0
+
+    httpx.post(d.url + "/debug/metrics", params={"mode": "slow", "seconds": 3})
+    st, _ = d.wait_for(lambda s: s["engine"]["metrics_error"] == "metrics endpoint timed out", 15,
+                       "the timeout to be reported")
+    assert st["engine"]["state"] == "serving" and st["restarts"]["total"] == 0
+
+    httpx.post(d.url + "/debug/metrics", params={"mode": "normal"})
+    st, _ = d.wait_for(lambda s: s["engine"]["metrics_error"] is None, 15, "metrics to recover")
+    m = d.supervisor_metrics()
+    assert m["pagekeeper_supervisor_engine_metrics_ok"] == 1 and m["pagekeeper_supervisor_polls_total"] > 5
+    assert d.status()["supervisor"]["pid"]  # still the same live supervisor
+
+
+def test_fake_nvml_readings_are_exported(deploy, tmp_path):
+    gpu_file = tmp_path / "gpus.json"
+    gpu_file.write_text(json.dumps([{"index": 0, "name": "Fake H100", "memory_used_bytes": 60 * 2**30,
+                                     "memory_total_bytes": 80 * 2**30, "utilization_ratio": 0.9,
+                                     "temperature_celsius": 71.0, "xid_errors_total": 2}]))
+    d = deploy()
+    r = d.opsctl("start", env={"PAGEKEEPER_FAKE_NVML": str(gpu_file)})
+    assert r.returncode == 0, r.stderr
+    m = d.supervisor_metrics()
+    assert m["pagekeeper_gpu_memory_used_bytes{gpu=0}"] == 60 * 2**30
+    assert m["pagekeeper_gpu_memory_total_bytes{gpu=0}"] == 80 * 2**30
+    assert m["pagekeeper_gpu_utilization_ratio{gpu=0}"] == 0.9
+    assert m["pagekeeper_gpu_temperature_celsius{gpu=0}"] == 71.0
+    assert m["pagekeeper_gpu_xid_errors_total{gpu=0}"] == 2
+    assert "Fake H100" in d.opsctl("status").stdout
+
+
+def test_dry_run_decides_and_logs_but_never_acts(deploy):
+    d = deploy()
+    r = d.opsctl("start", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    st = d.status()
+    old = st["engine"]["pid"]
+    time.sleep(1.5)
+    os.kill(old, signal.SIGSTOP)
+    try:
+        st, _ = d.wait_for(lambda s: (s["last_decision"] or {}).get("reason") == "hang", 15, "a hang decision")
+        assert st["last_decision"]["dry_run"] is True and st["restarts"]["total"] == 0
+        assert d.supervisor_metrics()["pagekeeper_supervisor_decisions_total{action=restart,reason=hang}"] >= 1
+        assert d.status()["engine"]["pid"] == old
+        assert '"dry_run": true' in d.log("supervisor.log") and '"event": "decision"' in d.log("supervisor.log")
+    finally:
+        os.kill(old, signal.SIGCONT)
+
+
+def test_cli_restart_drain_stop_and_logs(deploy):
+    d = deploy()
+    st = _start(d)
+    old = st["engine"]["pid"]
+    assert "already running" in d.opsctl("start").stdout
+    r = d.opsctl("restart", "--drain-timeout", "5")
+    assert r.returncode == 0 and "restarted" in r.stdout
+    st = d.status()
+    assert st["engine"]["pid"] != old and st["restarts"]["recent"][-1]["reason"] == "manual"
+    assert st["restarts"]["counted_for_crash_loop"] == 0  # manual restarts are not crashes
+    drained = json.loads(d.opsctl("drain", "--timeout", "5").stdout)
+    assert drained["drained"] is True
+    assert httpx.get(d.url + "/health").json() == {"status": "draining"}
+    assert "engine_ready" in d.opsctl("logs", "--supervisor").stdout
+    assert "serving" in d.opsctl("logs").stdout
+    r = d.opsctl("stop")
+    assert r.returncode == 0 and "stopped" in r.stdout
+    assert d.opsctl("status").returncode == 3
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(d.url + "/health", timeout=2)
