@@ -72,8 +72,12 @@ class LLMEngine:
         for i in range(params.n):
             seq = self._make_sequence(parent, i, params, max_tokens, arrival_time)
             parent.seqs.append(seq)
-        for seq in parent.seqs:
-            self.core.add(seq)
+        leader, siblings = parent.seqs[0], parent.seqs[1:]
+        # Only the first sequence computes the prompt; the others fork its blocks when it is done.
+        leader.forks = list(siblings)
+        for seq in siblings:
+            seq.held_by = leader
+        self.core.add(leader)
         self._parents[request_id] = parent
         return parent
 

@@ -125,3 +125,18 @@ def _attend_group(
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy whole blocks ``src[i] -> dst[i]`` (K and V): the copy-on-write primitive."""
     kv_cache[:, dst.long()] = kv_cache[:, src.long()]
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Blocks ``block_ids`` (K and V) as a contiguous ``[2, n, num_kv_heads, block_size, head_dim]`` tensor:
+    the device side of a swap-out (one contiguous copy to CPU instead of one per block)."""
+    blocks = kv_cache[:, torch.as_tensor(block_ids, device=kv_cache.device).long()]
+    if out is None:
+        return blocks.contiguous()
+    out.copy_(blocks)
+    return out
+
+
+def scatter_blocks(kv_cache: torch.Tensor, src: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Write ``src[:, i]`` into block ``block_ids[i]`` (K and V): the device side of a swap-in."""
+    kv_cache[:, torch.as_tensor(block_ids, device=kv_cache.device).long()] = src.to(kv_cache.device, kv_cache.dtype)

@@ -18,6 +18,7 @@ from engine.core.scheduler import Scheduler
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.logs import configure_logging
 from engine.memory.budget import KVPlan, plan_kv_cache
+from engine.metrics import EngineSnapshot
 from engine.model.loader import ModelInfo, inspect_model, load_model, load_tokenizer
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
 
@@ -46,22 +47,26 @@ class EngineCore:
         self.model = load_model(self.model_info, config.max_model_len, self.device)
         per_block = kv_bytes_per_block(self.model, config.block_size, self.model_info.dtype)
         self.kv_plan: KVPlan = plan_kv_cache(config, per_block, _hidden_size(self.model_info), self.device)
-        self.kv = KVCacheManager(self.kv_plan.num_blocks, config.block_size)
+        self.preemption_mode = config.resolved_preemption_mode(self.device.type)
+        num_cpu_blocks = int(config.swap_space * 2**30) // per_block if self.preemption_mode == "swap" else 0
+        if self.preemption_mode == "swap" and num_cpu_blocks == 0:
+            log.warning("swap_space_too_small", swap_space_gib=config.swap_space, bytes_per_block=per_block,
+                        effect="preempted requests are recomputed")
+        self.kv = KVCacheManager(self.kv_plan.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 num_cpu_blocks)
         self.runner = ModelRunner(self.model, self.kv_plan.num_blocks, config.block_size,
-                                  self.model_info.dtype, self.device, config.seed)
+                                  self.model_info.dtype, self.device, config.seed, num_cpu_blocks)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, self.preemption_mode)
         self.eos_token_ids = set(self.model_info.eos_token_ids)
         self.stats = StepStats()
-        mode = config.resolved_preemption_mode(self.device.type)
-        if mode == "swap":
-            log.warning("preemption_mode_fallback", requested="swap", used="recompute",
-                        reason="swap to CPU is not implemented yet; preempted requests are recomputed")
         log.info(
             "engine_ready", model=str(self.model_info.path), architecture=self.model_info.architecture,
             dtype=str(self.model_info.dtype).removeprefix("torch."), device=str(self.device),
             max_model_len=config.max_model_len, block_size=config.block_size,
             num_blocks=self.kv_plan.num_blocks, kv_bytes=self.kv_plan.kv_bytes,
+            preemption_mode=self.preemption_mode, num_cpu_blocks=num_cpu_blocks,
+            prefix_caching=config.enable_prefix_caching,
             load_seconds=round(time.monotonic() - started, 3),
         )
 
@@ -99,12 +104,45 @@ class EngineCore:
         self.scheduler.record_progress(plan)
         if out is None:
             return []
+        for req in sampled:
+            if req.held_by is not None:
+                self._fork(req)
         now = time.monotonic()
         for i, req in enumerate(sampled):
             lp = out.logprobs[i] if out.logprobs is not None else None
             top = out.top_logprobs[i] if out.top_logprobs is not None else None
             self._append_token(req, out.token_ids[i], lp, top, now)
         return sampled
+
+    def _fork(self, req: Request) -> None:
+        """The leader's prompt is done: the sibling shares its blocks and joins the batch."""
+        leader = req.held_by
+        assert leader is not None
+        self.kv.fork(leader.seq_id, req.seq_id)
+        req.num_computed_tokens = leader.num_computed_tokens
+        req.first_scheduled_time = leader.first_scheduled_time
+        leader.forks.remove(req)
+        req.held_by = None
+        self.scheduler.add_running(req)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Plain numbers for the metrics layer, taken between steps."""
+        kv, sched, stats = self.kv, self.scheduler, self.stats
+        allocated = reserved = 0
+        if self.device.type == "cuda":
+            allocated = torch.cuda.memory_allocated(self.device)
+            reserved = torch.cuda.memory_reserved(self.device)
+        return EngineSnapshot(
+            running=sched.num_running, waiting=sched.num_waiting, swapped=sched.num_swapped,
+            gpu_cache_usage=kv.usage(), cpu_cache_usage=kv.cpu_usage(),
+            token_utilization=self.token_utilization(),
+            prefix_blocks_used=kv.pool.num_cached, prefix_blocks_total=kv.num_blocks,
+            prefix_hit_rate=kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0,
+            prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
+            prompt_tokens=stats.prompt_tokens, generation_tokens=stats.generation_tokens,
+            preemptions=sched.num_preemptions, steps=stats.steps,
+            allocated_bytes=allocated, reserved_bytes=reserved,
+        )
 
     def _append_token(self, req: Request, token: int, logprob: float | None,
                       top: dict[int, float] | None, now: float) -> None:

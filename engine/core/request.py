@@ -19,6 +19,7 @@ from engine.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -48,6 +49,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # n > 1: the first sequence computes the prompt; its siblings wait here and fork its blocks
+    # (and sample from its logits) the moment the prompt is done.
+    forks: list[Request] = field(default_factory=list)
+    held_by: Request | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

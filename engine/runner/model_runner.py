@@ -15,6 +15,7 @@ from torch import nn
 import kernels
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
+from engine.kv.kv_cache_manager import KVOps
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.runner.sampler import SamplerOutput, SamplingBatch, sample
 
@@ -39,14 +40,20 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) ->
 
 class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, seed: int) -> None:
+                 device: torch.device, seed: int, num_cpu_blocks: int = 0) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = kv_cache_shape(model, num_blocks, block_size)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
+        # Swap space: written before it is read, so no need to zero it; pinned for fast copies.
+        pin = device.type == "cuda"
+        cpu_shape = kv_cache_shape(model, num_cpu_blocks, block_size)
+        self.cpu_caches = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(model.num_layers)] \
+            if num_cpu_blocks else []
         backend = kernels.attention_backend(device)
+        self.backend = backend
         for m in model.modules():
             if isinstance(m, PagedAttention):
                 m.backend = backend
@@ -75,6 +82,9 @@ class ModelRunner:
             if s.samples:
                 rows.append(qsl[-1] - 1)
                 sampled.append(req)
+                for sibling in req.forks:  # n > 1: siblings sample from the same logits
+                    rows.append(qsl[-1] - 1)
+                    sampled.append(sibling)
         width = max(len(t) for t in block_tables)
         tables = np.zeros((len(block_tables), width), dtype=np.int32)
         for i, t in enumerate(block_tables):
@@ -103,12 +113,35 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, block_tables: list[list[int]]) -> tuple[list[Request], SamplerOutput | None]:
         """Run one step; returns the requests that got a new token and the sampler's output for them."""
+        if plan.ops:
+            self.apply(plan.ops)
+        if not plan.seqs:
+            return [], None
         inputs = self.prepare(plan, block_tables)
         hidden = self.forward_hidden(inputs)
         if not inputs.sampled:
             return [], None
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
         return inputs.sampled, sample(logits, self._sampling_batch(inputs.sampled), self.generator)
+
+    def apply(self, ops: KVOps) -> None:
+        """Block movements the KV manager decided, in order: swap-out, swap-in, copy-on-write."""
+        b = self.backend
+        if ops.swap_out:
+            src = torch.tensor([g for g, _ in ops.swap_out], device=self.device)
+            dst = torch.tensor([c for _, c in ops.swap_out])
+            for gpu, cpu in zip(self.kv_caches, self.cpu_caches):
+                cpu[:, dst] = b.gather_blocks(gpu, src).to("cpu")
+        if ops.swap_in:
+            src = torch.tensor([c for c, _ in ops.swap_in])
+            dst = torch.tensor([g for _, g in ops.swap_in], device=self.device)
+            for gpu, cpu in zip(self.kv_caches, self.cpu_caches):
+                b.scatter_blocks(gpu, cpu[:, src], dst)
+        if ops.copies:
+            src = torch.tensor([s for s, _ in ops.copies], device=self.device)
+            dst = torch.tensor([d for _, d in ops.copies], device=self.device)
+            for gpu in self.kv_caches:
+                b.copy_blocks(gpu, src, dst)
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         params = [r.params for r in reqs]

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 import structlog
-import torch
-
 from engine.llm_engine import LLMEngine, RequestRejected
 from engine.metrics import EngineMetrics, EngineSnapshot
 from engine.outputs import RequestOutput
@@ -282,21 +280,6 @@ class AsyncEngine:
                 slot.publish(error=EngineStepError(f"the engine step failed: {error}"))
 
     def _snapshot(self) -> EngineSnapshot:
-        core = self.engine.core
-        stats = core.stats
-        allocated = reserved = 0
-        if core.device.type == "cuda":
-            allocated = torch.cuda.memory_allocated(core.device)
-            reserved = torch.cuda.memory_reserved(core.device)
-        return EngineSnapshot(
-            running=core.scheduler.num_running,
-            waiting=core.scheduler.num_waiting,
-            gpu_cache_usage=core.kv.usage(),
-            token_utilization=core.token_utilization(),
-            prompt_tokens=stats.prompt_tokens,
-            generation_tokens=stats.generation_tokens,
-            preemptions=core.scheduler.num_preemptions,
-            steps=self.loop_iterations,
-            allocated_bytes=allocated,
-            reserved_bytes=reserved,
-        )
+        snap = self.engine.core.snapshot()
+        snap.steps = self.loop_iterations  # the loop's heartbeat, idle iterations included
+        return snap

@@ -69,6 +69,8 @@ ENGINE_SETTINGS = {
     "bs8-unchunked": dict(block_size=8, enable_chunked_prefill=False),
     "bs16-unchunked": dict(block_size=16, enable_chunked_prefill=False),
     "bs32-unchunked": dict(block_size=32, enable_chunked_prefill=False),
+    "bs16-prefix-cache": dict(block_size=16, enable_chunked_prefill=True, max_num_batched_tokens=40,
+                              enable_prefix_caching=True),
 }
 
 
@@ -82,18 +84,20 @@ def test_greedy_tokens_match_transformers(arch, setting, checkpoint, reference):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_greedy_tokens_match_transformers_under_preemption(arch, block_size, checkpoint, reference):
+@pytest.mark.parametrize("block_size,mode", [(8, "recompute"), (16, "recompute"), (8, "swap")])
+def test_greedy_tokens_match_transformers_under_preemption(arch, block_size, mode, checkpoint, reference):
     prompts, expected, _ = reference(arch)
     core_probe = LLM(str(checkpoint(arch)), max_model_len=128, block_size=block_size, kv_cache_memory_bytes=1 << 20)
     per_block = core_probe.llm_engine.core.kv_plan.bytes_per_block
     # Room for the longest request alone (90 + 24 tokens) and not much more: the batch must preempt.
     blocks = -(-(max(PROMPT_LENGTHS) + MAX_TOKENS) // block_size) + 1
     llm = LLM(str(checkpoint(arch)), max_model_len=128, block_size=block_size,
-              kv_cache_memory_bytes=blocks * per_block, max_num_batched_tokens=64)
+              kv_cache_memory_bytes=blocks * per_block, max_num_batched_tokens=64, preemption_mode=mode,
+              swap_space=(4 * blocks * per_block) / 2**30)
     assert llm.llm_engine.core.kv.num_blocks == blocks
     assert _greedy(llm, prompts) == expected
     assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    assert (llm.llm_engine.core.kv.blocks_swapped_out > 0) == (mode == "swap")
     _assert_pool_empty(llm)
 
 
