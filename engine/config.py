@@ -97,6 +97,11 @@ class EngineConfig:
     enforce_eager: bool = field(
         default=False, metadata=_flag("Never capture CUDA graphs.")
     )
+    load_format: str = field(
+        default="auto",
+        metadata=_flag("auto reads the checkpoint's safetensors; dummy fills random weights (benchmarks, no download).",
+                       choices=("auto", "dummy")),
+    )
     trust_remote_code: bool = field(
         default=False, metadata=_flag("Passed to transformers when reading the config and tokenizer.")
     )

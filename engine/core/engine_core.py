@@ -13,14 +13,16 @@ import structlog
 import torch
 
 from engine.config import EngineConfig
+from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.logs import configure_logging
-from engine.memory.budget import KVPlan, plan_kv_cache
+from engine.memory.budget import KVPlan, device_baseline, plan_kv_cache, profile_step, set_allocator_defaults
 from engine.metrics import EngineSnapshot
 from engine.model.loader import ModelInfo, inspect_model, load_model, load_tokenizer
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
+from engine.sampling_params import SamplingParams
 
 log = structlog.get_logger("pagekeeper.engine")
 
@@ -44,9 +46,16 @@ class EngineCore:
         config.resolve_limits(self.model_info.max_position_embeddings, self.model_info.sliding_window)
         self.tokenizer = load_tokenizer(config)
         started = time.monotonic()
-        self.model = load_model(self.model_info, config.max_model_len, self.device)
+        baseline = profile = None
+        if self.device.type == "cuda":
+            set_allocator_defaults()
+            baseline = device_baseline(self.device)
+        self.model = load_model(self.model_info, config.max_model_len, self.device, config.load_format)
         per_block = kv_bytes_per_block(self.model, config.block_size, self.model_info.dtype)
-        self.kv_plan: KVPlan = plan_kv_cache(config, per_block, _hidden_size(self.model_info), self.device)
+        if self.device.type == "cuda":
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            profile = profile_step(self.device, weights, self._dummy_step)
+        self.kv_plan: KVPlan = plan_kv_cache(config, per_block, self.device, baseline, profile)
         self.preemption_mode = config.resolved_preemption_mode(self.device.type)
         num_cpu_blocks = int(config.swap_space * 2**30) // per_block if self.preemption_mode == "swap" else 0
         if self.preemption_mode == "swap" and num_cpu_blocks == 0:
@@ -69,6 +78,9 @@ class EngineCore:
             prefix_caching=config.enable_prefix_caching,
             load_seconds=round(time.monotonic() - started, 3),
         )
+        if self.device.type == "cuda":
+            log.info("memory_plan", table="\n" + self.kv_plan.table(),
+                     fragmentation_buffer_bytes=self.kv_plan.fragmentation_buffer_bytes)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -113,6 +125,33 @@ class EngineCore:
             top = out.top_logprobs[i] if out.top_logprobs is not None else None
             self._append_token(req, out.token_ids[i], lp, top, now)
         return sampled
+
+    def _dummy_step(self) -> None:
+        """The largest step the scheduler can build (max_num_batched_tokens over as many sequences as
+        max_model_len requires), on a throwaway KV cache: what start-up profiling measures."""
+        cfg = self.config
+        assert cfg.max_num_batched_tokens is not None and cfg.max_model_len is not None
+        bs = cfg.block_size
+        lengths, left = [], cfg.max_num_batched_tokens
+        while left > 0 and len(lengths) < cfg.max_num_seqs:
+            lengths.append(min(left, cfg.max_model_len))
+            left -= lengths[-1]
+        tables, next_block = [], 0
+        for n in lengths:
+            k = -(-n // bs)
+            tables.append(list(range(next_block, next_block + k)))
+            next_block += k
+        runner = ModelRunner(self.model, next_block, bs, self.model_info.dtype, self.device, cfg.seed)
+        vocab = int(self.model_info.hf_config.vocab_size)
+        plan = SchedulerOutput()
+        for i, n in enumerate(lengths):
+            req = Request(seq_id=f"profile-{i}", parent_id="profile", index=i,
+                          prompt_token_ids=[(7 * j) % vocab for j in range(n)],
+                          params=SamplingParams(temperature=0, max_tokens=1), max_tokens=1, eos_token_id=None,
+                          arrival_order=i, detokenizer=IncrementalDetokenizer(self.tokenizer, []))
+            plan.seqs.append(ScheduledSeq(req, 0, n))
+        runner.execute(plan, tables)
+        del runner
 
     def _fork(self, req: Request) -> None:
         """The leader's prompt is done: the sibling shares its blocks and joins the batch."""
@@ -168,6 +207,3 @@ class EngineCore:
         elif len(req.output_token_ids) >= req.max_tokens:
             self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
 
-
-def _hidden_size(info: ModelInfo) -> int:
-    return int(info.hf_config.hidden_size)

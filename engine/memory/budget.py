@@ -4,24 +4,52 @@ A KV pool that is too large for the device fails later, mid-traffic; one that ca
 max_model_len sequence can never serve some requests.  Both are caught here, before serving, with
 a message that gives the numbers and the flags to change.
 
+CUDA (DESIGN.md, "Memory"): memory other processes hold is read before our weights load and is
+never ours; after loading, one dummy step at max_num_batched_tokens is profiled for peak allocated
+and peak reserved memory.  Their difference is what the caching allocator lost to fragmentation in
+that step, and the KV budget keeps `max(150 MiB, factor x fragmentation)` in reserve (seed 002):
+
+    kv = total x gpu_memory_utilization - used by others/context - weights - peak activations - buffer
+
 CPU: `--kv-cache-memory-bytes`, else `--cpu-kv-cache-fraction` of available RAM, capped at what
 max_num_seqs sequences of max_model_len could ever use (more would only be zeroed memory).
-CUDA: `--kv-cache-memory-bytes`, else what remains of total x gpu_memory_utilization after the
-weights and what other processes hold, less a reserve for activations proportional to
-max_num_batched_tokens.  (The profiled budget with a measured fragmentation buffer replaces this
-estimate in the memory work.)
+`--kv-cache-memory-bytes` overrides the computation everywhere.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.kv.kv_cache_manager import blocks_for_tokens
 
-_ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN = 64  # generous: residual, qkv, mlp intermediates, logits slice
+MIN_FRAGMENTATION_BUFFER = 150 * 2**20
+ALLOC_CONF_DEFAULT = "expandable_segments:True"
+
+
+@dataclass
+class DeviceBaseline:
+    """GPU memory in use before we loaded anything (other processes, the CUDA context)."""
+
+    total_bytes: int
+    used_before_bytes: int
+
+
+@dataclass
+class Profile:
+    weights_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    activation_bytes: int
+    non_torch_bytes: int
+
+    @property
+    def fragmentation_bytes(self) -> int:
+        return max(0, self.peak_reserved_bytes - self.peak_allocated_bytes)
 
 
 @dataclass
@@ -30,37 +58,116 @@ class KVPlan:
     bytes_per_block: int
     kv_bytes: int
     source: str
+    block_size: int = 16
+    max_model_len: int = 0
+    total_bytes: int | None = None
+    weights_bytes: int | None = None
+    activation_bytes: int | None = None
+    non_torch_bytes: int | None = None
+    fragmentation_buffer_bytes: int = 0
+    profile: Profile | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
-        return self.num_blocks
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        per_seq = blocks_for_tokens(self.max_model_len, self.block_size) if self.max_model_len else 1
+        return self.num_blocks / per_seq
+
+    def table(self) -> str:
+        """The plan as the one-screen table printed at start-up."""
+        def gib(x: int | None) -> str:
+            return "-" if x is None else f"{x / 2**30:8.2f} GiB"
+
+        rows = [
+            ("device memory (total)", gib(self.total_bytes)),
+            ("weights", gib(self.weights_bytes)),
+            ("peak activations", gib(self.activation_bytes)),
+            ("other processes + CUDA context", gib(self.non_torch_bytes)),
+            ("fragmentation buffer", gib(self.fragmentation_buffer_bytes or None)),
+            ("KV cache", gib(self.kv_bytes) + f"  ({self.source})"),
+            ("KV blocks x block size", f"{self.num_blocks} x {self.block_size}"),
+            ("KV tokens", f"{self.num_tokens}"),
+            ("max concurrency at max_model_len", f"{self.max_concurrency:.1f} x {self.max_model_len} tokens"),
+        ]
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
 
-def plan_kv_cache(config: EngineConfig, bytes_per_block: int, hidden_size: int, device: torch.device) -> KVPlan:
+def set_allocator_defaults() -> None:
+    """expandable_segments unless the user chose allocator settings: segments grow in place instead
+    of leaving stranded free blocks, which is what turns fragmentation into OOM after days."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF_DEFAULT
+    if torch.cuda.is_initialized():  # too late for the environment: tell the live allocator
+        torch.cuda.memory._set_allocator_settings(ALLOC_CONF_DEFAULT)
+
+
+def device_baseline(device: torch.device) -> DeviceBaseline:
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceBaseline(total_bytes=total, used_before_bytes=total - free)
+
+
+def profile_step(device: torch.device, weights_bytes: int, run_dummy_step: Callable[[], None]) -> Profile:
+    """Peak memory of one step at the largest batch the scheduler can build."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    run_dummy_step()
+    torch.cuda.synchronize(device)
+    peak_alloc = torch.cuda.max_memory_allocated(device)
+    peak_reserved = torch.cuda.max_memory_reserved(device)
+    free, total = torch.cuda.mem_get_info(device)
+    torch_reserved = torch.cuda.memory_reserved(device)
+    return Profile(
+        weights_bytes=weights_bytes,
+        peak_allocated_bytes=peak_alloc,
+        peak_reserved_bytes=peak_reserved,
+        activation_bytes=max(0, peak_alloc - before),
+        non_torch_bytes=max(0, (total - free) - torch_reserved),
+    )
+
+
+def plan_kv_cache(config: EngineConfig, bytes_per_block: int, device: torch.device,
+                  baseline: DeviceBaseline | None = None, profile: Profile | None = None) -> KVPlan:
     assert config.max_model_len is not None and config.max_num_batched_tokens is not None
-    useful_blocks = config.max_num_seqs * blocks_for_tokens(config.max_model_len, config.block_size)
+    plan = KVPlan(num_blocks=0, bytes_per_block=bytes_per_block, kv_bytes=0, source="",
+                  block_size=config.block_size, max_model_len=config.max_model_len)
+    if device.type == "cuda" and baseline is not None and profile is not None:
+        buffer = max(MIN_FRAGMENTATION_BUFFER, int(config.fragmentation_buffer_factor * profile.fragmentation_bytes))
+        plan.total_bytes = baseline.total_bytes
+        plan.weights_bytes = profile.weights_bytes
+        plan.activation_bytes = profile.activation_bytes
+        plan.non_torch_bytes = max(profile.non_torch_bytes, baseline.used_before_bytes)
+        plan.fragmentation_buffer_bytes = buffer
+        plan.profile = profile
     if config.kv_cache_memory_bytes is not None:
-        kv_bytes, source = config.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        activations = config.max_num_batched_tokens * hidden_size * _ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN
-        kv_bytes = int(total * config.gpu_memory_utilization - (total - free) - activations)
-        source = "--gpu-memory-utilization"
+        kv_bytes, plan.source = config.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
+    elif plan.total_bytes is not None:
+        kv_bytes = int(plan.total_bytes * config.gpu_memory_utilization - plan.non_torch_bytes - plan.weights_bytes
+                       - plan.activation_bytes - plan.fragmentation_buffer_bytes)  # type: ignore[operator]
+        plan.source = f"--gpu-memory-utilization {config.gpu_memory_utilization}"
     else:
         import psutil
 
+        useful_blocks = config.max_num_seqs * blocks_for_tokens(config.max_model_len, config.block_size)
         kv_bytes = int(psutil.virtual_memory().available * config.cpu_kv_cache_fraction)
         kv_bytes = min(kv_bytes, useful_blocks * bytes_per_block)
-        source = "--cpu-kv-cache-fraction"
-    num_blocks = max(0, kv_bytes // bytes_per_block)
+        plan.source = f"--cpu-kv-cache-fraction {config.cpu_kv_cache_fraction} of free RAM"
+    plan.num_blocks = max(0, kv_bytes // bytes_per_block)
+    plan.kv_bytes = plan.num_blocks * bytes_per_block
     needed = blocks_for_tokens(config.max_model_len, config.block_size)
-    if num_blocks < needed:
+    if plan.num_blocks < needed:
         raise ConfigError(
-            f"the KV cache ({source}) holds {num_blocks} blocks = {num_blocks * config.block_size} tokens, "
-            f"but one sequence of --max-model-len {config.max_model_len} needs {needed} blocks "
+            f"the KV cache ({plan.source}) holds {plan.num_blocks} blocks = {plan.num_tokens} tokens, but one "
+            f"sequence of --max-model-len {config.max_model_len} needs {needed} blocks "
             f"({needed * bytes_per_block / 2**20:.1f} MiB at {bytes_per_block} bytes per block of "
-            f"{config.block_size} tokens); lower --max-model-len, or give the KV cache more memory "
-            "(--kv-cache-memory-bytes, --gpu-memory-utilization), or use a smaller/quantized model"
+            f"{config.block_size} tokens).\n{plan.table()}\n"
+            "Change: lower --max-model-len, or give the KV cache more memory (--gpu-memory-utilization, "
+            "--kv-cache-memory-bytes), or use a smaller or quantized model"
         )
-    return KVPlan(num_blocks=num_blocks, bytes_per_block=bytes_per_block,
-                  kv_bytes=num_blocks * bytes_per_block, source=source)
+    return plan

@@ -122,8 +122,9 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def load_model(info: ModelInfo, max_model_len: int, device: torch.device) -> nn.Module:
-    """Build the model without initialising weights (meta device), then fill it from the checkpoint."""
+def load_model(info: ModelInfo, max_model_len: int, device: torch.device, load_format: str = "auto") -> nn.Module:
+    """Build the model without initialising weights (meta device), then fill it from the checkpoint
+    (or, with load_format="dummy", with random weights: benchmarks of a shape need no download)."""
     cls = ARCHITECTURES[info.architecture]
     try:
         with torch.device("meta"), _default_dtype(info.dtype):
@@ -131,5 +132,20 @@ def load_model(info: ModelInfo, max_model_len: int, device: torch.device) -> nn.
     except ValueError as e:
         raise ConfigError(f"--model {info.path}: {e}") from e
     model = model.to_empty(device=device)
-    model.load_weights(iter_checkpoint(info.path))
+    if load_format == "dummy":
+        _random_weights(model)
+    else:
+        model.load_weights(iter_checkpoint(info.path))
     return model.eval()
+
+
+@torch.no_grad()
+def _random_weights(model: nn.Module) -> None:
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if "norm" in name and name.endswith("weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=gen)

@@ -133,12 +133,13 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig, sock: socket
     cache_info = {
         "block_size": str(engine_config.block_size),
         "num_gpu_blocks": str(core.kv.num_blocks),
-        "num_cpu_blocks": "0",
+        "num_cpu_blocks": str(core.kv.num_cpu_blocks),
         "gpu_memory_utilization": str(engine_config.gpu_memory_utilization),
         "enable_prefix_caching": str(engine_config.enable_prefix_caching),
         "max_model_len": str(engine_config.max_model_len),
     }
-    metrics = EngineMetrics(model_name, cache_info, fragmentation_buffer_bytes=0)
+    metrics = EngineMetrics(model_name, cache_info,
+                            fragmentation_buffer_bytes=core.kv_plan.fragmentation_buffer_bytes)
     async_engine = AsyncEngine(engine, metrics, server_config.health_stall_seconds, server_config.max_waiting)
     state = ServerState(
         engine=engine, async_engine=async_engine, metrics=metrics, model_name=model_name,
