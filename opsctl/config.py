@@ -37,12 +37,13 @@ def default_runtime_dir() -> Path:
     return Path(xdg) / "pagekeeper" if xdg else Path(f"/tmp/pagekeeper-{os.geteuid()}")
 
 
-@dataclass
-class SupervisorConfig:
+@dataclass(frozen=True)
+class SupervisorConfig(PolicyConfig):
+    """The [supervisor] section: the policy's thresholds (inherited) plus how the daemon runs."""
+
     poll_interval: float = 10.0
     probe_timeout: float = 5.0
     drain_timeout: float = 60.0
-    ready_timeout: float = 600.0
     dry_run: bool = False
     launcher: str = "auto"  # auto | process | systemd
     unit: str = "pagekeeper-engine.service"
@@ -50,22 +51,9 @@ class SupervisorConfig:
     metrics_port: int = 9400  # 0 = any free port (reported in status)
     runtime_dir: str | None = None
     history_size: int = 1000
-    # policy thresholds (opsctl/policy.py)
-    cache_usage_threshold: float = 0.95
-    backlog_factor: float = 2.0
-    events_to_act: int = 3
-    event_window: float = 300.0
-    hang_seconds: float = 60.0
-    fragmentation_threshold: float = 0.7
-    fragmentation_window: float = 1800.0
-    low_traffic_requests: int = 2
-    max_restarts: int = 5
-    restart_window: float = 900.0
-    cooldown_seconds: float = 120.0
 
     def policy(self) -> PolicyConfig:
-        names = {f.name for f in dataclasses.fields(PolicyConfig)}
-        return PolicyConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})
+        return PolicyConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PolicyConfig)})
 
     def runtime_path(self) -> Path:
         return Path(self.runtime_dir) if self.runtime_dir else default_runtime_dir()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from typing import Protocol
 
 import structlog
 
-from engine.config import ConfigError
+from engine.server.sockets import bind
 
 log = structlog.get_logger("pagekeeper.supervisor")
 
@@ -66,7 +65,7 @@ class ProcessLauncher:
         self.env = env
         self._proc: subprocess.Popen | None = None
         self._last_exit: str | None = None
-        self.sock = _listen(host, port)
+        self.sock = bind(host, port, hint="change [engine] port")
 
     def start(self) -> None:
         if self.alive():
@@ -178,21 +177,6 @@ def systemd_available(unit: str) -> bool:
         return False
     r = subprocess.run(["systemctl", "cat", unit], capture_output=True, text=True)
     return r.returncode == 0
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}; stop whatever holds it or change "
-                          "[engine] port") from e
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -32,6 +32,8 @@ from typing import Any, Sequence
 
 @dataclass(frozen=True)
 class PolicyConfig:
+    """Thresholds of every rule (defaults from the seed sidecar); the [supervisor] section sets them."""
+
     cache_usage_threshold: float = 0.95
     backlog_factor: float = 2.0
     events_to_act: int = 3

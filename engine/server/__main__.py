@@ -21,6 +21,7 @@ import uvicorn
 
 from engine.config import ConfigError, EngineConfig
 from engine.logs import configure_logging
+from engine.server.sockets import bind, inherited_socket
 
 log = structlog.get_logger("pagekeeper.server")
 
@@ -73,40 +74,6 @@ def parse_args(argv: list[str] | None) -> tuple[ServerConfig, EngineConfig]:
     if server.health_stall_seconds <= 0:
         raise ConfigError(f"--health-stall-seconds must be > 0, got {server.health_stall_seconds}")
     return server, EngineConfig.from_cli_args(args)
-
-
-SD_LISTEN_FDS_START = 3
-
-
-def inherited_socket(listen_fd: int | None) -> socket.socket | None:
-    """A listening socket handed over by opsctl (--listen-fd) or systemd socket activation (LISTEN_FDS).
-
-    Serving on a socket someone else holds open means that during a restart, connections wait in
-    the kernel's queue for the next engine instead of being refused.
-    """
-    if listen_fd is not None:
-        return socket.socket(fileno=listen_fd)
-    fds = os.environ.get("LISTEN_FDS")
-    pid = os.environ.get("LISTEN_PID")
-    if fds and int(fds) >= 1 and (pid is None or int(pid) == os.getpid()):
-        for var in ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"):
-            os.environ.pop(var, None)  # not for our children
-        return socket.socket(fileno=SD_LISTEN_FDS_START)
-    return None
-
-
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}; stop whatever holds it or use --port") from e
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 def log_inapplicable_flags(engine_config: EngineConfig, device: str) -> None:
