@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import warnings
 from types import ModuleType
 
 import torch
 
 
 def attention_backend(device: torch.device | str) -> ModuleType:
-    """The module providing write_kv/paged_attention/copy_blocks for tensors on `device`."""
+    """The module providing write_kv/paged_attention/copy_blocks for tensors on `device`.
+
+    CUDA: `kernels.triton_backend` (the Triton kernels); anything else, or CUDA without Triton
+    installed: `kernels.reference` (plain torch).
+    """
+    if torch.device(device).type == "cuda":
+        try:
+            from kernels import triton_backend
+        except ImportError as e:  # pragma: no cover - depends on the installation
+            warnings.warn(f"Triton is not available ({e}); attention runs on the slow torch reference path",
+                          RuntimeWarning, stacklevel=2)
+        else:
+            return triton_backend
     from kernels import reference
 
     return reference

@@ -1,0 +1,465 @@
+"""Triton paged attention: decode (one query per sequence, split-K) and prefill/extend (causal chunks).
+
+Both kernels read K/V straight out of the paged cache ``[2, num_blocks, num_kv_heads, block_size,
+head_dim]`` through the block tables (see kernels/reference.py for the metadata's meaning); no
+contiguous copy of the context is ever made.
+
+Decode: one program per (sequence, KV head, split).  The program packs the query heads that share
+the KV head (the GQA group) into the rows of one ``tl.dot`` so each K/V tile is read from memory
+once for the whole group.  A tile spans ``BLOCK_N`` tokens, i.e. several cache blocks; their block
+ids are gathered from the block table inside the loop.  When the batch is too small to fill the GPU
+the context is split ("flash decoding"): each split writes its normalised partial output and
+log-sum-exp and a second kernel combines them.
+
+Prefill/extend: one program per (query head, tile of ``BLOCK_M`` query rows, sequence), variable
+lengths in one launch.  Keys before the tile's first query position need no causal mask and are
+walked in an unmasked loop; only the diagonal band is masked.  Heavy (late) tiles are launched first.
+
+Nothing here depends on sequence lengths at compile time: lengths come from tensors, the split
+size is a runtime argument that is never specialised, and tile sizes come from a small table keyed
+on head dim, block size and dtype.  Softmax runs in float32 (exp2 with log2(e) folded into the
+scale); float32 caches use IEEE dot products so the fp32 engine matches the torch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+# Host-side integer helpers (triton.cdiv / next_power_of_2 go through JIT-function dispatch: slow per call).
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    # DOT_UPCAST: Triton's CPU interpreter multiplies bfloat16 tiles as their raw uint16 bits, so under
+    # the interpreter bf16 operands are widened first (exact: a bf16 product fits float32, which is
+    # what the tensor cores accumulate in).  Never set on a GPU.
+    if DOT_UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+# Arguments that vary with the batch's lengths are never specialised (Triton would otherwise compile
+# variants for values equal to 1 or divisible by 16): the block-table width, the split geometry.
+@triton.jit(do_not_specialize=["stride_bt", "stride_pb", "stride_ph", "tokens_per_split"])
+def _decode_kernel(
+    out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_cb, stride_ch, stride_cs,
+    stride_bt,
+    stride_pb, stride_ph, stride_ps,
+    tokens_per_split,
+    QUERY_GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * tokens_per_split
+    if start < seq_len:
+        end = tl.minimum(start + tokens_per_split, seq_len)
+
+        offs_g = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        offs_n = tl.arange(0, BLOCK_N)
+        heads = kvh * QUERY_GROUP + offs_g
+        mask_g = offs_g < QUERY_GROUP
+        mask_d = offs_d < HEAD_DIM
+
+        q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        k_base = k_ptr + kvh.to(tl.int64) * stride_ch
+        v_base = v_ptr + kvh.to(tl.int64) * stride_ch
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + offs_n
+            mask_n = pos < end
+            blk = tl.load(table + pos // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+            row = blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+
+            s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+            m_i = m_new
+
+        o = acc / l_i[:, None]
+        if SPLIT:
+            # Normalised partial output and its log2-sum-exp (scores are in log2 units).
+            p_row = seq.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
+            tl.store(part_o_ptr + p_row[:, None] * HEAD_DIM_PAD + offs_d[None, :], o, mask=mask_g[:, None])
+            tl.store(part_lse_ptr + p_row, m_i + tl.log2(l_i), mask=mask_g)
+        else:
+            tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+
+
+@triton.jit(do_not_specialize=["stride_pb", "stride_ph", "tokens_per_split"])
+def _decode_reduce_kernel(
+    out_ptr, part_o_ptr, part_lse_ptr, seq_lens_ptr,
+    stride_ot, stride_oh,
+    stride_pb, stride_ph, stride_ps,
+    tokens_per_split,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_splits = tl.cdiv(seq_len, tokens_per_split)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    base = seq.to(tl.int64) * stride_pb + head * stride_ph
+
+    m = tl.full([1], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(part_lse_ptr + base + s * stride_ps + tl.zeros([1], dtype=tl.int32))
+        o = tl.load(part_o_ptr + (base + s * stride_ps) * HEAD_DIM_PAD + offs_d)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        total = total * alpha + w
+        acc = acc * alpha + w * o
+        m = m_new
+    out = acc / total
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _prefill_kernel(
+    out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_cb, stride_ch, stride_cs,
+    stride_bt,
+    QUERY_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    head = tl.program_id(0)
+    m_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest (latest) tiles first
+    seq = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    m0 = m_tile * BLOCK_M
+    if m0 < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        ctx = seq_len - q_len  # tokens before this chunk (earlier chunks, prefix-cache hits)
+
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        offs_n = tl.arange(0, BLOCK_N)
+        mask_m = offs_m < q_len
+        mask_d = offs_d < HEAD_DIM
+        rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        q_pos = ctx + offs_m
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+        kvh = head // QUERY_GROUP
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        k_base = k_ptr + kvh.to(tl.int64) * stride_ch
+        v_base = v_ptr + kvh.to(tl.int64) * stride_ch
+
+        # Keys strictly before the tile's first query position, in whole tiles: no mask at all.
+        full_end = ((ctx + m0) // BLOCK_N) * BLOCK_N
+        for n0 in range(0, full_end, BLOCK_N):
+            pos = n0 + offs_n
+            blk = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+            row = blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs
+            k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+            v = tl.load(v_base + row[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+            s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+            m_i = m_new
+
+        # The diagonal band: causal mask and the end of the context.
+        band_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
+        for n0 in range(full_end, band_end, BLOCK_N):
+            pos = n0 + offs_n
+            mask_n = pos < band_end
+            blk = tl.load(table + pos // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+            row = blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+            visible = (pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            # Every row sees key 0 of the band or an earlier key, except padding rows past q_len,
+            # which may see nothing: keep their max finite so no NaN is ever formed.
+            m_new = tl.maximum(tl.maximum(m_i, tl.max(s, 1)), -1.0e30)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+            m_i = m_new
+
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# tile tables and launch helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _dot_upcast(query: torch.Tensor) -> bool:
+    return query.device.type != "cuda" and query.dtype == torch.bfloat16  # see _dot
+
+
+def _pad_dim(head_dim: int) -> int:
+    return max(16, _next_pow2(head_dim))
+
+
+def decode_config(head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
+    """BLOCK_N (tokens per tile, several cache blocks), num_warps, num_stages for the decode kernel."""
+    d = _pad_dim(head_dim)
+    if dtype == torch.float32:
+        return dict(BLOCK_N=32 if d >= 128 else 64, num_warps=4, num_stages=2)
+    if d <= 64:
+        return dict(BLOCK_N=128, num_warps=4, num_stages=3)
+    # H200 sweep (bf16, batch 64 x 4096, block 16): 64/4w/3s 97.3% of copy; 128/4w 81%, 32/4w 91%
+    return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def prefill_config(head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
+    d = _pad_dim(head_dim)
+    if dtype == torch.float32:
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    if d <= 64:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    # H200 sweep (bf16, 4 x 2048 causal): 128/32/4w/3s 0.439 ms < 64/64/4/3 0.448 < 128/64/8/3 0.482
+    return dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: small, so that tests exercise the split path
+
+
+# A split should still stream a useful amount of context, or the combine step costs more than it saves.
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+
+
+def num_decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """How many splits of the context: enough programs for ~2 waves when the batch alone has fewer."""
+    programs = batch * num_kv_heads
+    target = 2 * _num_sms(device)
+    if programs >= target:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-target // programs), -(-max_seq_len // MIN_TOKENS_PER_SPLIT)))
+
+
+def _check_cache(kv_cache: torch.Tensor, query: torch.Tensor) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache must be [2, num_blocks, num_kv_heads, block_size, head_dim], got {tuple(kv_cache.shape)}")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache's last dimension must be contiguous")
+    if query.shape[-1] != kv_cache.shape[-1]:
+        raise ValueError(f"query head dim {query.shape[-1]} != cache head dim {kv_cache.shape[-1]}")
+    if query.shape[1] % kv_cache.shape[2]:
+        raise ValueError(f"{query.shape[1]} query heads are not a multiple of {kv_cache.shape[2]} KV heads")
+    if query.dtype != kv_cache.dtype:
+        raise ValueError(f"query dtype {query.dtype} != kv_cache dtype {kv_cache.dtype}")
+
+
+# Tests set this to NaN so that a partial result nobody wrote would show.
+_SCRATCH_FILL: float | None = None
+
+
+def _scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    t = torch.empty(shape, dtype=torch.float32, device=device)
+    if _SCRATCH_FILL is not None:
+        t.fill_(_SCRATCH_FILL)
+    return t
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """One query token per sequence (row b of ``query`` belongs to sequence b); ``[B, Hq, D]`` out."""
+    _check_cache(kv_cache, query)
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    batch, num_heads, head_dim = query.shape
+    if batch != seq_lens.shape[0]:
+        raise ValueError(f"decode takes one query per sequence: {batch} queries for {seq_lens.shape[0]} sequences")
+    _, _, num_kv_heads, block_size, _ = kv_cache.shape
+    if out is None:
+        out = torch.empty_like(query)
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    cfg = dict(decode_config(head_dim, block_size, query.dtype), **(config or {}))
+    block_n = cfg.pop("BLOCK_N")
+    d_pad = _pad_dim(head_dim)
+    if num_splits is None:
+        num_splits = num_decode_splits(batch, num_kv_heads, max_seq_len, query.device)
+    tokens_per_split = _cdiv(_cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    num_splits = _cdiv(max(max_seq_len, 1), tokens_per_split)
+    split = num_splits > 1
+    if split:
+        part_o = _scratch((batch, num_heads, num_splits, d_pad), query.device)
+        part_lse = _scratch((batch, num_heads, num_splits), query.device)
+        p_strides = (num_heads * num_splits, num_splits, 1)
+    else:
+        part_o = part_lse = out  # unused
+        p_strides = (0, 0, 0)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        out, part_o, part_lse,
+        query, k_cache, v_cache, block_tables, seq_lens,
+        scale * LOG2E,
+        query.stride(0), query.stride(1),
+        out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        *p_strides,
+        tokens_per_split,
+        QUERY_GROUP=group,
+        BLOCK_M=max(16, _next_pow2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=d_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        SPLIT=split,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        DOT_UPCAST=_dot_upcast(query),
+        **cfg,
+    )
+    if split:
+        _decode_reduce_kernel[(batch, num_heads)](
+            out, part_o, part_lse, seq_lens,
+            out.stride(0), out.stride(1),
+            *p_strides,
+            tokens_per_split,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=d_pad,
+            num_warps=4 if d_pad >= 128 else 2,
+        )
+    return out
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Each sequence's chunk of queries attends causally to the chunk and all earlier paged KV."""
+    _check_cache(kv_cache, query)
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, num_kv_heads, block_size, _ = kv_cache.shape
+    if out is None:
+        out = torch.empty_like(query)
+    batch = seq_lens.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return out
+    cfg = dict(prefill_config(head_dim, block_size, query.dtype), **(config or {}))
+    block_m = cfg.pop("BLOCK_M")
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    grid = (num_heads, _cdiv(max_query_len, block_m), batch)
+    _prefill_kernel[grid](
+        out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        scale * LOG2E,
+        query.stride(0), query.stride(1),
+        out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        QUERY_GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=_pad_dim(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        DOT_UPCAST=_dot_upcast(query),
+        **cfg,
+    )
+    return out
+
+
+__all__ = [
+    "decode_config", "prefill_config", "num_decode_splits", "paged_attention_decode", "paged_attention_prefill",
+]
