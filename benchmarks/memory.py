@@ -58,8 +58,9 @@ def workload(rng: random.Random, n: int, max_len: int, vocab: int, scale: float)
     return [([rng.randrange(10, vocab) for _ in range(p)], o) for p, o in zip(prompts, outputs)]
 
 
-def free(llm: LLM | None) -> None:
-    del llm
+def release() -> None:
+    """Return a finished engine's memory to the device (callers drop every reference first), so
+    the next engine's start-up budget sees it free."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -87,8 +88,13 @@ def run_utilization(model: str, common: dict, block_size: int, reqs: list[tuple[
         "num_blocks": core.kv.num_blocks, "kv_bytes": core.kv_plan.kv_bytes,
         "bytes_per_token": core.kv_plan.bytes_per_block // block_size,
         "preemptions": core.scheduler.num_preemptions,
+        "fragmentation_buffer_bytes": core.kv_plan.fragmentation_buffer_bytes,
+        "profile_peak_reserved_bytes": core.kv_plan.profile.peak_reserved_bytes if core.kv_plan.profile else 0,
+        "profile_peak_allocated_bytes": core.kv_plan.profile.peak_allocated_bytes if core.kv_plan.profile else 0,
+        "memory_plan": core.kv_plan.table(),
     }
-    free(llm)
+    del llm, engine, core
+    release()
     return result
 
 
@@ -110,7 +116,8 @@ def run_burst(model: str, common: dict, max_len: int, vocab: int, bar: Any) -> d
             ooms += 1
             break
         bar(f"burst: {completed}/{n}")
-    free(llm)
+    del llm, engine
+    release()
     return {"burst_capacity_sequences": capacity, "burst_requests": n, "burst_completed": completed,
             "burst_oom_count": ooms}
 
@@ -153,7 +160,8 @@ def run_soak(model: str, common: dict, seconds: float, max_len: int, vocab: int,
             bar(f"soak: {t:.0f}/{seconds:.0f}s, {counter} requests")
     reserved1 = torch.cuda.memory_reserved() if cuda else 0
     max_reserved = max((p["reserved"] for p in timeline), default=0)
-    free(llm)
+    del llm, engine
+    release()
     return {"soak_seconds": seconds, "soak_requests": counter, "soak_reserved_growth_bytes": reserved1 - reserved0,
             "soak_max_reserved_growth_bytes": max_reserved - reserved0, "soak_timeline": timeline}
 
@@ -189,6 +197,16 @@ def main(argv: list[str] | None = None) -> int:
 
     result: dict[str, Any] = {"gpu": gpu, "date": dt.date.today().isoformat(), "quick": quick,
                               "torch": torch.__version__, "command": "python -m benchmarks.memory " + " ".join(argv or sys.argv[1:])}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "cpu" if gpu == "cpu" else gpu.replace("NVIDIA ", "").replace(" ", "-")
+    path = out / f"memory-{name}-{result['date']}.json"
+
+    def save(phase: str) -> None:
+        """Written after every phase, so a run cut short still reports what it measured."""
+        result["completed_phases"] = result.get("completed_phases", []) + [phase]
+        path.write_text(json.dumps(result, indent=2))
+
     rng = random.Random(1)
     reqs = workload(rng, n, max_len, vocab, scale)
     result["workload"] = {"requests": n, "mean_prompt_tokens": sum(len(p) for p, _ in reqs) / n,
@@ -198,36 +216,28 @@ def main(argv: list[str] | None = None) -> int:
     for bs in (8, 16, 32):
         r = run_utilization(model, base, bs, reqs, bar)
         util[str(bs)] = round(r["token_utilization"], 4)
+        result["token_utilization"] = util
+        result.setdefault("utilization_runs", {})[str(bs)] = r
+        save(f"utilization-{bs}")
         if bs == 16:
             b16 = r
-    result["token_utilization"] = util
     mean_blocks = sum(blocks_for_tokens(len(p) + o, 16) for p, o in reqs) / n
     paged = b16["num_blocks"] / mean_blocks
     contiguous = b16["kv_bytes"] / (max_len * b16["bytes_per_token"])
+    result.update({k: b16[k] for k in ("fragmentation_buffer_bytes", "profile_peak_reserved_bytes",
+                                       "profile_peak_allocated_bytes", "memory_plan")})
     result.update(paged_sequences_fit=round(paged, 1), contiguous_sequences_fit=round(contiguous, 1),
                   concurrency_ratio=round(paged / contiguous, 2), peak_running_observed=b16["peak_running"])
+    save("concurrency")
 
     burst_common = dict(base)
     if not quick:
         burst_common["gpu_memory_utilization"] = args.burst_gpu_memory_utilization
     result.update(run_burst(model, burst_common, max_len, vocab, bar))
+    save("burst")
     result.update(run_soak(model, base, 5.0 if quick else args.soak_seconds, max_len, vocab, 64, scale, bar))
-
-    llm = LLM(model, block_size=16, **base)
-    plan = llm.llm_engine.core.kv_plan
-    prof = plan.profile
-    result.update(fragmentation_buffer_bytes=plan.fragmentation_buffer_bytes,
-                  profile_peak_reserved_bytes=prof.peak_reserved_bytes if prof else 0,
-                  profile_peak_allocated_bytes=prof.peak_allocated_bytes if prof else 0,
-                  memory_plan=plan.table())
-    free(llm)
+    save("soak")
     print(file=sys.stderr)
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "cpu" if gpu == "cpu" else gpu.replace("NVIDIA ", "").replace(" ", "-")
-    path = out / f"memory-{name}-{result['date']}.json"
-    path.write_text(json.dumps(result, indent=2))
     for k in ("token_utilization", "concurrency_ratio", "burst_requests", "burst_completed", "burst_oom_count",
               "soak_seconds", "soak_reserved_growth_bytes", "fragmentation_buffer_bytes",
               "profile_peak_reserved_bytes", "profile_peak_allocated_bytes"):

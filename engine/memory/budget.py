@@ -103,7 +103,8 @@ def set_allocator_defaults() -> None:
         return
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF_DEFAULT
     if torch.cuda.is_initialized():  # too late for the environment: tell the live allocator
-        torch.cuda.memory._set_allocator_settings(ALLOC_CONF_DEFAULT)
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.10
+        (setter or torch.cuda.memory._set_allocator_settings)(ALLOC_CONF_DEFAULT)
 
 
 def device_baseline(device: torch.device) -> DeviceBaseline:
