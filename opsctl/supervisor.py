@@ -59,7 +59,10 @@ class _GpuCollector:
             "temperature_celsius": GaugeMetricFamily("pagekeeper_gpu_temperature_celsius", "GPU temperature (NVML)", labels=["gpu"]),
         }
         xid = CounterMetricFamily("pagekeeper_gpu_xid_errors", "Critical XID events seen (NVML)", labels=["gpu"])
+        ecc = CounterMetricFamily("pagekeeper_gpu_ecc_errors", "Uncorrected volatile ECC errors (NVML)", labels=["gpu"])
         for g in readings:
+            if g.ecc_errors_total is not None:
+                ecc.add_metric([str(g.index)], float(g.ecc_errors_total))
             for key, fam in fams.items():
                 value = getattr(g, key)
                 if value is not None:
@@ -67,6 +70,13 @@ class _GpuCollector:
             xid.add_metric([str(g.index)], float(g.xid_errors_total))
         yield from fams.values()
         yield xid
+        yield ecc
+
+
+# (action, reason) pairs the policy can decide (opsctl/policy.py).
+ACTIONS = (("restart", "engine_exited"), ("restart", "hang"), ("restart", "start_timeout"),
+           ("drain_restart", "high_cache"), ("drain_restart", "backlog"), ("drain_restart", "fragmentation"),
+           ("give_up", "crash_loop"))
 
 
 class SupervisorMetrics:
@@ -82,6 +92,13 @@ class SupervisorMetrics:
         self.scrape_ok = Gauge("pagekeeper_supervisor_engine_metrics_ok", "1 when the last engine /metrics parsed", registry=r)
         self.nvml = Gauge("pagekeeper_supervisor_nvml_available", "1 when NVML readings are available", registry=r)
         self.polls = Counter("pagekeeper_supervisor_polls", "Polls of the engine", registry=r)
+        self.info = Gauge("pagekeeper_supervisor_info", "The engine this supervisor runs (always 1)",
+                          ["model_name", "engine_url", "launcher"], registry=r)
+        # Every series exists from the start, so increase() sees the first restart of each kind.
+        for action, reason in ACTIONS:
+            self.decisions.labels(action, reason)
+        for reason in {reason for _, reason in ACTIONS if reason != "crash_loop"} | {"manual"}:
+            self.restarts.labels(reason)
         r.register(_GpuCollector(supervisor))
 
 
@@ -117,6 +134,7 @@ class Supervisor:
         self.lock = threading.RLock()
         self.metrics = SupervisorMetrics(self)
         self.metrics.nvml.set(1 if gpu.available else 0)
+        self.metrics.info.labels(_model_name(cfg), cfg.engine_url, launcher.name).set(1)
         self.metrics_port: int | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -334,6 +352,14 @@ class Supervisor:
                                "config": self.cfg.source, "poll_interval_s": self.sup.poll_interval},
                 "engine_log": str(self.launcher.log_path()) if self.launcher.log_path() else None,
             }
+
+
+def _model_name(cfg: PagekeeperConfig) -> str:
+    """The served model name the engine will report, as its metrics' model_name label."""
+    from engine.config import EngineConfig
+
+    known = {k: v for k, v in cfg.engine.items() if k in ("model", "served_model_name")}
+    return EngineConfig(**known).model_name()
 
 
 # -- control socket ---------------------------------------------------------------------------------

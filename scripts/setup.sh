@@ -25,3 +25,49 @@ else
   "$PY" -m pip install --quiet --disable-pip-version-check -e .
 fi
 echo "pagekeeper installed ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
+
+# -- test tools (--test only; each step is skipped when already done) ---------------------------------------------
+# prometheus + promtool and amtool (Debian packages) for tests/alerts/; typescript + @grafana/schema (npm, pinned in
+# grafana/typecheck/package-lock.json) for the dashboard type check.
+if (( want_test )); then
+  as_root=()
+  (( EUID == 0 )) || as_root=(sudo)
+  apt_updated=0
+  apt_install() {  # apt_install PACKAGE...: install with apt-get if available (one `apt-get update` per run)
+    if ! command -v apt-get >/dev/null; then
+      echo "warning: apt-get not found; install $* yourself (the tests that need them are skipped outside CI)" >&2
+      return 0
+    fi
+    if (( ! apt_updated )); then
+      "${as_root[@]}" apt-get update -qq
+      apt_updated=1
+    fi
+    DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+  }
+  new_daemons=()
+  if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+    apt_install prometheus && new_daemons+=(prometheus.service)
+  fi
+  if ! command -v amtool >/dev/null; then
+    apt_install prometheus-alertmanager && new_daemons+=(prometheus-alertmanager.service)
+  fi
+  # the tests start their own Prometheus on a free port: the services the packages just enabled are not wanted
+  if (( ${#new_daemons[@]} )) && [[ -d /run/systemd/system ]]; then
+    "${as_root[@]}" systemctl disable --now "${new_daemons[@]}" >/dev/null 2>&1 || true
+  fi
+  command -v npm >/dev/null || apt_install nodejs npm
+  # systemd (252 on Debian 12) + util-linux for tests/systemd/: the tests boot it as PID 1 of its own
+  # namespaces, never on this machine; installing the package does not boot it.
+  if [[ ! -x /lib/systemd/systemd ]] || ! command -v systemd-analyze >/dev/null; then
+    apt_install systemd
+  fi
+  command -v nsenter >/dev/null && command -v setpriv >/dev/null || apt_install util-linux
+
+  typecheck=grafana/typecheck
+  if command -v npm >/dev/null && ! cmp -s "$typecheck/package-lock.json" "$typecheck/node_modules/.pagekeeper-lock"; then
+    npm ci --prefix "$typecheck" --no-audit --no-fund --loglevel=error
+    cp "$typecheck/package-lock.json" "$typecheck/node_modules/.pagekeeper-lock"
+  fi
+  echo "test tools: $(promtool --version 2>/dev/null | head -1 || echo 'no promtool');" \
+       "tsc $("$typecheck/node_modules/.bin/tsc" --version 2>/dev/null || echo missing)"
+fi

@@ -42,6 +42,9 @@ async def metrics(http: Request) -> Response:
         return Response(b"this is {not prometheus text\nvllm_num_requests_running{{{ 1\n", media_type=CONTENT_TYPE_LATEST)
     if mode == "slow":
         await asyncio.sleep(seconds)
+    # The queue is read live: a stuck step loop cannot refresh its own gauges, and requests piling up
+    # behind it are exactly what an operator needs to see.
+    state.metrics.waiting.labels(state.model_name).set(state.async_engine.queue_depth())
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -184,7 +184,7 @@ def test_fake_nvml_readings_are_exported(deploy, tmp_path):
     gpu_file = tmp_path / "gpus.json"
     gpu_file.write_text(json.dumps([{"index": 0, "name": "Fake H100", "memory_used_bytes": 60 * 2**30,
                                      "memory_total_bytes": 80 * 2**30, "utilization_ratio": 0.9,
-                                     "temperature_celsius": 71.0, "xid_errors_total": 2}]))
+                                     "temperature_celsius": 71.0, "xid_errors_total": 2, "ecc_errors_total": 1}]))
     d = deploy()
     r = d.opsctl("start", env={"PAGEKEEPER_FAKE_NVML": str(gpu_file)})
     assert r.returncode == 0, r.stderr
@@ -194,7 +194,12 @@ def test_fake_nvml_readings_are_exported(deploy, tmp_path):
     assert m["pagekeeper_gpu_utilization_ratio{gpu=0}"] == 0.9
     assert m["pagekeeper_gpu_temperature_celsius{gpu=0}"] == 71.0
     assert m["pagekeeper_gpu_xid_errors_total{gpu=0}"] == 2
+    assert m["pagekeeper_gpu_ecc_errors_total{gpu=0}"] == 1
     assert "Fake H100" in d.opsctl("status").stdout
+    # which engine this supervisor runs, and every restart/decision series present (at 0) from the start
+    assert m[f"pagekeeper_supervisor_info{{engine_url={d.url},launcher=process,model_name={MODEL}}}"] == 1
+    assert m["pagekeeper_supervisor_restarts_total{reason=hang}"] == 0
+    assert m["pagekeeper_supervisor_decisions_total{action=give_up,reason=crash_loop}"] == 0
 
 
 def test_dry_run_decides_and_logs_but_never_acts(deploy):

@@ -84,6 +84,15 @@ def test_health_turns_stalled_when_the_step_loop_freezes(launch):
     detected_after = time.monotonic() - frozen_at
     assert status == "stalled"
     assert detected_after < 1 + 1.0, detected_after  # within the window plus one poll
+    # requests piling up behind the frozen loop show in the waiting gauge (read live at scrape time)
+    late: list = [None]
+    queued = threading.Thread(target=_stream_tokens, args=(server.url, 4, late, 0))
+    queued.start()
+    time.sleep(0.3)
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'vllm_num_requests_waiting{model_name="pagekeeper-default"} 1.0' in metrics
+    queued.join(60)
+    assert late[0] == (200, True, 4)
     worker.join(60)
     assert results[0] == (200, True, 200)  # the request survives the freeze
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
