@@ -275,6 +275,40 @@ def doctor(ctx: Ctx) -> None:
     sys.exit(0 if ok else 1)
 
 
+@main.command()
+@click.option("--prefix", default="/", show_default=True, type=click.Path(file_okay=False),
+              help="Root every path under this directory (packaging, tests); file contents name the final paths.")
+@click.option("--dry-run", is_flag=True, help="Show what would be written (and the rendered units); write nothing.")
+@click.option("--python", "python", default=None, help="Interpreter for ExecStart= (default: the one running opsctl).")
+@click.pass_obj
+def install(ctx: Ctx, prefix: str, dry_run: bool, python: str | None) -> None:
+    """Install the systemd units, /etc/pagekeeper/pagekeeper.toml (if absent) and the engine's environment file.
+
+    The config file comes from --config when given (and none is installed yet), else a commented default.
+    """
+    from opsctl.install import InstallError, install as do_install
+
+    try:
+        do_install(prefix, dry_run=dry_run, config_source=ctx.config_path, python=python, echo=click.echo)
+    except InstallError as e:
+        _fail(str(e), EXIT_USAGE)
+
+
+@main.command()
+@click.option("--prefix", default="/", show_default=True, type=click.Path(file_okay=False))
+@click.option("--dry-run", is_flag=True, help="Show what would be removed; remove nothing.")
+@click.option("--purge", is_flag=True, help="Remove the config file even if it was edited.")
+@click.pass_obj
+def uninstall(ctx: Ctx, prefix: str, dry_run: bool, purge: bool) -> None:
+    """Stop and disable the units (on this machine's systemd), then remove what `opsctl install` wrote."""
+    from opsctl.install import InstallError, uninstall as do_uninstall
+
+    try:
+        do_uninstall(prefix, dry_run=dry_run, purge=purge, echo=click.echo)
+    except InstallError as e:
+        _fail(str(e), EXIT_USAGE)
+
+
 @main.group()
 def config() -> None:
     """The effective configuration."""

@@ -142,8 +142,14 @@ class SystemdLauncher:
     def start(self) -> None:
         self._ctl("start", self.unit)
 
+    @property
+    def socket_unit(self) -> str:
+        return self.unit.rsplit(".", 1)[0] + ".socket"
+
     def stop(self, grace: float) -> None:
-        self._ctl("stop", self.unit, check=False)
+        """Stop the service and its listening socket: with the socket left active, the next connection
+        would start the engine again (socket activation).  The engine drains on systemd's SIGTERM."""
+        self._ctl("stop", self.socket_unit, self.unit, check=False)
 
     def restart(self) -> None:
         """Restart the service (never the socket, so queued connections survive)."""

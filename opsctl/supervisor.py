@@ -305,9 +305,10 @@ class Supervisor:
         if cmd.name == "stop":
             with self.lock:
                 self.busy = "stopping"
-            if cmd.args.get("drain", True) and self.launcher.alive():
-                self._drain(float(cmd.args.get("drain_timeout", self.sup.drain_timeout)))
-            self.launcher.stop(self.sup.drain_timeout + 10)
+            if cmd.args.get("engine", True):
+                if cmd.args.get("drain", True) and self.launcher.alive():
+                    self._drain(float(cmd.args.get("drain_timeout", self.sup.drain_timeout)))
+                self.launcher.stop(self.sup.drain_timeout + 10)
             self.stopping = True
             return {"ok": True}
         return {"ok": False, "error": f"unknown command {cmd.name!r}"}
@@ -428,9 +429,13 @@ def main(argv: list[str] | None = None) -> int:
     (runtime / PID_NAME).write_text(str(os.getpid()))
 
     def on_signal(signum: int, _frame: Any) -> None:
-        # queue.put from a signal handler could deadlock on the queue's lock: hand it to a thread
-        log.info("supervisor_signal", signal=signal.Signals(signum).name)
-        threading.Thread(target=supervisor.commands.put, args=(_Command("stop", {"drain": True}),)).start()
+        # queue.put from a signal handler could deadlock on the queue's lock: hand it to a thread.
+        # Under systemd the engine is a unit of its own: restarting the supervisor must not take it
+        # down (`opsctl stop` still stops both).  A child engine goes down with its supervisor.
+        keep = isinstance(launcher, SystemdLauncher)
+        log.info("supervisor_signal", signal=signal.Signals(signum).name, engine="left running" if keep else "stopped")
+        stop = _Command("stop", {"drain": True, "engine": not keep})
+        threading.Thread(target=supervisor.commands.put, args=(stop,)).start()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -440,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         control.shutdown()
         for name in (SOCKET_NAME, PID_NAME):
             (runtime / name).unlink(missing_ok=True)
-        if isinstance(launcher, ProcessLauncher):
+        if isinstance(launcher, ProcessLauncher):  # a child engine never outlives its supervisor
             launcher.stop(5)
             launcher.close()
     return 0

@@ -4,6 +4,11 @@ Start-up order is chosen so that mistakes surface fast and clearly: parse flags,
 (taken → exit 2 at once, before minutes of model loading), load the engine (configuration or
 memory problems → exit 2 with the numbers), then serve.  SIGTERM drains: no new requests (503),
 in-flight ones finish, then exit 0.  A second SIGTERM or SIGINT stops at once.
+
+Under systemd (`Type=notify`, see systemd/) it reports loading / serving / draining through sd_notify,
+pings the watchdog from the step loop, and serves on the socket-activated listening socket.  When the
+listening socket is inherited (systemd or opsctl hold it), SIGTERM first stops accepting: connections
+that arrive during the drain wait in the kernel's queue for the next engine instead of getting a 503.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 
 import structlog
@@ -21,6 +27,7 @@ import uvicorn
 
 from engine.config import ConfigError, EngineConfig
 from engine.logs import configure_logging
+from engine.server.notify import get_notifier
 from engine.server.sockets import bind, inherited_socket
 
 log = structlog.get_logger("pagekeeper.server")
@@ -39,6 +46,7 @@ class ServerConfig:
     enable_debug_hooks: bool = False
     log_level: str = "info"
     listen_fd: int | None = None
+    config: str | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,12 +70,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s.add_argument("--listen-fd", type=int, default=None,
                    help="Serve on this inherited listening socket instead of binding (opsctl passes one).")
+    s.add_argument("--config", default=None,
+                   help="Take flags from the [engine] section of this pagekeeper TOML file (the file opsctl "
+                        "and the systemd unit use); flags given on the command line win.")
     EngineConfig.add_cli_args(parser.add_argument_group("engine"))
     return parser
 
 
+def config_file_args(argv: list[str]) -> list[str]:
+    """`--config FILE` → the flags its [engine] section stands for, to be placed before `argv`."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    path = pre.parse_known_args(argv)[0].config
+    if not path:
+        return []
+    from opsctl.config import load_config  # one file format for the whole deployment
+
+    return load_config(path).engine_args()
+
+
 def parse_args(argv: list[str] | None) -> tuple[ServerConfig, EngineConfig]:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(config_file_args(argv) + argv)
     server = ServerConfig(**{k: getattr(args, k) for k in ServerConfig.__dataclass_fields__})
     if server.max_waiting is not None and server.max_waiting < 1:
         raise ConfigError(f"--max-waiting must be >= 1, got {server.max_waiting}")
@@ -86,13 +110,16 @@ def log_inapplicable_flags(engine_config: EngineConfig, device: str) -> None:
             log.info("flag_ignored_on_cpu", flag="--" + name.replace("_", "-"), value=getattr(engine_config, name))
 
 
-def serve(server_config: ServerConfig, engine_config: EngineConfig, sock: socket.socket) -> int:
+def serve(server_config: ServerConfig, engine_config: EngineConfig, sock: socket.socket,
+          inherited: bool = False) -> int:
     from engine.llm_engine import LLMEngine
     from engine.metrics import EngineMetrics
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
     from engine.server.state import ServerState
 
+    notifier = get_notifier()
+    notifier.status(f"loading {engine_config.model_name()}")
     engine = LLMEngine(engine_config)
     core = engine.core
     log_inapplicable_flags(engine_config, str(core.device))
@@ -114,13 +141,18 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig, sock: socket
         enable_debug_hooks=server_config.enable_debug_hooks, log_requests=not server_config.disable_log_requests,
     )
     app = build_app(state)
-    async_engine.start()
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                             lifespan="off")
-    server = DrainOnTermServer(config, async_engine, server_config.drain_timeout)
     host, port = sock.getsockname()[:2]
-    log.info("serving", url=f"http://{host}:{port}", model=model_name, pid=os.getpid())
+    server = DrainOnTermServer(config, async_engine, server_config.drain_timeout, stop_accepting_on_term=inherited,
+                               serving_status=f"serving {model_name} on {host}:{port}")
+    # The watchdog is pinged from the step loop, and only while the HTTP loop is alive too.
+    async_engine.add_step_hook(lambda: server.http_loop_alive(notifier.watchdog_interval) and notifier.watchdog())
+    async_engine.start()
+    log.info("serving", url=f"http://{host}:{port}", model=model_name, pid=os.getpid(),
+             socket="inherited" if inherited else "bound", systemd_notify=notifier.enabled,
+             watchdog_s=notifier.watchdog_interval)
     try:
         server.run(sockets=[sock])
     finally:
@@ -129,15 +161,42 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig, sock: socket
     return 0
 
 
-class DrainOnTermServer(uvicorn.Server):
-    """uvicorn.Server whose first SIGTERM drains before exiting instead of cutting requests off."""
+# After the listening socket is closed on SIGTERM, connections accepted just before get this long to
+# send their request (it is admitted, not refused) before the drain starts answering 503.
+ACCEPT_GRACE_S = 0.25
 
-    def __init__(self, config: uvicorn.Config, async_engine, drain_timeout: float) -> None:  # type: ignore[no-untyped-def]
+
+class DrainOnTermServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM drains before exiting instead of cutting requests off.
+
+    With `stop_accepting_on_term` (the listening socket is inherited: systemd or opsctl hold it open),
+    SIGTERM first closes this process's copy of the socket, so new connections queue in the kernel for
+    the next engine, then drains.  It also tells systemd: READY=1 once serving, STOPPING=1 on SIGTERM.
+    """
+
+    def __init__(self, config: uvicorn.Config, async_engine, drain_timeout: float,  # type: ignore[no-untyped-def]
+                 stop_accepting_on_term: bool = False, serving_status: str = "serving") -> None:
         super().__init__(config)
         self.async_engine = async_engine
         self.drain_timeout = drain_timeout
+        self.stop_accepting_on_term = stop_accepting_on_term
+        self.serving_status = serving_status
         self.exit_reason = "signal"
         self._draining = False
+        self._last_tick = time.monotonic()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and not self.should_exit:
+            get_notifier().ready(self.serving_status)
+
+    async def on_tick(self, counter: int) -> bool:
+        self._last_tick = time.monotonic()
+        return await super().on_tick(counter)
+
+    def http_loop_alive(self, within: float | None) -> bool:
+        """The HTTP event loop ticked (every 0.1 s) within half of `within` seconds (None: always true)."""
+        return within is None or time.monotonic() - self._last_tick < within / 2
 
     def handle_exit(self, sig: int, frame) -> None:  # type: ignore[no-untyped-def]
         if sig == signal.SIGTERM and not self._draining:
@@ -147,6 +206,12 @@ class DrainOnTermServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def _drain_then_exit(self) -> None:
+        get_notifier().stopping(f"draining: {self.async_engine.num_in_flight} request(s) in flight")
+        if self.stop_accepting_on_term:
+            for server in getattr(self, "servers", []):
+                server.close()  # our copy of the listening socket; the holder keeps it open
+            log.info("stopped_accepting", reason="SIGTERM", queued_connections="wait for the next engine")
+            await asyncio.sleep(ACCEPT_GRACE_S)
         result = await self.async_engine.drain(self.drain_timeout)
         self.exit_reason = "drained" if result.drained else "drain_timeout"
         self.should_exit = True
@@ -156,8 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server_config, engine_config = parse_args(argv)
         configure_logging(server_config.log_level, force=True)
-        sock = inherited_socket(server_config.listen_fd) or bind(server_config.host, server_config.port)
-        return serve(server_config, engine_config, sock)
+        inherited = inherited_socket(server_config.listen_fd)
+        sock = inherited or bind(server_config.host, server_config.port)
+        return serve(server_config, engine_config, sock, inherited=inherited is not None)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ from engine.llm_engine import LLMEngine, RequestRejected
 from engine.metrics import EngineMetrics, EngineSnapshot
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.server.notify import get_notifier
 
 log = structlog.get_logger("pagekeeper.server")
 
@@ -170,6 +171,7 @@ class AsyncEngine:
         """Stop admitting, then wait until every in-flight request finished or `timeout` passed."""
         if not self.draining:
             log.info("drain_started", in_flight=self.num_in_flight, timeout_s=timeout)
+            get_notifier().status(f"draining: {self.num_in_flight} request(s) in flight")
         self.draining = True
         self.metrics.set_draining(True)
         start = time.monotonic()
@@ -185,6 +187,7 @@ class AsyncEngine:
         """Undo a drain (admit again)."""
         self.draining = False
         self.metrics.set_draining(False)
+        get_notifier().status("serving (drain cancelled)")
         log.info("drain_cancelled")
 
     # -- health ---------------------------------------------------------------------------------
