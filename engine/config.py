@@ -106,8 +106,9 @@ class EngineConfig:
         default=False, metadata=_flag("Passed to transformers when reading the config and tokenizer.")
     )
     max_num_on_the_fly_batches: int = field(
-        default=1,
-        metadata=_flag("Depth of the step pipeline: 1 is synchronous, 2 overlaps scheduling with execution."),
+        default=2,
+        metadata=_flag("Depth of the step pipeline: 1 is synchronous; 2 post-processes one step (detokenization, "
+                       "stop strings, outputs) while the device computes the next. Deeper is treated as 2."),
     )
     tensor_parallel_size: int = field(
         default=1, metadata=_flag("GPUs to shard the model over (only 1 is supported yet).")

@@ -56,7 +56,7 @@ class LLM:
             results: list[RequestOutput | None] = [None] * len(prompts)
             with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as bar:
                 while engine.has_unfinished_requests():
-                    for out in engine.step():
+                    for out in engine.step(finished_only=True):
                         if out.finished:
                             results[order[out.request_id]] = out
                             bar.update(1)

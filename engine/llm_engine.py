@@ -154,8 +154,12 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self._parents)
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step; outputs for every request that advanced, finished ones last seen here."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One engine step; outputs for every request that advanced, finished ones last seen here.
+
+        `finished_only` skips building outputs for requests still running (the offline API reads
+        only final outputs; building one per token per request costs more than the step's bookkeeping).
+        """
         touched = self.core.step()
         seen: dict[str, ParentRequest] = {}
         for seq in touched:
@@ -164,18 +168,21 @@ class LLMEngine:
                 seen[parent.request_id] = parent
         outputs = []
         for parent in seen.values():
-            outputs.append(self._output(parent))
-            if parent.finished():
+            finished = parent.finished() and not any(self.core.has_pending_output(s) for s in parent.seqs)
+            if finished:
                 del self._parents[parent.request_id]
+            elif finished_only:
+                continue
+            outputs.append(self._output(parent, finished))
         return outputs
 
-    def _output(self, parent: ParentRequest) -> RequestOutput:
+    def _output(self, parent: ParentRequest, finished: bool | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             outputs=[_completion(s) for s in parent.seqs],
-            finished=parent.finished(),
+            finished=parent.finished() if finished is None else finished,
             metrics=_timing(parent.seqs),
         )
 

@@ -18,10 +18,11 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.logs import configure_logging
-from engine.memory.budget import KVPlan, device_baseline, plan_kv_cache, profile_step, set_allocator_defaults
+from engine.memory.budget import (KVPlan, device_baseline, plan_kv_cache, profile_graph_memory, profile_step,
+                                  set_allocator_defaults)
 from engine.metrics import EngineSnapshot
 from engine.model.loader import ModelInfo, inspect_model, load_model, load_tokenizer
-from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
+from engine.runner.model_runner import LaunchedStep, ModelRunner, kv_bytes_per_block
 from engine.sampling_params import SamplingParams
 
 log = structlog.get_logger("pagekeeper.engine")
@@ -55,6 +56,8 @@ class EngineCore:
         if self.device.type == "cuda":
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
             profile = profile_step(self.device, weights, self._dummy_step)
+            if not config.enforce_eager:
+                profile.graph_bytes = self._graph_pool_bytes()
         self.kv_plan: KVPlan = plan_kv_cache(config, per_block, self.device, baseline, profile)
         self.preemption_mode = config.resolved_preemption_mode(self.device.type)
         num_cpu_blocks = int(config.swap_space * 2**30) // per_block if self.preemption_mode == "swap" else 0
@@ -64,11 +67,18 @@ class EngineCore:
         self.kv = KVCacheManager(self.kv_plan.num_blocks, config.block_size, config.enable_prefix_caching,
                                  num_cpu_blocks)
         self.runner = ModelRunner(self.model, self.kv_plan.num_blocks, config.block_size,
-                                  self.model_info.dtype, self.device, config.seed, num_cpu_blocks)
+                                  self.model_info.dtype, self.device, config.seed, num_cpu_blocks,
+                                  max_model_len=config.max_model_len)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, self.preemption_mode)
         self.eos_token_ids = set(self.model_info.eos_token_ids)
         self.stats = StepStats()
+        self.pipeline_depth = min(config.max_num_on_the_fly_batches, 2)
+        # Tokens accepted but not yet detokenized (stop strings are checked there), in order.
+        self._unprocessed: list[tuple[Request, int]] = []
+        self.graph_capture_seconds = 0.0
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graph_capture_seconds = self.runner.capture_decode_graphs(config.max_num_seqs)
         log.info(
             "engine_ready", model=str(self.model_info.path), architecture=self.model_info.architecture,
             dtype=str(self.model_info.dtype).removeprefix("torch."), device=str(self.device),
@@ -76,6 +86,9 @@ class EngineCore:
             num_blocks=self.kv_plan.num_blocks, kv_bytes=self.kv_plan.kv_bytes,
             preemption_mode=self.preemption_mode, num_cpu_blocks=num_cpu_blocks,
             prefix_caching=config.enable_prefix_caching,
+            cuda_graphs=self.runner.graphs.sizes if self.runner.graphs else None,
+            graph_capture_seconds=round(self.graph_capture_seconds, 3),
+            pipeline_depth=self.pipeline_depth,
             load_seconds=round(time.monotonic() - started, 3),
         )
         if self.device.type == "cuda":
@@ -92,7 +105,7 @@ class EngineCore:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._unprocessed)
 
     def token_utilization(self) -> float:
         """Tokens with KV / token slots of the blocks running sequences hold (internal fragmentation)."""
@@ -105,26 +118,81 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Run one iteration; returns the sequences that got a token or finished in it."""
+        """Run one iteration; returns the sequences whose output advanced or that finished.
+
+        With `--max-num-on-the-fly-batches 2` the iteration launches step k on the device, then
+        post-processes step k-1 (detokenization, stop strings: the costly CPU part) while the device
+        computes, then waits for step k's tokens.  Token ids, EOS, stop token ids and max_tokens are
+        still applied before the next step is scheduled; only a stop *string* is seen one step late,
+        and the extra token that sequence computed is dropped.  Outputs are the same either way.
+        """
         self.stats.steps += 1
         self.stats.last_step_time = time.monotonic()
+        try:
+            launched = self._schedule_and_launch()
+            if self.pipeline_depth == 1:
+                if launched is not None:
+                    self._accept(*launched)
+                return self._postprocess()
+            touched = self._postprocess()
+            if launched is not None:
+                self._accept(*launched)
+            return touched
+        except BaseException:
+            for req, _ in self._unprocessed:
+                req.num_undetokenized = 0
+            self._unprocessed.clear()
+            raise
+
+    @staticmethod
+    def has_pending_output(req: Request) -> bool:
+        """The request has tokens whose text (and stop-string check) the next step produces."""
+        return req.num_undetokenized > 0
+
+    def _schedule_and_launch(self) -> tuple[SchedulerOutput, LaunchedStep] | None:
         plan = self.scheduler.schedule()
         if plan.empty:
-            return []
+            return None
         tables = [self.kv.block_table(s.request.seq_id) for s in plan.seqs]
-        sampled, out = self.runner.execute(plan, tables)
+        launched = self.runner.launch(plan, tables)
+        if launched is None:
+            self.scheduler.record_progress(plan)
+            return None
+        return plan, launched
+
+    def _accept(self, plan: SchedulerOutput, launched: LaunchedStep) -> None:
+        """Wait for the step's tokens and apply everything that decides the next schedule."""
+        out = launched.sample.to_host()
         self.scheduler.record_progress(plan)
-        if out is None:
-            return []
-        for req in sampled:
-            if req.held_by is not None:
+        for req in launched.sampled:
+            if req.held_by is not None and not req.status.finished:
                 self._fork(req)
         now = time.monotonic()
-        for i, req in enumerate(sampled):
+        for i, req in enumerate(launched.sampled):
+            if req.status.finished:  # aborted, or stopped by a stop string, while the step ran
+                continue
             lp = out.logprobs[i] if out.logprobs is not None else None
             top = out.top_logprobs[i] if out.top_logprobs is not None else None
-            self._append_token(req, out.token_ids[i], lp, top, now)
-        return sampled
+            self._accept_token(req, out.token_ids[i], lp, top, now)
+
+    def _postprocess(self) -> list[Request]:
+        """Detokenize the accepted tokens and apply stop strings; the requests touched, in order."""
+        pending, self._unprocessed = self._unprocessed, []
+        touched: dict[int, Request] = {}
+        for req, token in pending:
+            touched[id(req)] = req
+            req.num_undetokenized -= 1
+            if req.detokenizer.stopped is not None or req.status == RequestStatus.FINISHED_ABORTED:
+                continue
+            stop_string = req.detokenizer.add_token(token)
+            if stop_string is None:
+                continue
+            req.stop_reason = stop_string
+            if req.status.finished:  # the same token also ended it by length / EOS: the stop string wins
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        return list(touched.values())
 
     def _dummy_step(self) -> None:
         """The largest step the scheduler can build (max_num_batched_tokens over as many sequences as
@@ -152,6 +220,20 @@ class EngineCore:
             plan.seqs.append(ScheduledSeq(req, 0, n))
         runner.execute(plan, tables)
         del runner
+
+    def _graph_pool_bytes(self) -> int:
+        """Memory the decode graphs keep: the largest one captured once over a throwaway cache of one
+        sequence (the pool's size does not depend on the cache's; the others reuse its blocks)."""
+        cfg = self.config
+        assert cfg.max_model_len is not None
+        blocks = -(-cfg.max_model_len // cfg.block_size)
+        runner = ModelRunner(self.model, blocks, cfg.block_size, self.model_info.dtype, self.device, cfg.seed,
+                             max_model_len=cfg.max_model_len)
+        used = profile_graph_memory(self.device,
+                                    lambda: runner.capture_decode_graphs(cfg.max_num_seqs, only_largest=True))
+        del runner
+        torch.cuda.empty_cache()
+        return used
 
     def _fork(self, req: Request) -> None:
         """The leader's prompt is done: the sibling shares its blocks and joins the batch."""
@@ -183,8 +265,9 @@ class EngineCore:
             allocated_bytes=allocated, reserved_bytes=reserved,
         )
 
-    def _append_token(self, req: Request, token: int, logprob: float | None,
+    def _accept_token(self, req: Request, token: int, logprob: float | None,
                       top: dict[int, float] | None, now: float) -> None:
+        """Append a sampled token and apply the checks that need no text (stop ids, EOS, max_tokens)."""
         req.output_token_ids.append(token)
         if logprob is not None and req.params.logprobs is not None:
             req.output_logprobs.append(logprob)
@@ -194,16 +277,13 @@ class EngineCore:
         if req.first_token_time is None:
             req.first_token_time = now
             self.stats.prompt_tokens += req.num_prompt_tokens
-        stop_string = req.detokenizer.add_token(token)
+        self._unprocessed.append((req, token))
+        req.num_undetokenized += 1
         p = req.params
-        if stop_string is not None:
-            req.stop_reason = stop_string
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-        elif token in p.stop_token_ids:
+        if token in p.stop_token_ids:
             req.stop_reason = token
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         elif not p.ignore_eos and token in self.eos_token_ids:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         elif len(req.output_token_ids) >= req.max_tokens:
             self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
-

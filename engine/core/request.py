@@ -53,6 +53,7 @@ class Request:
     # (and sample from its logits) the moment the prompt is done.
     forks: list[Request] = field(default_factory=list)
     held_by: Request | None = None
+    num_undetokenized: int = 0  # accepted tokens the detokenizer (and the stop-string check) has not seen
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -73,6 +74,10 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def token_at(self, position: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < p else self.output_token_ids[position - p]
 
     @property
     def output_text(self) -> str:

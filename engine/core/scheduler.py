@@ -203,5 +203,7 @@ class Scheduler:
         """The step ran: the scheduled tokens now have KV (and full blocks join the prefix cache)."""
         for s in out.seqs:
             req = s.request
+            if req.status != RequestStatus.RUNNING:  # finished or preempted while the step ran
+                continue
             req.num_computed_tokens = s.start + s.num_tokens
             self.kv.cache_full_blocks(req.seq_id, req.token_ids, req.num_computed_tokens)

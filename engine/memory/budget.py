@@ -10,6 +10,7 @@ and peak reserved memory.  Their difference is what the caching allocator lost t
 that step, and the KV budget keeps `max(150 MiB, factor x fragmentation)` in reserve (seed 002):
 
     kv = total x gpu_memory_utilization - used by others/context - weights - peak activations - buffer
+         - CUDA graph pool (measured by capturing the largest decode graph once during profiling)
 
 CPU: `--kv-cache-memory-bytes`, else `--cpu-kv-cache-fraction` of available RAM, capped at what
 max_num_seqs sequences of max_model_len could ever use (more would only be zeroed memory).
@@ -46,6 +47,7 @@ class Profile:
     peak_reserved_bytes: int
     activation_bytes: int
     non_torch_bytes: int
+    graph_bytes: int = 0  # the CUDA graphs' memory pool (decode graphs, captured after the KV cache)
 
     @property
     def fragmentation_bytes(self) -> int:
@@ -65,6 +67,7 @@ class KVPlan:
     activation_bytes: int | None = None
     non_torch_bytes: int | None = None
     fragmentation_buffer_bytes: int = 0
+    graph_bytes: int | None = None
     profile: Profile | None = field(default=None, repr=False)
 
     @property
@@ -85,6 +88,7 @@ class KVPlan:
             ("device memory (total)", gib(self.total_bytes)),
             ("weights", gib(self.weights_bytes)),
             ("peak activations", gib(self.activation_bytes)),
+            ("CUDA graphs", gib(self.graph_bytes) if self.graph_bytes else "-  (--enforce-eager or CPU)"),
             ("other processes + CUDA context", gib(self.non_torch_bytes)),
             ("fragmentation buffer", gib(self.fragmentation_buffer_bytes or None)),
             ("KV cache", gib(self.kv_bytes) + f"  ({self.source})"),
@@ -110,6 +114,18 @@ def set_allocator_defaults() -> None:
 def device_baseline(device: torch.device) -> DeviceBaseline:
     free, total = torch.cuda.mem_get_info(device)
     return DeviceBaseline(total_bytes=total, used_before_bytes=total - free)
+
+
+def profile_graph_memory(device: torch.device, capture: Callable[[], None]) -> int:
+    """Reserved memory that `capture` (allocating its inputs, then capturing graphs) keeps."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    capture()
+    torch.cuda.synchronize(device)
+    used = torch.cuda.memory_reserved(device) - before
+    torch.cuda.empty_cache()
+    return max(0, used)
 
 
 def profile_step(device: torch.device, weights_bytes: int, run_dummy_step: Callable[[], None]) -> Profile:
@@ -145,12 +161,14 @@ def plan_kv_cache(config: EngineConfig, bytes_per_block: int, device: torch.devi
         plan.activation_bytes = profile.activation_bytes
         plan.non_torch_bytes = max(profile.non_torch_bytes, baseline.used_before_bytes)
         plan.fragmentation_buffer_bytes = buffer
+        plan.graph_bytes = profile.graph_bytes
         plan.profile = profile
     if config.kv_cache_memory_bytes is not None:
         kv_bytes, plan.source = config.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
     elif plan.total_bytes is not None:
         kv_bytes = int(plan.total_bytes * config.gpu_memory_utilization - plan.non_torch_bytes - plan.weights_bytes
-                       - plan.activation_bytes - plan.fragmentation_buffer_bytes)  # type: ignore[operator]
+                       - plan.activation_bytes - plan.fragmentation_buffer_bytes  # type: ignore[operator]
+                       - (plan.graph_bytes or 0))
         plan.source = f"--gpu-memory-utilization {config.gpu_memory_utilization}"
     else:
         import psutil

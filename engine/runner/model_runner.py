@@ -2,6 +2,12 @@
 
 The runner owns the KV tensors (one per layer, preallocated once) and the device; the scheduler
 never touches tensors and the model never sees requests.
+
+Nothing between building a step's inputs and reading its sampled tokens waits for the GPU: inputs
+travel host -> device from pinned memory without blocking (a plain `torch.tensor(..., device=cuda)`
+would wait for every queued kernel), and `launch` returns the samples still on the device.  That is
+what lets the engine core prepare and post-process one step while the GPU computes the next.
+Decode-only steps replay a CUDA graph (engine/runner/cuda_graphs.py) unless `enforce_eager`.
 """
 
 from __future__ import annotations
@@ -9,15 +15,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import structlog
 import torch
 from torch import nn
 
 import kernels
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
-from engine.kv.kv_cache_manager import KVOps
+from engine.kv.kv_cache_manager import KVOps, blocks_for_tokens
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
-from engine.runner.sampler import SamplerOutput, SamplingBatch, sample
+from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.runner.sampler import DeviceSample, SamplerOutput, SamplingBatch, sample_on_device
+
+log = structlog.get_logger("pagekeeper.engine")
 
 
 @dataclass
@@ -27,6 +37,15 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # rows of the hidden states whose next token is sampled
     sampled: list[Request]  # the requests those rows belong to, in order
+    graph_size: int | None = None  # a decode step padded to this captured batch size
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; `sample.to_host()` waits for it."""
+
+    sampled: list[Request]
+    sample: DeviceSample
 
 
 def kv_cache_shape(model: nn.Module, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -38,19 +57,36 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) ->
     return elems * torch.empty((), dtype=dtype).element_size()
 
 
+class StaticInputs:
+    """Device buffers a captured graph reads (their addresses are baked into it), sized for the
+    largest capture size and max_model_len."""
+
+    def __init__(self, max_seqs: int, max_blocks: int, device: torch.device) -> None:
+        def buf(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.input_ids = buf(max_seqs, dtype=torch.int64)
+        self.positions = buf(max_seqs, dtype=torch.int64)
+        self.slot_mapping = buf(max_seqs, dtype=torch.int64)
+        self.seq_lens = buf(max_seqs, dtype=torch.int32)
+        self.query_start_loc = buf(max_seqs + 1, dtype=torch.int32)
+        self.block_tables = buf(max_seqs, max_blocks, dtype=torch.int32)
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, seed: int, num_cpu_blocks: int = 0) -> None:
+                 device: torch.device, seed: int, num_cpu_blocks: int = 0, max_model_len: int | None = None) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
         shape = kv_cache_shape(model, num_blocks, block_size)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
         # Swap space: written before it is read, so no need to zero it; pinned for fast copies.
-        pin = device.type == "cuda"
+        self._pin = device.type == "cuda"
         cpu_shape = kv_cache_shape(model, num_cpu_blocks, block_size)
-        self.cpu_caches = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(model.num_layers)] \
+        self.cpu_caches = [torch.empty(cpu_shape, dtype=dtype, pin_memory=self._pin) for _ in range(model.num_layers)] \
             if num_cpu_blocks else []
         backend = kernels.attention_backend(device)
         self.backend = backend
@@ -59,51 +95,132 @@ class ModelRunner:
                 m.backend = backend
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.graphs: DecodeGraphs | None = None
+        self.static: StaticInputs | None = None
 
     def make_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
         g.manual_seed(seed)
         return g
 
+    # -- host -> device ------------------------------------------------------------------------
+
+    def _to_device(self, array: np.ndarray, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy without waiting for the GPU's queue: through pinned memory, non-blocking."""
+        host = torch.from_numpy(array)
+        if not self._pin:
+            return host if into is None else into[: len(array)].copy_(host)
+        host = host.pin_memory()
+        if into is None:
+            return host.to(self.device, non_blocking=True)
+        return into[: len(array)].copy_(host, non_blocking=True)
+
+    # -- CUDA graphs -----------------------------------------------------------------------------
+
+    def capture_decode_graphs(self, max_num_seqs: int, only_largest: bool = False) -> float:
+        """Capture one decode graph per capture size (start-up profiling: only the largest, whose
+        pool the others reuse); returns the seconds it took."""
+        import time
+
+        assert self.device.type == "cuda" and self.max_model_len is not None
+        started = time.monotonic()
+        sizes = capture_sizes(max_num_seqs)
+        if only_largest:
+            sizes = sizes[-1:]
+        max_blocks = blocks_for_tokens(self.max_model_len, self.block_size)
+        self.static = st = StaticInputs(max(sizes), max_blocks, self.device)
+        st.seq_lens.fill_(1)
+        st.slot_mapping.fill_(-1)  # capture writes no KV
+        st.query_start_loc.copy_(torch.arange(max(sizes) + 1, dtype=torch.int32, device=self.device))
+        graphs = DecodeGraphs()
+
+        @torch.inference_mode()
+        def forward(size: int) -> torch.Tensor:
+            meta = AttentionMetadata(
+                slot_mapping=st.slot_mapping[:size], query_start_loc=st.query_start_loc[: size + 1],
+                seq_lens=st.seq_lens[:size], block_tables=st.block_tables[:size],
+                max_query_len=1, max_seq_len=self.max_model_len,  # type: ignore[arg-type]
+            )
+            hidden = self.model(st.input_ids[:size], st.positions[:size], self.kv_caches, meta)
+            return self.model.compute_logits(hidden)
+
+        graphs.capture(sizes, forward)
+        self.graphs = graphs
+        return time.monotonic() - started
+
+    # -- a step ----------------------------------------------------------------------------------
+
     def prepare(self, plan: SchedulerOutput, block_tables: list[list[int]]) -> StepInputs:
         bs = self.block_size
-        ids: list[int] = []
-        pos_parts, slot_parts = [], []
-        qsl, seq_lens, rows, sampled = [0], [], [], []
-        for s, table in zip(plan.seqs, block_tables):
-            req = s.request
-            end = s.start + s.num_tokens
-            ids.extend(req.token_ids(s.start, end))
-            pos = np.arange(s.start, end, dtype=np.int64)
-            pos_parts.append(pos)
-            slot_parts.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
-            qsl.append(qsl[-1] + s.num_tokens)
-            seq_lens.append(end)
+        seqs = plan.seqs
+        decode = all(s.num_tokens == 1 for s in seqs)
+        graph_size = self.graphs.size_for(len(seqs)) if decode and self.graphs is not None else None
+        rows, sampled = [], []
+        if decode:
+            ids, positions, slots, seq_lens = [], [], [], []
+            for s, table in zip(seqs, block_tables):
+                p = s.start
+                ids.append(s.request.token_at(p))
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+                seq_lens.append(p + 1)
+            ids_a = np.asarray(ids, dtype=np.int64)
+            pos_a = np.asarray(positions, dtype=np.int64)
+            slot_a = np.asarray(slots, dtype=np.int64)
+            qsl_a = np.arange(len(seqs) + 1, dtype=np.int32)
+        else:
+            id_parts, pos_parts, slot_parts, qsl, seq_lens = [], [], [], [0], []
+            for s, table in zip(seqs, block_tables):
+                end = s.start + s.num_tokens
+                id_parts.extend(s.request.token_ids(s.start, end))
+                pos = np.arange(s.start, end, dtype=np.int64)
+                pos_parts.append(pos)
+                slot_parts.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+                qsl.append(qsl[-1] + s.num_tokens)
+                seq_lens.append(end)
+            ids_a = np.asarray(id_parts, dtype=np.int64)
+            pos_a = np.concatenate(pos_parts)
+            slot_a = np.concatenate(slot_parts)
+            qsl_a = np.asarray(qsl, dtype=np.int32)
+        row = 0
+        for s in seqs:
+            row += s.num_tokens
             if s.samples:
-                rows.append(qsl[-1] - 1)
-                sampled.append(req)
-                for sibling in req.forks:  # n > 1: siblings sample from the same logits
-                    rows.append(qsl[-1] - 1)
+                rows.append(row - 1)
+                sampled.append(s.request)
+                for sibling in s.request.forks:  # n > 1: siblings sample from the same logits
+                    rows.append(row - 1)
                     sampled.append(sibling)
+        lens_a = np.asarray(seq_lens, dtype=np.int32)
         width = max(len(t) for t in block_tables)
-        tables = np.zeros((len(block_tables), width), dtype=np.int32)
+        n = len(seqs)
+        if graph_size is not None:
+            pad = graph_size - n  # padding rows: no context, no KV write, output unused
+            ids_a = np.concatenate([ids_a, np.zeros(pad, np.int64)])
+            pos_a = np.concatenate([pos_a, np.zeros(pad, np.int64)])
+            slot_a = np.concatenate([slot_a, np.full(pad, -1, np.int64)])
+            lens_a = np.concatenate([lens_a, np.zeros(pad, np.int32)])
+            width = self.static.block_tables.shape[1]  # type: ignore[union-attr]
+            n = graph_size
+        tables = np.zeros((n, width), dtype=np.int32)
         for i, t in enumerate(block_tables):
             tables[i, : len(t)] = t
-        dev = self.device
+        st = self.static if graph_size is not None else None
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            max_query_len=max(s.num_tokens for s in plan.seqs),
+            slot_mapping=self._to_device(slot_a, st and st.slot_mapping),
+            query_start_loc=self._to_device(qsl_a, None) if st is None else st.query_start_loc[: n + 1],
+            seq_lens=self._to_device(lens_a, st and st.seq_lens),
+            block_tables=self._to_device(tables, st and st.block_tables),
+            max_query_len=max(s.num_tokens for s in seqs),
             max_seq_len=max(seq_lens),
         )
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.from_numpy(np.concatenate(pos_parts)).to(dev),
+            input_ids=self._to_device(ids_a, st and st.input_ids),
+            positions=self._to_device(pos_a, st and st.positions),
             meta=meta,
-            logits_rows=torch.tensor(rows, dtype=torch.int64, device=dev),
+            logits_rows=self._to_device(np.asarray(rows, dtype=np.int64)),
             sampled=sampled,
+            graph_size=graph_size,
         )
 
     @torch.inference_mode()
@@ -111,48 +228,66 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, block_tables: list[list[int]]) -> tuple[list[Request], SamplerOutput | None]:
-        """Run one step; returns the requests that got a new token and the sampler's output for them."""
+    def launch(self, plan: SchedulerOutput, block_tables: list[list[int]]) -> LaunchedStep | None:
+        """Queue one step on the device (block moves, forward, sampling); None when nothing samples."""
         if plan.ops:
             self.apply(plan.ops)
         if not plan.seqs:
-            return [], None
+            return None
         inputs = self.prepare(plan, block_tables)
-        hidden = self.forward_hidden(inputs)
         if not inputs.sampled:
+            self.forward_hidden(inputs)
+            return None
+        if inputs.graph_size is not None:
+            logits = self.graphs.replay(inputs.graph_size)[inputs.logits_rows]  # type: ignore[union-attr]
+        else:
+            logits = self.model.compute_logits(self.forward_hidden(inputs)[inputs.logits_rows])
+        batch = self._sampling_batch(inputs.sampled)
+        return LaunchedStep(inputs.sampled, sample_on_device(logits, batch, self.generator))
+
+    def execute(self, plan: SchedulerOutput, block_tables: list[list[int]]) -> tuple[list[Request], SamplerOutput | None]:
+        """Run one step and wait for it; returns the requests that got a new token and their samples."""
+        launched = self.launch(plan, block_tables)
+        if launched is None:
             return [], None
-        logits = self.model.compute_logits(hidden[inputs.logits_rows])
-        return inputs.sampled, sample(logits, self._sampling_batch(inputs.sampled), self.generator)
+        return launched.sampled, launched.sample.to_host()
 
     def apply(self, ops: KVOps) -> None:
         """Block movements the KV manager decided, in order: swap-out, swap-in, copy-on-write."""
         b = self.backend
         if ops.swap_out:
-            src = torch.tensor([g for g, _ in ops.swap_out], device=self.device)
+            src = self._to_device(np.asarray([g for g, _ in ops.swap_out], dtype=np.int64))
             dst = torch.tensor([c for _, c in ops.swap_out])
             for gpu, cpu in zip(self.kv_caches, self.cpu_caches):
                 cpu[:, dst] = b.gather_blocks(gpu, src).to("cpu")
         if ops.swap_in:
             src = torch.tensor([c for c, _ in ops.swap_in])
-            dst = torch.tensor([g for _, g in ops.swap_in], device=self.device)
+            dst = self._to_device(np.asarray([g for _, g in ops.swap_in], dtype=np.int64))
             for gpu, cpu in zip(self.kv_caches, self.cpu_caches):
                 b.scatter_blocks(gpu, cpu[:, src], dst)
         if ops.copies:
-            src = torch.tensor([s for s, _ in ops.copies], device=self.device)
-            dst = torch.tensor([d for _, d in ops.copies], device=self.device)
+            src = self._to_device(np.asarray([s for s, _ in ops.copies], dtype=np.int64))
+            dst = self._to_device(np.asarray([d for _, d in ops.copies], dtype=np.int64))
             for gpu in self.kv_caches:
                 b.copy_blocks(gpu, src, dst)
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         params = [r.params for r in reqs]
-        dev = self.device
         wants = [p.logprobs for p in params if p.logprobs is not None]
+        all_greedy = all(p.temperature == 0 for p in params)
+        if all_greedy:  # the per-row tensors are only read by random sampling
+            temperature = top_p = top_k = None
+        else:
+            temperature = self._to_device(np.asarray([p.temperature for p in params], dtype=np.float32))
+            top_p = self._to_device(np.asarray([p.top_p for p in params], dtype=np.float32))
+            top_k = self._to_device(np.asarray([p.top_k for p in params], dtype=np.int64))
         return SamplingBatch(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
+            temperature=temperature,  # type: ignore[arg-type]
+            top_p=top_p,  # type: ignore[arg-type]
+            top_k=top_k,  # type: ignore[arg-type]
             generators=[r.generator for r in reqs],
-            all_greedy=all(p.temperature == 0 for p in params),
+            all_greedy=all_greedy,
+            any_greedy=any(p.temperature == 0 for p in params),
             needs_truncation=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
             max_top_logprobs=max(wants, default=-1),
         )

@@ -16,11 +16,12 @@ import torch
 
 @dataclass
 class SamplingBatch:
-    temperature: torch.Tensor  # [S] float32; 0 means greedy
-    top_p: torch.Tensor  # [S] float32
-    top_k: torch.Tensor  # [S] int64; 0 means disabled
+    temperature: torch.Tensor | None  # [S] float32; 0 means greedy (None when every row is greedy)
+    top_p: torch.Tensor | None  # [S] float32
+    top_k: torch.Tensor | None  # [S] int64; 0 means disabled
     generators: list[torch.Generator | None]  # per row; None rows use the engine's generator
     all_greedy: bool
+    any_greedy: bool
     needs_truncation: bool
     max_top_logprobs: int  # -1: no row wants logprobs
 
@@ -32,24 +33,66 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float]] | None
 
 
+@dataclass
+class DeviceSample:
+    """A step's samples while they may still be computing: tensors on the device, not yet read.
+
+    Reading them (`to_host`) waits for the device; the step loop does that as late as it can, so
+    that the CPU work of the previous step overlaps this step's GPU work.
+    """
+
+    token_ids: torch.Tensor  # [S] int64
+    logprobs: torch.Tensor | None  # [S] float32
+    top_ids: torch.Tensor | None  # [S, k]
+    top_values: torch.Tensor | None  # [S, k]
+    ready: torch.cuda.Event | None = None
+
+    def to_host(self) -> SamplerOutput:
+        if self.ready is not None:
+            self.ready.synchronize()
+        top = None
+        if self.top_ids is not None and self.top_values is not None:
+            top = [dict(zip(i, v)) for i, v in zip(self.top_ids.tolist(), self.top_values.tolist())]
+        lp = self.logprobs.tolist() if self.logprobs is not None else None
+        return SamplerOutput(self.token_ids.tolist(), lp, top)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> SamplerOutput:
+    """Sample and read the result (waits for the device)."""
+    return sample_on_device(logits, batch, generator).to_host()
+
+
+def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> DeviceSample:
+    """Sample without waiting for the device: on CUDA the results are copied into pinned host memory
+    asynchronously and `ready` marks when they have landed."""
     logits = logits.float()
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
         tokens = _random_sample(logits, batch, generator)
-        greedy_rows = batch.temperature == 0
-        if bool(greedy_rows.any()):
-            tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
+        if batch.any_greedy:  # decided on the host: reading the tensor would wait for the device
+            tokens = torch.where(batch.temperature == 0, logits.argmax(dim=-1), tokens)
 
-    chosen_lp = top = None
+    chosen_lp = top_ids = top_values = None
     if batch.max_top_logprobs >= 0:
         logprobs = torch.log_softmax(logits, dim=-1)
-        chosen_lp = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+        chosen_lp = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
         if batch.max_top_logprobs > 0:
-            vals, ids = logprobs.topk(batch.max_top_logprobs, dim=-1)
-            top = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-    return SamplerOutput(tokens.tolist(), chosen_lp, top)
+            top_values, top_ids = logprobs.topk(batch.max_top_logprobs, dim=-1)
+    out = DeviceSample(tokens, chosen_lp, top_ids, top_values)
+    if logits.device.type == "cuda":
+        out = DeviceSample(*(_to_pinned(t) for t in (tokens, chosen_lp, top_ids, top_values)))
+        out.ready = torch.cuda.Event()
+        out.ready.record()
+    return out
+
+
+def _to_pinned(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def _random_sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:
@@ -64,7 +107,8 @@ def _random_sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.
         q.exponential_(generator=generator)
     else:
         if shared_rows:
-            idx = torch.tensor(shared_rows, device=q.device)
+            idx = torch.tensor(shared_rows)
+            idx = idx.pin_memory().to(q.device, non_blocking=True) if q.is_cuda else idx
             q[idx] = torch.empty_like(q[idx]).exponential_(generator=generator)
         for i, g in enumerate(batch.generators):
             if g is not None:

@@ -43,6 +43,7 @@ def _set_backend(llm: LLM, backend) -> None:
     for m in llm.llm_engine.core.model.modules():
         if isinstance(m, PagedAttention):
             m.backend = backend
+    llm.llm_engine.core.runner.graphs = None  # captured graphs hold the Triton kernels: run eagerly
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ def test_engine_on_gpu_with_the_default_memory_budget(checkpoint):
         out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=8),
                            use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 8
-        assert llm.llm_engine.core.kv_plan.source == "--gpu-memory-utilization"
+        assert llm.llm_engine.core.kv_plan.source.startswith("--gpu-memory-utilization")
     finally:
         del llm
         gc.collect()

@@ -1,0 +1,90 @@
+"""Issue 6: decode steps replay CUDA graphs (padded to a capture size) and give exactly the tokens of
+the eager path, synchronous or pipelined; the graphs' pool is in the memory plan; eager stays eager."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.runner.cuda_graphs import capture_sizes
+
+
+def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
+    assert capture_sizes(256)[:6] == [1, 2, 4, 8, 16, 32] and capture_sizes(256)[-1] == 256
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(1000)[-1] == 512
+
+
+def _run(llm: LLM, prompts: list[list[int]], max_tokens: int = 20) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_replay_equals_eager(arch, dtype, checkpoint):
+    rng = random.Random(5)
+    common = dict(device="cuda", dtype=dtype, max_model_len=256, max_num_seqs=48, kv_cache_memory_bytes=64 << 20)
+    eager = LLM(str(checkpoint(arch)), enforce_eager=True, max_num_on_the_fly_batches=1, **common)
+    vocab = eager.llm_engine.core.model_info.hf_config.vocab_size
+    batches = {n: [[rng.randrange(vocab) for _ in range(rng.randrange(1, 120))] for _ in range(n)]
+               for n in (1, 3, 17, 41)}  # 3 -> graph 4, 17 -> 32, 41 -> 48: padding rows every time
+    expected = {n: _run(eager, p) for n, p in batches.items()}
+    assert eager.llm_engine.core.runner.graphs is None
+    del eager
+    _free()
+    for depth in (1, 2):
+        llm = LLM(str(checkpoint(arch)), max_num_on_the_fly_batches=depth, **common)
+        core = llm.llm_engine.core
+        assert core.runner.graphs is not None and core.runner.graphs.sizes[-1] == 48
+        assert core.kv_plan.graph_bytes and core.kv_plan.graph_bytes > 0
+        replays = _count_replays(core.runner.graphs)
+        for n, prompts in batches.items():
+            assert _run(llm, prompts) == expected[n], (depth, n)
+        assert replays() > 0
+        kv = core.kv
+        assert kv.num_free_blocks == kv.num_blocks  # padding rows wrote no KV, took no block
+        del llm, core, kv
+        _free()
+
+
+def _count_replays(graphs):
+    count = [0]
+    original = graphs.replay
+
+    def counting(size: int):
+        count[0] += 1
+        return original(size)
+
+    graphs.replay = counting
+    return lambda: count[0]
+
+
+@pytest.mark.gpu
+def test_graph_memory_is_in_the_plan_and_steady_state_allocates_nothing(checkpoint):
+    llm = LLM(str(checkpoint("llama")), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=64,
+              gpu_memory_utilization=0.3)
+    plan = llm.llm_engine.core.kv_plan
+    assert "CUDA graphs" in plan.table() and plan.graph_bytes > 0
+    prompts = [[7 + i] * (5 + i) for i in range(40)]
+    _run(llm, prompts)
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    for _ in range(3):
+        _run(llm, prompts)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() == reserved
+    del llm
+    _free()
