@@ -27,7 +27,8 @@ at `--max-input-len` / `--max-output-len`.  Token ids are uniform in [`--min-tok
 Everything is seeded (`--seed`): every run sees the same lengths and the same arrival pattern
 (scaled by its rate), but fresh token ids, so prefix caching cannot reuse an earlier run's prompts.
 
-Metrics (per run, latencies in ms): TTFT = first SSE chunk with text - send; TPOT = (e2e - TTFT) /
+Metrics (per run, latencies in ms): TTFT = first SSE chunk with a choice (the server
+sends one as soon as a token exists, text or not) - send; TPOT = (e2e - TTFT) /
 (output tokens - 1); ITL = gaps between consecutive chunks after the first (a chunk that carries
 several tokens counts as one gap, as in vLLM); e2e = last byte - send; output tokens come from the
 usage chunk.  Throughputs divide by the run's duration (first send to last response).
@@ -467,10 +468,10 @@ def take_chunk(rec: RequestRecord, chunk: dict[str, Any], t: float) -> None:
         rec.output_tokens = int(usage.get("completion_tokens") or 0)
         rec.prompt_tokens = usage.get("prompt_tokens")
     for choice in chunk.get("choices") or []:
-        text, finished = choice.get("text"), choice.get("finish_reason") is not None
-        if text or finished:
-            rec.chunk_times.append(t)
-        if text and rec.first_token is None:
+        # The server sends a chunk whenever tokens were generated, even when their text is still
+        # empty (special tokens, half a UTF-8 character, random-weight models): a token is a token.
+        rec.chunk_times.append(t)
+        if rec.first_token is None:
             rec.first_token = t
 
 
@@ -484,8 +485,6 @@ async def read_stream(resp: httpx.Response, rec: RequestRecord, t0: float) -> No
             done = True
             break
         take_chunk(rec, item, time.perf_counter() - t0)
-    if rec.first_token is None and rec.chunk_times:  # every token decoded to "" (special tokens)
-        rec.first_token = rec.chunk_times[0]
     if rec.error is None and not done:
         rec.error = "stream ended without [DONE]"
     elif rec.error is None and rec.output_tokens < 1:

@@ -25,3 +25,17 @@ def attention_backend(device: torch.device | str) -> ModuleType:
     from kernels import reference
 
     return reference
+
+
+def fused_backend(device: torch.device | str) -> ModuleType:
+    """The module providing rms_norm/silu_mul: the fused Triton kernels on CUDA, else the reference."""
+    if torch.device(device).type == "cuda":
+        try:
+            from kernels import fused_ops as triton_fused
+        except ImportError:  # pragma: no cover - depends on the installation
+            pass
+        else:
+            return triton_fused
+    from kernels import reference
+
+    return reference

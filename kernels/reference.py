@@ -140,3 +140,38 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Te
 def scatter_blocks(kv_cache: torch.Tensor, src: torch.Tensor, block_ids: torch.Tensor) -> None:
     """Write ``src[:, i]`` into block ``block_ids[i]`` (K and V): the device side of a swap-in."""
     kv_cache[:, torch.as_tensor(block_ids, device=kv_cache.device).long()] = src.to(kv_cache.device, kv_cache.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm of ``x`` (or of ``x + residual``, rounded to x's dtype first, as HF adds); returns
+    (normed, the new residual or None).  Float32 statistics, as the HF Llama/Qwen reference."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype), residual
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding (the form HF Llama/Qwen checkpoints are stored for) of q
+    ``[T, Hq, D]`` and k ``[T, Hk, D]``; ``cos``/``sin`` are ``[positions, D/2]`` float32 tables."""
+    c = torch.cat([cos[positions]] * 2, dim=-1)[:, None, :]  # [T, 1, D]
+    s = torch.cat([sin[positions]] * 2, dim=-1)[:, None, :]
+    return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

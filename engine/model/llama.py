@@ -13,6 +13,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+import kernels
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.model.layers.linear import MergedLinear
 from engine.model.layers.norm import RMSNorm
@@ -102,8 +103,7 @@ class LlamaMLP(nn.Module):
         self._i = i
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self._i, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(kernels.fused_backend(x.device).silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -114,10 +114,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp = LlamaMLP(s)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the residual add is fused into
+        the next norm, so each layer hands both on."""
+        x, residual = self.input_layernorm.add_norm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaInner(nn.Module):
@@ -162,9 +166,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        residual = None
         for layer, cache in zip(self.model.layers, kv_caches):
-            x = layer(positions, x, cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(positions, x, residual, cache, meta)
+        return self.model.norm.add_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

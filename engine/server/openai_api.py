@@ -247,8 +247,10 @@ async def completions(body: p.CompletionRequest, http: Request) -> Any:
                 for c in out.outputs:
                     index = i * n + c.index
                     text, positions, finished = deltas.take(index, c)
-                    if not text and not finished:
-                        continue
+                    if not text and not positions and not finished:
+                        continue  # a chunk for every new token, even one with no text yet (a special
+                        # token, half a UTF-8 character, a held-back stop-string prefix): its logprobs
+                        # and its timing reach the client
                     lp = _completion_logprobs(state, c, positions, 0)
                     reason = c.finish_reason if finished else None
                     yield _sse(_completion_chunk(request_id, created, state, index, text, lp, reason,
@@ -340,8 +342,8 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
                 last = out
                 for c in out.outputs:
                     text, positions, finished = deltas.take(c.index, c)
-                    if not text and not finished:
-                        continue
+                    if not text and not positions and not finished:
+                        continue  # as for completions: every new token gets a chunk
                     yield chunk([p.ChatChunkChoice(
                         index=c.index, delta=p.DeltaMessage(content=text),
                         logprobs=_chat_logprobs(state, c, positions),

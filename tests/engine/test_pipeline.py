@@ -12,7 +12,7 @@ from engine import LLM, SamplingParams
 
 
 def _engine(depth: int, **kw) -> LLM:
-    return LLM(max_model_len=128, max_num_on_the_fly_batches=depth, **kw)
+    return LLM(max_model_len=128, max_num_on_the_fly_batches=depth, device="cpu", **kw)
 
 
 def _workload(vocab: int) -> tuple[list[dict], list[SamplingParams]]:

@@ -1,9 +1,15 @@
-"""RMSNorm computed in float32 and cast back, exactly as the HF Llama/Qwen reference does."""
+"""RMSNorm computed in float32 and cast back, exactly as the HF Llama/Qwen reference does.
+
+On CUDA it runs as one fused Triton kernel (kernels/fused_ops.py), with the residual add of the
+decoder layer folded in (`add_norm`); elsewhere as the torch reference (kernels/reference.py).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+import kernels
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +19,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return kernels.fused_backend(x.device).rms_norm(x, self.weight, self.eps)[0]
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); with no residual yet (the first layer), (norm(x), x)."""
+        if residual is None:
+            return self.forward(x), x
+        normed, new_residual = kernels.fused_backend(x.device).rms_norm(x, self.weight, self.eps, residual)
+        assert new_residual is not None
+        return normed, new_residual

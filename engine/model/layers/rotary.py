@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+import kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -63,13 +65,5 @@ class RotaryEmbedding(nn.Module):
         self.sin = freqs.sin()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = torch.cat([self.cos[positions]] * 2, dim=-1)[:, None, :]  # [T, 1, D]
-        sin = torch.cat([self.sin[positions]] * 2, dim=-1)[:, None, :]
-        return _apply(q, cos, sin), _apply(k, cos, sin)
-
-
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        """Rotated (q, k): one fused Triton kernel on CUDA (in place), the torch reference elsewhere."""
+        return kernels.fused_backend(q.device).rotary(q, k, positions, self.cos, self.sin)
