@@ -18,9 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+from kernels.cache_ops import _next_pow2
 
 
 @triton.jit
