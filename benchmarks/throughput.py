@@ -124,7 +124,9 @@ def run_pagekeeper(model: str, engine_args: dict[str, Any], prompts: list[list[i
     llm = LLM(model, **engine_args)
     cold = time.perf_counter() - t
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params, use_tqdm=False)  # warm-up
+    # Warm-up: enough prompts for a prefill step and a mixed (decode + prefill) one, so that no
+    # kernel is compiled inside the timed run.
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:32]], params, use_tqdm=False)
     _sync()
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)

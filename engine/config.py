@@ -107,8 +107,9 @@ class EngineConfig:
     )
     max_num_on_the_fly_batches: int = field(
         default=2,
-        metadata=_flag("Depth of the step pipeline: 1 is synchronous; 2 post-processes one step (detokenization, "
-                       "stop strings, outputs) while the device computes the next. Deeper is treated as 2."),
+        metadata=_flag("Steps queued on the device at once: 1 is synchronous; 2 schedules and queues step k+1 "
+                       "before step k's tokens are read (async scheduling), then accepts and detokenizes step k "
+                       "while the device computes k+1. Deeper is treated as 2."),
     )
     tensor_parallel_size: int = field(
         default=1, metadata=_flag("GPUs to shard the model over (only 1 is supported yet).")

@@ -168,10 +168,10 @@ def _decode_reduce_kernel(
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "first_seq"])
 def _prefill_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale,
+    qk_scale, first_seq,
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_cb, stride_ch, stride_cs,
@@ -187,7 +187,7 @@ def _prefill_kernel(
 ):
     head = tl.program_id(0)
     m_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest (latest) tiles first
-    seq = tl.program_id(2)
+    seq = first_seq + tl.program_id(2)
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -425,8 +425,15 @@ def paged_attention_prefill(
     max_query_len: int,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    first_seq: int = 0,
 ) -> torch.Tensor:
-    """Each sequence's chunk of queries attends causally to the chunk and all earlier paged KV."""
+    """Each sequence's chunk of queries attends causally to the chunk and all earlier paged KV.
+
+    Sequences before `first_seq` are left alone (a mixed step's decodes, which the decode kernel
+    serves).  An offset rather than sliced tensors: a slice of the block tables or lengths starts
+    at an address Triton cannot assume 16-byte aligned, which compiles another kernel variant
+    mid-serving (1.2 s, seen on the H200).
+    """
     _check_cache(kv_cache, query)
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -434,8 +441,8 @@ def paged_attention_prefill(
     _, _, num_kv_heads, block_size, _ = kv_cache.shape
     if out is None:
         out = torch.empty_like(query)
-    batch = seq_lens.shape[0]
-    if num_tokens == 0 or batch == 0:
+    batch = seq_lens.shape[0] - first_seq
+    if num_tokens == 0 or batch <= 0:
         return out
     cfg = dict(prefill_config(head_dim, block_size, query.dtype), **(config or {}))
     block_m = cfg.pop("BLOCK_M")
@@ -443,7 +450,7 @@ def paged_attention_prefill(
     grid = (num_heads, _cdiv(max_query_len, block_m), batch)
     _prefill_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        scale * LOG2E,
+        scale * LOG2E, first_seq,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -70,9 +70,16 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    out: torch.Tensor | None = None,
+    num_decodes: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's query chunk over its paged context; ``[T, Hq, D]`` out."""
-    out = torch.empty_like(query)
+    """Causal attention of each sequence's query chunk over its paged context; ``[T, Hq, D]`` out.
+
+    `num_decodes` is the GPU backend's hint for mixed steps (see kernels/triton_backend.py); the
+    math here is the same for every sequence, so it is unused.
+    """
+    if out is None:
+        out = torch.empty_like(query)
     num_seqs = seq_lens.shape[0]
     heads = query.shape[1]
     start = 0

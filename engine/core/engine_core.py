@@ -76,6 +76,7 @@ class EngineCore:
         self.pipeline_depth = min(config.max_num_on_the_fly_batches, 2)
         # Tokens accepted but not yet detokenized (stop strings are checked there), in order.
         self._unprocessed: list[tuple[Request, int]] = []
+        self._in_flight: LaunchedStep | None = None  # queued on the device, tokens not yet read
         self.graph_capture_seconds = 0.0
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_capture_seconds = self.runner.capture_decode_graphs(config.max_num_seqs)
@@ -105,7 +106,7 @@ class EngineCore:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._unprocessed)
+        return self.scheduler.has_unfinished() or bool(self._unprocessed) or self._in_flight is not None
 
     def token_utilization(self) -> float:
         """Tokens with KV / token slots of the blocks running sequences hold (internal fragmentation)."""
@@ -120,25 +121,31 @@ class EngineCore:
     def step(self) -> list[Request]:
         """Run one iteration; returns the sequences whose output advanced or that finished.
 
-        With `--max-num-on-the-fly-batches 2` the iteration launches step k on the device, then
-        post-processes step k-1 (detokenization, stop strings: the costly CPU part) while the device
-        computes, then waits for step k's tokens.  Token ids, EOS, stop token ids and max_tokens are
-        still applied before the next step is scheduled; only a stop *string* is seen one step late,
-        and the extra token that sequence computed is dropped.  Outputs are the same either way.
+        With `--max-num-on-the-fly-batches 2` (async scheduling) step k+1 is scheduled and queued on
+        the device while step k still computes: a sequence's token from step k is counted as pending,
+        and the runner feeds it to step k+1 on the device.  Only then does the host wait for step k's
+        tokens, accept them (EOS, stop ids, max_tokens), and detokenize them (stop strings) while the
+        device computes step k+1, so the GPU never waits for the CPU between decode steps.  A
+        sequence that step k ends (EOS, a stop id or string, an abort) has computed one token too
+        many in step k+1; that token is dropped.  max_tokens is known in advance, so it costs nothing.
+        Outputs are the same as with depth 1, which runs schedule, launch and accept in turn.
         """
         self.stats.steps += 1
         self.stats.last_step_time = time.monotonic()
         try:
-            launched = self._schedule_and_launch()
             if self.pipeline_depth == 1:
+                launched = self._schedule_and_launch(None)
                 if launched is not None:
-                    self._accept(*launched)
+                    self._accept(launched)
                 return self._postprocess()
-            touched = self._postprocess()
-            if launched is not None:
-                self._accept(*launched)
-            return touched
+            previous = self._in_flight
+            self._in_flight = None
+            self._in_flight = self._schedule_and_launch(previous)
+            if previous is not None:
+                self._accept(previous)
+            return self._postprocess()
         except BaseException:
+            self._in_flight = None
             for req, _ in self._unprocessed:
                 req.num_undetokenized = 0
             self._unprocessed.clear()
@@ -149,31 +156,38 @@ class EngineCore:
         """The request has tokens whose text (and stop-string check) the next step produces."""
         return req.num_undetokenized > 0
 
-    def _schedule_and_launch(self) -> tuple[SchedulerOutput, LaunchedStep] | None:
+    def _schedule_and_launch(self, previous: LaunchedStep | None) -> LaunchedStep | None:
+        """Schedule a step and queue it on the device; its progress is recorded at once (it holds
+        for every later step, which the device runs after this one)."""
         plan = self.scheduler.schedule()
         if plan.empty:
             return None
         tables = [self.kv.block_table(s.request.seq_id) for s in plan.seqs]
-        launched = self.runner.launch(plan, tables)
-        if launched is None:
-            self.scheduler.record_progress(plan)
-            return None
-        return plan, launched
-
-    def _accept(self, plan: SchedulerOutput, launched: LaunchedStep) -> None:
-        """Wait for the step's tokens and apply everything that decides the next schedule."""
-        out = launched.sample.to_host()
+        launched = self.runner.launch(plan, tables, previous.sample if previous is not None else None)
         self.scheduler.record_progress(plan)
-        for req in launched.sampled:
+        if launched is None:
+            return None
+        for row, req in enumerate(launched.sampled):
             if req.held_by is not None and not req.status.finished:
                 self._fork(req)
+            req.num_pending += 1
+            req.pending_row = row
+        return launched
+
+    def _accept(self, launched: LaunchedStep) -> None:
+        """Wait for the step's tokens and apply everything that decides the next schedule."""
+        out = launched.sample.to_host()
         now = time.monotonic()
+        cache = self.kv.prefix_caching
         for i, req in enumerate(launched.sampled):
-            if req.status.finished:  # aborted, or stopped by a stop string, while the step ran
+            req.num_pending -= 1
+            if req.status.finished:  # aborted or stopped while the step ran: the token is dropped
                 continue
             lp = out.logprobs[i] if out.logprobs is not None else None
             top = out.top_logprobs[i] if out.top_logprobs is not None else None
             self._accept_token(req, out.token_ids[i], lp, top, now)
+            if cache:
+                self.scheduler.cache_known_blocks(req)
 
     def _postprocess(self) -> list[Request]:
         """Detokenize the accepted tokens and apply stop strings; the requests touched, in order."""

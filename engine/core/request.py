@@ -54,6 +54,11 @@ class Request:
     forks: list[Request] = field(default_factory=list)
     held_by: Request | None = None
     num_undetokenized: int = 0  # accepted tokens the detokenizer (and the stop-string check) has not seen
+    # Tokens sampled by a step still on the device (async scheduling): they count in num_tokens, so
+    # the next step can be scheduled before they are read, and the runner feeds the newest one to
+    # the next step from the device, from row `pending_row` of its step's samples.
+    num_pending: int = 0
+    pending_row: int = -1
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -64,7 +69,17 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has read (prompt and accepted output)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def reaches_max_tokens(self) -> bool:
+        """The tokens already sampled (read or pending) exhaust max_tokens: nothing more to compute."""
+        return len(self.output_token_ids) + self.num_pending >= self.max_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids in [start, end) of prompt + output, without building the whole list."""

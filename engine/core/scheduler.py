@@ -133,6 +133,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(out.seqs) < self.max_num_seqs:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0 or (req.num_pending and req.reaches_max_tokens):
+                i += 1  # its last token is still on the device and ends it by length: nothing to compute
+                continue
             while not self.kv.allocate_slots(req.seq_id, req.num_computed_tokens + n, req.num_computed_tokens):
                 victim = self.running[-1]  # latest arrival; never one already scheduled this step
                 self._preempt(victim)
@@ -162,6 +165,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(out.seqs) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending:  # preempted while its step ran: it returns once that token is read
+                return
             tokens = req.token_ids(0, req.num_tokens)
             cached = self.kv.cached_prefix(tokens)
             start = len(cached) * self.kv.block_size
@@ -200,10 +205,16 @@ class Scheduler:
     # -- after the step -----------------------------------------------------------------------
 
     def record_progress(self, out: SchedulerOutput) -> None:
-        """The step ran: the scheduled tokens now have KV (and full blocks join the prefix cache)."""
+        """The step is queued on the device: its tokens count as having KV from now on, since every
+        later step runs after it in stream order.  Full blocks join the prefix cache once their token
+        ids are known (a pending token's block is registered when `cache_known_blocks` sees it)."""
         for s in out.seqs:
             req = s.request
             if req.status != RequestStatus.RUNNING:  # finished or preempted while the step ran
                 continue
             req.num_computed_tokens = s.start + s.num_tokens
-            self.kv.cache_full_blocks(req.seq_id, req.token_ids, req.num_computed_tokens)
+            self.cache_known_blocks(req)
+
+    def cache_known_blocks(self, req: Request) -> None:
+        if self.kv.prefix_caching and req.status == RequestStatus.RUNNING:
+            self.kv.cache_full_blocks(req.seq_id, req.token_ids, min(req.num_computed_tokens, req.num_known_tokens))

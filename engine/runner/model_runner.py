@@ -38,6 +38,10 @@ class StepInputs:
     logits_rows: torch.Tensor  # rows of the hidden states whose next token is sampled
     sampled: list[Request]  # the requests those rows belong to, in order
     graph_size: int | None = None  # a decode step padded to this captured batch size
+    # Input rows whose token is still on the device (async scheduling), and the row of the previous
+    # step's samples that holds each.
+    pending_rows: list[int] | None = None
+    pending_sources: list[int] | None = None
 
 
 @dataclass
@@ -153,14 +157,29 @@ class ModelRunner:
     def prepare(self, plan: SchedulerOutput, block_tables: list[list[int]]) -> StepInputs:
         bs = self.block_size
         seqs = plan.seqs
-        decode = all(s.num_tokens == 1 for s in seqs)
+        ones = [i for i, s in enumerate(seqs) if s.num_tokens == 1]
+        decode = len(ones) == len(seqs)
+        num_decodes = 0
+        if ones and not decode:  # a mixed step: its one-token sequences first (see AttentionMetadata)
+            order = ones + [i for i, s in enumerate(seqs) if s.num_tokens != 1]
+            seqs = [seqs[i] for i in order]
+            block_tables = [block_tables[i] for i in order]
+            num_decodes = len(ones)
         graph_size = self.graphs.size_for(len(seqs)) if decode and self.graphs is not None else None
         rows, sampled = [], []
+        pending_rows: list[int] = []
+        pending_sources: list[int] = []
         if decode:
             ids, positions, slots, seq_lens = [], [], [], []
-            for s, table in zip(seqs, block_tables):
+            for i, (s, table) in enumerate(zip(seqs, block_tables)):
                 p = s.start
-                ids.append(s.request.token_at(p))
+                req = s.request
+                if p < req.num_known_tokens:
+                    ids.append(req.token_at(p))
+                else:  # sampled by the step still running: filled in on the device
+                    ids.append(0)
+                    pending_rows.append(i)
+                    pending_sources.append(req.pending_row)
                 positions.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
                 seq_lens.append(p + 1)
@@ -172,7 +191,13 @@ class ModelRunner:
             id_parts, pos_parts, slot_parts, qsl, seq_lens = [], [], [], [0], []
             for s, table in zip(seqs, block_tables):
                 end = s.start + s.num_tokens
-                id_parts.extend(s.request.token_ids(s.start, end))
+                known = min(end, s.request.num_known_tokens)
+                id_parts.extend(s.request.token_ids(s.start, known))
+                if known < end:  # only the newest token can be pending, and only in its own decode row
+                    assert end - known == 1, "a sequence has more than one token on the device"
+                    id_parts.append(0)
+                    pending_rows.append(qsl[-1] + s.num_tokens - 1)
+                    pending_sources.append(s.request.pending_row)
                 pos = np.arange(s.start, end, dtype=np.int64)
                 pos_parts.append(pos)
                 slot_parts.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
@@ -213,6 +238,7 @@ class ModelRunner:
             block_tables=self._to_device(tables, st and st.block_tables),
             max_query_len=max(s.num_tokens for s in seqs),
             max_seq_len=max(seq_lens),
+            num_decodes=num_decodes,
         )
         return StepInputs(
             input_ids=self._to_device(ids_a, st and st.input_ids),
@@ -221,6 +247,8 @@ class ModelRunner:
             logits_rows=self._to_device(np.asarray(rows, dtype=np.int64)),
             sampled=sampled,
             graph_size=graph_size,
+            pending_rows=pending_rows or None,
+            pending_sources=pending_sources or None,
         )
 
     @torch.inference_mode()
@@ -228,13 +256,25 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     @torch.inference_mode()
-    def launch(self, plan: SchedulerOutput, block_tables: list[list[int]]) -> LaunchedStep | None:
-        """Queue one step on the device (block moves, forward, sampling); None when nothing samples."""
+    def launch(self, plan: SchedulerOutput, block_tables: list[list[int]],
+               previous: DeviceSample | None = None) -> LaunchedStep | None:
+        """Queue one step on the device (block moves, forward, sampling); None when nothing samples.
+
+        `previous` is the sample of the step still in flight, whose tokens some sequences of this
+        step take as input (their `pending_row`); they are copied on the device, so this step is
+        queued before the host has read them.
+        """
         if plan.ops:
             self.apply(plan.ops)
         if not plan.seqs:
             return None
         inputs = self.prepare(plan, block_tables)
+        if inputs.pending_rows is not None:
+            if previous is None:
+                raise RuntimeError("a scheduled token is pending but no step is in flight")
+            dst = self._to_device(np.asarray(inputs.pending_rows, dtype=np.int64))
+            src = self._to_device(np.asarray(inputs.pending_sources, dtype=np.int64))
+            inputs.input_ids.index_copy_(0, dst, previous.tokens_on_device.index_select(0, src))
         if not inputs.sampled:
             self.forward_hidden(inputs)
             return None

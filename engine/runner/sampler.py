@@ -46,6 +46,11 @@ class DeviceSample:
     top_ids: torch.Tensor | None  # [S, k]
     top_values: torch.Tensor | None  # [S, k]
     ready: torch.cuda.Event | None = None
+    device_token_ids: torch.Tensor | None = None  # the tokens where they were computed: the next step's inputs
+
+    @property
+    def tokens_on_device(self) -> torch.Tensor:
+        return self.token_ids if self.device_token_ids is None else self.device_token_ids
 
     def to_host(self) -> SamplerOutput:
         if self.ready is not None:
@@ -84,6 +89,7 @@ def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, generator: torc
         out = DeviceSample(*(_to_pinned(t) for t in (tokens, chosen_lp, top_ids, top_values)))
         out.ready = torch.cuda.Event()
         out.ready.record()
+        out.device_token_ids = tokens
     return out
 
 

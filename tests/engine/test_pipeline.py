@@ -110,3 +110,57 @@ def test_aborts_between_steps_return_every_block():
         else:
             assert c.finish_reason == "length" and len(c.token_ids) == 40
     _all_free(llm)
+
+
+def test_the_next_step_is_queued_before_the_tokens_of_this_one_are_read():
+    llm = _engine(2)
+    engine = llm.llm_engine
+    core = engine.core
+    for i in range(4):
+        engine.add_request(str(i), {"prompt_token_ids": [7 + i] * (5 + i)},
+                           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    engine.step()  # the prompts are queued; nothing has been read yet
+    assert core._in_flight is not None and not any(r.output_token_ids for r in core.scheduler.running)
+    for _ in range(5):
+        engine.step()
+        in_flight = core._in_flight
+        assert in_flight is not None
+        for req in in_flight.sampled:  # each holds exactly one unread token, counted in num_tokens
+            assert req.num_pending == 1
+            assert req.num_tokens == req.num_known_tokens + 1
+            assert req.num_computed_tokens == req.num_tokens - 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    _all_free(llm)
+
+
+def test_an_eos_seen_late_drops_the_token_computed_after_it():
+    sync = _engine(1)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    free_run = sync.generate(["Beautiful is"], params, use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = free_run[5]
+    cut = free_run.index(stop_id) + 1
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id], ignore_eos=True)
+    piped = _engine(2)
+    for llm in (sync, piped):
+        out = llm.generate(["Beautiful is"], params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == free_run[:cut] and out.finish_reason == "stop" and out.stop_reason == stop_id
+        _all_free(llm)
+
+
+def test_blocks_of_generated_tokens_join_the_prefix_cache_once_read():
+    """The decode step queued before its input token is known registers that block later, at accept:
+    a follow-up prompt that repeats the first request's output hits the same blocks either way."""
+    hits = {}
+    for depth in (1, 2):
+        llm = _engine(depth, enable_prefix_caching=True, block_size=8)
+        first = llm.generate({"prompt_token_ids": list(range(10, 30))},
+                             SamplingParams(temperature=0, max_tokens=37, ignore_eos=True), use_tqdm=False)[0]
+        follow_up = first.prompt_token_ids + first.outputs[0].token_ids + [3, 4, 5]
+        kv = llm.llm_engine.core.kv
+        before = kv.prefix_hits
+        llm.generate({"prompt_token_ids": follow_up}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        hits[depth] = kv.prefix_hits - before
+        _all_free(llm)
+    # 20 + 37 tokens, of which 56 have KV: 7 full blocks of 8 tokens
+    assert hits[1] == hits[2] == 56

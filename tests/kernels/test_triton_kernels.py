@@ -302,3 +302,24 @@ def test_gpu_cache_ops_llama3_sizes(dtype):
     reference.scatter_blocks(expected, new, ids)
     cache_ops.scatter_blocks(cache, new, ids)
     assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_step_runs_decodes_and_prefills_on_their_own_kernels(dtype):
+    """Decode rows first (num_decodes), then prefill chunks: the split dispatch equals the reference."""
+    q_lens, lens = [1, 1, 1, 1, 37, 5, 70], [40, 9, 130, 1, 37, 60, 200]
+    case = make_case(num_heads=8, num_kv_heads=2, head_dim=32, block_size=16, q_lens=q_lens, seq_lens=lens,
+                     dtype=dtype, device=DEVICE, seed=99)
+    out = _poisoned(case)
+    triton_backend.paged_attention(*case.args(), out=out, num_decodes=4)
+    _check(out, case, "mixed")
+
+
+def test_prefill_from_a_first_sequence_leaves_the_earlier_rows_alone():
+    case = make_case(num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, q_lens=[3, 20, 9], seq_lens=[10, 20, 40],
+                     dtype=torch.float32, device=DEVICE, seed=5)
+    out = _poisoned(case)
+    pa.paged_attention_prefill(*case.args()[:7], out=out, first_seq=1)
+    assert torch.isnan(out[:3]).all()  # sequence 0's rows: untouched
+    ref = reference.paged_attention(*case.args())
+    torch.testing.assert_close(out[3:], ref[3:], rtol=1e-5, atol=1e-5)

@@ -23,6 +23,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int
     max_seq_len: int
+    # Mixed steps list their one-token (decode) sequences first: how many (the GPU backend runs
+    # them on the decode kernel and the rest on the prefill kernel).
+    num_decodes: int = 0
 
 
 class PagedAttention(nn.Module):
@@ -50,4 +53,5 @@ class PagedAttention(nn.Module):
         return backend.paged_attention(
             q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.scale, meta.max_query_len, meta.max_seq_len,
+            num_decodes=meta.num_decodes,
         )
