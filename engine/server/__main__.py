@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import asyncio.selector_events
 import os
 import signal
 import socket
@@ -166,6 +167,25 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig, sock: socket
 ACCEPT_GRACE_S = 0.25
 
 
+def stop_accepting(servers: list[asyncio.AbstractServer]) -> None:
+    """Stop taking connections off the listening sockets, without closing the servers yet.
+
+    asyncio accepts a connection in one loop iteration and attaches its transport to the server in
+    the next; `Server.close()` in between makes that attach fail, and the connection, whose request
+    may already be in its buffer, is dropped with a TCP reset.  So the selector loop first stops
+    watching the listening sockets, and the servers are closed only after the connections already
+    accepted have attached (and sent their requests, which are admitted and drained).  Other loops
+    (uvloop) have no such step and are closed directly.
+    """
+    loop = asyncio.get_running_loop()
+    for server in servers:
+        if isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop):
+            for sock in server.sockets:
+                loop.remove_reader(sock.fileno())
+        else:
+            server.close()
+
+
 class DrainOnTermServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM drains before exiting instead of cutting requests off.
 
@@ -208,10 +228,12 @@ class DrainOnTermServer(uvicorn.Server):
     async def _drain_then_exit(self) -> None:
         get_notifier().stopping(f"draining: {self.async_engine.num_in_flight} request(s) in flight")
         if self.stop_accepting_on_term:
-            for server in getattr(self, "servers", []):
-                server.close()  # our copy of the listening socket; the holder keeps it open
+            servers = getattr(self, "servers", [])
+            stop_accepting(servers)
             log.info("stopped_accepting", reason="SIGTERM", queued_connections="wait for the next engine")
             await asyncio.sleep(ACCEPT_GRACE_S)
+            for server in servers:
+                server.close()  # our copy of the listening socket; the holder keeps it open
         result = await self.async_engine.drain(self.drain_timeout)
         self.exit_reason = "drained" if result.drained else "drain_timeout"
         self.should_exit = True

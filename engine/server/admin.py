@@ -8,6 +8,7 @@ work is waiting and the loop has not stepped within --health-stall-seconds.
 from __future__ import annotations
 
 import asyncio
+import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -75,6 +76,17 @@ async def freeze(http: Request, seconds: float = Query(..., gt=0.0, le=3600.0)) 
         raise OpenAIError(404, "Not Found")
     state.async_engine.freeze(seconds)
     return {"frozen_seconds": seconds}
+
+
+@router.post("/debug/block-http-loop", dependencies=[Depends(require_admin)], include_in_schema=False)
+async def block_http_loop(http: Request, seconds: float = Query(..., gt=0.0, le=60.0)) -> dict[str, float]:
+    """Test hook (--enable-debug-hooks): hold the HTTP event loop for `seconds`, as a CPU-starved host
+    would, so that connections and signals pile up and are handled in the same loop iteration."""
+    state = get_state(http)
+    if not state.enable_debug_hooks:
+        raise OpenAIError(404, "Not Found")
+    time.sleep(seconds)  # deliberately blocking
+    return {"blocked_seconds": seconds}
 
 
 @router.post("/debug/metrics", dependencies=[Depends(require_admin)], include_in_schema=False)
