@@ -6,7 +6,8 @@ never touches tensors and the model never sees requests.
 Nothing between building a step's inputs and reading its sampled tokens waits for the GPU: inputs
 travel host -> device from pinned memory without blocking (a plain `torch.tensor(..., device=cuda)`
 would wait for every queued kernel), and `launch` returns the samples still on the device.  That is
-what lets the engine core prepare and post-process one step while the GPU computes the next.
+what lets the engine core queue step k+1 while the GPU computes step k (async scheduling): the
+tokens step k+1 takes from step k are copied into its inputs on the device, never via the host.
 Decode-only steps replay a CUDA graph (engine/runner/cuda_graphs.py) unless `enforce_eager`.
 """
 

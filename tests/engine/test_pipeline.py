@@ -1,6 +1,7 @@
-"""The two-deep step pipeline (--max-num-on-the-fly-batches 2) changes when work happens, never what
-comes out: the same tokens, text, finish reasons and logprobs as the synchronous loop, with stop
-strings (seen one step late), n > 1 forks, seeds, preemption and aborts, and every block returned."""
+"""Async scheduling (--max-num-on-the-fly-batches 2: step k+1 is queued before step k's tokens are
+read) changes when work happens, never what comes out: the same tokens, text, finish reasons and
+logprobs as the synchronous loop, with stop strings and EOS seen one step late, n > 1 forks, seeds,
+preemption, aborts and prefix caching, and every block returned."""
 
 from __future__ import annotations
 
