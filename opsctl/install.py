@@ -38,7 +38,8 @@ UNIT_DIR = Path("/etc/systemd/system")
 CONFIG_FILE = Path("/etc/pagekeeper/pagekeeper.toml")
 ENV_FILE = Path("/etc/pagekeeper/engine.env")
 TEMPLATE_PYTHON = "/usr/bin/python3"  # the interpreter the units in systemd/ name
-HIDDEN_BY_PROTECT_HOME = (Path("/home"), Path("/root"), Path("/run/user"))
+# ProtectHome=tmpfs hides the first three, PrivateTmp=yes the last two (a checkout cloned into /tmp).
+HIDDEN_FROM_SERVICES = (Path("/home"), Path("/root"), Path("/run/user"), Path("/tmp"), Path("/var/tmp"))
 
 DEFAULT_CONFIG = """\
 # pagekeeper: [engine] holds the flags of `python -m engine.server` (dashes as underscores),
@@ -149,7 +150,7 @@ class Layout:
 
     python: str
     code_root: Path | None  # a source checkout to put on PYTHONPATH (None: a regular install)
-    visible: list[Path]  # paths under /root, /home or /run/user the services must still read
+    visible: list[Path]  # paths under /root, /home, /run/user, /tmp or /var/tmp the services must still read
 
     @classmethod
     def detect(cls, cfg: PagekeeperConfig, python: str | None = None) -> Layout:
@@ -168,7 +169,7 @@ class Layout:
         if model and os.path.isabs(str(model)):
             needed.append(Path(str(model)))
         hidden = sorted({Path(os.path.abspath(p)) for p in needed
-                         if any(h in Path(os.path.abspath(p)).parents for h in HIDDEN_BY_PROTECT_HOME)})
+                         if any(h in Path(os.path.abspath(p)).parents for h in HIDDEN_FROM_SERVICES)})
         visible = [p for p in hidden if not any(q in p.parents for q in hidden)]  # outermost paths only
         return cls(python=python, code_root=None if in_site else code_root, visible=visible)
 

@@ -138,7 +138,8 @@ class Box:
         self._master = master
         spec = {"console": os.ttyname(slave), "target": BOX_TARGET, "run_units": self.run_units,
                 "masks": [m for m in _masks() if m not in self.run_units], "hostname": f"pagekeeper-{self.name}",
-                "files_from": str(self.files_from) if self.files_from else None, "ro_binds": _other_mounts()}
+                "files_from": str(self.files_from) if self.files_from else None, "ro_binds": _other_mounts(),
+                "tmp_binds": _under_private_tmp()}
         spec_file = self.workdir / f"{self.name}-spec.json"
         spec_file.write_text(json.dumps(spec, indent=1))
         inner = ["setpriv", "--pdeathsig", "KILL", "--",
@@ -268,15 +269,31 @@ class Box:
         return self.run("cat", path).stdout
 
 
+def _needed_paths() -> list[Path]:
+    """What the units run: the repo and the interpreter."""
+    return [Path(os.path.abspath(p)) for p in
+            (REPO, Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).resolve().parent)]
+
+
+def _under_private_tmp() -> list[str]:
+    """Needed paths under /tmp (a checkout cloned there, say): the box mounts its own empty /tmp over
+    them, so boxinit binds them back, read-only, at the same paths."""
+    out: list[str] = []
+    for path in _needed_paths():
+        if path.is_relative_to("/tmp") and str(path) not in out:
+            out.append(str(path))
+    return out
+
+
 def _other_mounts() -> list[str]:
     """Paths the box needs (the repo, the interpreter) that live on another file system than / (the
-    overlay only shows the root file system); bound read-only into the box."""
+    overlay only shows the root file system); bound read-only into the box.  Paths under /tmp are
+    bound after the box's own /tmp instead (`_under_private_tmp`)."""
     root_dev = os.stat("/").st_dev
-    needed = [REPO, Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).resolve().parent]
     out: list[str] = []
-    for path in needed:
-        top = Path(os.path.abspath(path))
-        if os.stat(top).st_dev == root_dev:
+    for path in _needed_paths():
+        top = path
+        if os.stat(top).st_dev == root_dev or path.is_relative_to("/tmp"):
             continue
         while top.parent != top and os.stat(top.parent).st_dev == os.stat(path).st_dev:
             top = top.parent  # the mount point holding it

@@ -109,6 +109,8 @@ def build_root(spec: dict) -> Path:
 
     mount("tmpfs", root / "run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
     mount("tmpfs", root / "tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    for path in spec.get("tmp_binds", []):  # needed host paths under /tmp, which the tmpfs just hid
+        bind(path, root / path.lstrip("/"), readonly=True)
     units = root / "run/systemd/system"
     units.mkdir(parents=True)
     for name, text in spec.get("run_units", {}).items():

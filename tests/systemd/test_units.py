@@ -172,6 +172,10 @@ def test_paths_under_home_directories_are_bound_read_only_into_the_units(tmp_pat
     cfg.engine["model"] = "/home/alice/models/llama"
     layout = Layout.detect(cfg, python="/home/alice/venv/bin/python")
     assert Path("/home/alice/models/llama") in layout.visible and Path("/home/alice/venv/bin/python") in layout.visible
+    cfg.engine["model"] = "/tmp/ci/models/llama"  # PrivateTmp=yes hides /tmp and /var/tmp alike
+    layout = Layout.detect(cfg, python="/var/tmp/venv/bin/python")
+    assert Path("/tmp/ci/models/llama") in layout.visible and Path("/var/tmp/venv/bin/python") in layout.visible
+    cfg.engine["model"] = "/home/alice/models/llama"
     layout = Layout(python="/home/alice/venv/bin/python", code_root=Path("/home/alice/src/pagekeeper"),
                     visible=[Path("/home/alice/venv"), Path("/home/alice/src/pagekeeper")])
     units = render_units(cfg, layout)
