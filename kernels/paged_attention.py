@@ -431,8 +431,8 @@ def paged_attention_prefill(
 
     Sequences before `first_seq` are left alone (a mixed step's decodes, which the decode kernel
     serves).  An offset rather than sliced tensors: a slice of the block tables or lengths starts
-    at an address Triton cannot assume 16-byte aligned, which compiles another kernel variant
-    mid-serving (1.2 s, seen on the H200).
+    at an address Triton cannot assume 16-byte aligned, which would compile another kernel variant
+    in the middle of serving.
     """
     _check_cache(kv_cache, query)
     if query.stride(-1) != 1:

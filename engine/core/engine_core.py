@@ -139,7 +139,6 @@ class EngineCore:
                     self._accept(launched)
                 return self._postprocess()
             previous = self._in_flight
-            self._in_flight = None
             self._in_flight = self._schedule_and_launch(previous)
             if previous is not None:
                 self._accept(previous)

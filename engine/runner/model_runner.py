@@ -13,6 +13,7 @@ Decode-only steps replay a CUDA graph (engine/runner/cuda_graphs.py) unless `enf
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,8 +126,6 @@ class ModelRunner:
     def capture_decode_graphs(self, max_num_seqs: int, only_largest: bool = False) -> float:
         """Capture one decode graph per capture size (start-up profiling: only the largest, whose
         pool the others reuse); returns the seconds it took."""
-        import time
-
         assert self.device.type == "cuda" and self.max_model_len is not None
         started = time.monotonic()
         sizes = capture_sizes(max_num_seqs)

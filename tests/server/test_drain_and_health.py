@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import http.client
 import json
+import signal
+import socket
 import threading
 import time
 
@@ -107,8 +110,6 @@ def test_debug_hooks_are_off_by_default(launch):
 
 def _complete_raw(port: int, out: list, idx: int) -> None:
     """One completion over a fresh connection, the way a load balancer's client sends it; the outcome."""
-    import http.client
-
     body = json.dumps({"model": MODEL, "prompt": "Beautiful is", "max_tokens": 8, "temperature": 0})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
@@ -128,9 +129,6 @@ def test_sigterm_with_an_inherited_socket_answers_every_connection_already_accep
     attach, or they are reset with their requests unread (seen as 3 resets in the systemd restart test
     on a loaded 2-core host).  Every such request is admitted and answered; the socket stays open for
     the next engine."""
-    import signal
-    import socket
-
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(64)
