@@ -47,6 +47,7 @@ class EngineSnapshot:
     generation_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
+    oldest_waiting_seconds: float = 0.0
     allocated_bytes: int = 0
     reserved_bytes: int = 0
 
@@ -67,6 +68,9 @@ class EngineMetrics:
         self.running = gauge("vllm_num_requests_running", "Requests in the running batch")
         self.waiting = gauge("vllm_num_requests_waiting", "Requests waiting to be scheduled")
         self.swapped = gauge("vllm_num_requests_swapped", "Requests swapped out to CPU")
+        self.oldest_waiting = gauge("vllm_oldest_waiting_seconds",
+                                    "Age of the oldest request waiting or swapped out (0 when none): a backlog "
+                                    "is requests that age, not a queue that exists for an instant")
         self.gpu_cache_usage = gauge("vllm_gpu_cache_usage_perc",
                                      "KV blocks held by live requests / all KV blocks (0-1)")
         self.cpu_cache_usage = gauge("vllm_cpu_cache_usage_perc", "Swap blocks in use / all swap blocks (0-1)")
@@ -117,6 +121,7 @@ class EngineMetrics:
         self.running.labels(n).set(s.running)
         self.waiting.labels(n).set(s.waiting)
         self.swapped.labels(n).set(s.swapped)
+        self.oldest_waiting.labels(n).set(s.oldest_waiting_seconds)
         self.gpu_cache_usage.labels(n).set(s.gpu_cache_usage)
         self.cpu_cache_usage.labels(n).set(s.cpu_cache_usage)
         self.token_utilization.labels(n).set(s.token_utilization)

@@ -1,13 +1,29 @@
 """`opsctl`: start, stop, restart, drain and inspect a supervised pagekeeper engine.
 
-`opsctl start` starts the supervisor daemon, which starts the engine; it returns once the engine
-serves (or says why it never will).  Every other command talks to the running supervisor over its
-control socket.  Mistakes the user can fix exit 2 with one line; a supervisor that is not running
-is exit 3 (as `systemctl status` reports an inactive unit).
+`opsctl start` starts the supervisor daemon, which starts the engine (or adopts the one a dead
+supervisor left serving); it returns once the engine serves, or says in one line why it does not.
+Every other command talks to the running supervisor over its control socket.
+
+Exit codes, for automation (`opsctl status` is 0 only when the engine serves, like `systemctl is-active`):
+
+| code | status                                       | start                                   |
+|------|----------------------------------------------|-----------------------------------------|
+| 0    | serving                                      | serving (started, adopted or already)   |
+| 1    | the supervisor did not answer properly       | the engine did not come up in time      |
+| 2    | usage or config error                        | usage/config error, or the engine exited|
+|      |                                              | with 2 (a mistake it names; not retried)|
+| 3    | not running                                  |                                         |
+| 4    | starting, restarting or stopping             |                                         |
+| 5    | draining (admits nothing until `resume`)     | running but drained                     |
+| 6    | gave up (crash loop) or failed permanently   | the supervisor gave up                  |
+| 7    | an engine serves without a supervisor        |                                         |
+| 8    | unhealthy: exited, stalled or unresponsive,  |                                         |
+|      | about to be restarted                        |                                         |
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -15,17 +31,29 @@ import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 
 from engine.config import ConfigError
 from opsctl import control
 from opsctl.config import PagekeeperConfig, load_config
-from opsctl.supervisor import SUPERVISOR_LOG_NAME
+from opsctl.launcher import recorded_engine, stop_unsupervised
+from opsctl.supervisor import (EXIT_ALREADY_RUNNING, PID_NAME, SUPERVISOR_LOG_NAME, read_last_failure)
 
+EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_NOT_RUNNING = 3
+EXIT_TRANSITION = 4
+EXIT_DRAINING = 5
+EXIT_GAVE_UP = 6
+EXIT_UNSUPERVISED = 7
+EXIT_UNHEALTHY = 8
+
+STATE_EXIT = {"serving": 0, "starting": EXIT_TRANSITION, "restarting": EXIT_TRANSITION,
+              "stopping": EXIT_TRANSITION, "draining": EXIT_DRAINING, "gave_up": EXIT_GAVE_UP,
+              "failed": EXIT_GAVE_UP, "exited": EXIT_UNHEALTHY, "stalled": EXIT_UNHEALTHY,
+              "unresponsive": EXIT_UNHEALTHY}
 
 
 def _version() -> str:
@@ -39,19 +67,25 @@ class Ctx:
     def __init__(self, config_path: str | None, runtime_dir: str | None) -> None:
         self.config_path = config_path
         self.runtime_dir = runtime_dir
+        self._config: PagekeeperConfig | None = None
 
     def config(self, **supervisor_overrides: Any) -> PagekeeperConfig:
+        if self._config is not None and not supervisor_overrides:
+            return self._config
         try:
-            return load_config(self.config_path, {"supervisor": {"runtime_dir": self.runtime_dir,
-                                                                 **supervisor_overrides}})
+            cfg = load_config(self.config_path, {"supervisor": {"runtime_dir": self.runtime_dir,
+                                                                **supervisor_overrides}})
         except ConfigError as e:
             _fail(str(e), EXIT_USAGE)
+        if not supervisor_overrides:
+            self._config = cfg
+        return cfg
 
     def runtime(self) -> Path:
         return self.config().supervisor.runtime_path()
 
 
-def _fail(message: str, code: int = 1) -> None:
+def _fail(message: str, code: int = EXIT_ERROR) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
 
@@ -66,6 +100,23 @@ def _send(ctx: Ctx, cmd: str, args: dict[str, Any] | None = None, timeout: float
     return reply
 
 
+def _location_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """`--config`/`--runtime-dir` after the subcommand too (`opsctl start --config F`)."""
+
+    @click.option("--config", "sub_config", default=None, help="TOML config file (as before the subcommand).")
+    @click.option("--runtime-dir", "sub_runtime", default=None, help="Runtime dir (as before the subcommand).")
+    @functools.wraps(f)
+    def wrapper(*args: Any, sub_config: str | None, sub_runtime: str | None, **kwargs: Any) -> Any:
+        ctx: Ctx = click.get_current_context().obj
+        if sub_config:
+            ctx.config_path, ctx._config = sub_config, None
+        if sub_runtime:
+            ctx.runtime_dir, ctx._config = sub_runtime, None
+        return f(*args, **kwargs)
+
+    return wrapper
+
+
 @click.group()
 @click.version_option(_version(), prog_name="opsctl")
 @click.option("--config", "config_path", envvar="PAGEKEEPER_CONFIG", default=None,
@@ -74,11 +125,26 @@ def _send(ctx: Ctx, cmd: str, args: dict[str, Any] | None = None, timeout: float
               help="Where the control socket, pid file and logs live.")
 @click.pass_context
 def main(click_ctx: click.Context, config_path: str | None, runtime_dir: str | None) -> None:
-    """Operate the pagekeeper inference engine."""
+    """Operate the pagekeeper inference engine.
+
+    \b
+    Exit codes: 0 serving / done; 1 error; 2 usage or config error (also an
+    engine that exited 2: a mistake it names, never retried); 3 not running;
+    4 starting, restarting or stopping; 5 draining; 6 gave up or failed;
+    7 an engine serves without a supervisor; 8 unhealthy (exited, stalled).
+    """
     click_ctx.obj = Ctx(config_path, runtime_dir)
 
 
+def _status_or_none(runtime: Path) -> dict[str, Any] | None:
+    try:
+        return control.status(runtime)
+    except (control.SupervisorNotRunning, OSError, ValueError):
+        return None
+
+
 def _wait_until_serving(ctx: Ctx, proc: subprocess.Popen | None, timeout: float, what: str) -> dict[str, Any]:
+    """Follow the supervisor until the engine serves; every other outcome is one line and its exit code."""
     runtime = ctx.runtime()
     start = time.monotonic()
     tty = sys.stderr.isatty()
@@ -86,20 +152,22 @@ def _wait_until_serving(ctx: Ctx, proc: subprocess.Popen | None, timeout: float,
     while True:
         waited = time.monotonic() - start
         if proc is not None and proc.poll() is not None:
-            log = (runtime / SUPERVISOR_LOG_NAME).read_text(errors="replace")[-2000:]
-            _fail(f"the supervisor exited with {proc.returncode}:\n{log}", proc.returncode or 1)
-        try:
-            st = control.status(runtime)
-        except (control.SupervisorNotRunning, OSError, ValueError):
-            st = None
+            _supervisor_exited(ctx, proc.returncode, timeout - waited)
+            proc = None  # another supervisor won the race for this runtime dir: follow that one
+        st = _status_or_none(runtime)
         state = st["engine"]["state"] if st else "starting supervisor"
         if state == "serving":
             if tty:
                 click.echo("", err=True)
             return st  # type: ignore[return-value]
-        if state == "gave_up":
-            _fail(f"the engine keeps failing; the supervisor gave up after {st['restarts']['total']} restart(s).\n"
-                  f"last exit: {st['crash_loop']['reason']}")
+        if state in ("gave_up", "failed"):
+            assert st is not None
+            kind = "failed permanently" if state == "failed" else \
+                f"keeps failing; the supervisor gave up after {st['restarts']['total']} restart(s)"
+            _fail(f"the engine {kind}: {one_line(st['crash_loop']['reason'])}; fix it, then `opsctl restart`",
+                  EXIT_GAVE_UP)
+        if st is None and proc is None and waited > 5:
+            _fail("the supervisor is gone; see `opsctl logs --supervisor`", EXIT_ERROR)
         if waited > timeout:
             _fail(f"the engine was not serving after {timeout:.0f} s (state: {state}); see `opsctl logs`")
         line = f"{what}: {state} ({waited:.1f} s)"
@@ -108,23 +176,57 @@ def _wait_until_serving(ctx: Ctx, proc: subprocess.Popen | None, timeout: float,
         elif state != last_state:
             click.echo(line, err=True)
         last_state = state
-        time.sleep(0.25)
+        time.sleep(0.2)
+
+
+def _supervisor_exited(ctx: Ctx, code: int, time_left: float) -> None:
+    runtime = ctx.runtime()
+    if code == EXIT_ALREADY_RUNNING:
+        return  # a concurrent `opsctl start` started one first; the caller follows it
+    failure = read_last_failure(runtime)
+    if failure is not None:
+        _fail(one_line(failure["reason"]), EXIT_USAGE if code == EXIT_USAGE else code or EXIT_ERROR)
+    log = (runtime / SUPERVISOR_LOG_NAME).read_text(errors="replace").strip().splitlines()
+    detail = next((ln for ln in reversed(log) if ln.startswith("error:")), log[-1] if log else "no log")
+    _fail(f"the supervisor exited with {code}: {one_line(detail)}", code or EXIT_ERROR)
+
+
+def one_line(text: str | None) -> str:
+    """A multi-line reason (a log tail) as the single line a person reads first."""
+    lines = [ln.strip() for ln in str(text or "").splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    head = lines[0]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    if errors and errors[-1] not in head:
+        head = f"{head.rstrip(':')}: {errors[-1]}"
+    return head if len(head) <= 400 else head[:397] + "..."
 
 
 @main.command()
+@_location_options
 @click.option("--foreground", is_flag=True, help="Run the supervisor in this terminal (Ctrl-C stops everything).")
 @click.option("--dry-run", is_flag=True, help="The supervisor decides and logs, but never acts.")
 @click.option("--launcher", type=click.Choice(["auto", "process", "systemd"]), default=None)
-@click.option("--timeout", type=float, default=None, help="Seconds to wait for the engine (default ready_timeout).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds to wait for the engine (default ready_timeout).")
 @click.pass_obj
 def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeout: float | None) -> None:
-    """Start the supervisor, which starts the engine; return when it serves."""
+    """Start the supervisor, which starts (or adopts) the engine; return when it serves."""
     cfg = ctx.config(dry_run=True if dry_run else None, launcher=launcher)
     runtime = cfg.supervisor.runtime_path()
-    if control.is_running(runtime):
-        st = control.status(runtime)
-        click.echo(f"already running: {st['engine']['state']} at {st['engine']['url']} (supervisor pid "
-                   f"{st['supervisor']['pid']})")
+    st = _status_or_none(runtime)
+    if st is not None:
+        state = st["engine"]["state"]
+        where = f"{st['engine']['url']} (supervisor pid {st['supervisor']['pid']})"
+        if state in ("gave_up", "failed"):
+            _fail(f"already running but the supervisor gave up at {where}: {one_line(st['crash_loop']['reason'])}; "
+                  f"`opsctl restart` retries, `opsctl stop` stops", EXIT_GAVE_UP)
+        if state == "draining":
+            _fail(f"already running at {where} but drained (admits nothing); `opsctl resume` undoes it", EXIT_DRAINING)
+        if state != "serving":
+            st = _wait_until_serving(ctx, None, timeout or cfg.supervisor.ready_timeout, "already starting")
+        click.echo(f"already running: serving at {where}")
         return
     runtime.mkdir(parents=True, exist_ok=True, mode=0o700)
     args = [sys.executable, "-m", "opsctl.supervisor", "--runtime-dir", str(runtime)]
@@ -138,28 +240,50 @@ def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeo
         from opsctl.supervisor import main as supervisor_main
 
         sys.exit(supervisor_main(args[3:]))
+    adopting = recorded_engine(runtime) is not None
     with open(runtime / SUPERVISOR_LOG_NAME, "ab") as log:
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     st = _wait_until_serving(ctx, proc, timeout or cfg.supervisor.ready_timeout, "starting")
-    click.echo(f"pagekeeper is serving {st['engine']['model']} at {st['engine']['url']}")
+    verb = "adopted the engine that was serving" if adopting else "serving"
+    click.echo(f"pagekeeper is {verb} {st['engine']['model']} at {st['engine']['url']}")
     click.echo(f"  supervisor pid {st['supervisor']['pid']}, metrics {st['supervisor']['metrics_url']}, "
                f"logs: opsctl logs")
 
 
-@main.command()
-@click.option("--no-drain", is_flag=True, help="Do not wait for in-flight requests.")
-@click.option("--drain-timeout", type=float, default=None)
-@click.pass_obj
-def stop(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
-    """Drain and stop the engine, then the supervisor."""
-    runtime = ctx.runtime()
-    pid_file = runtime / "supervisor.pid"
-    pid = int(pid_file.read_text()) if pid_file.exists() else None
+def _drain_args(no_drain: bool, drain_timeout: float | None) -> dict[str, Any]:
     args: dict[str, Any] = {"drain": not no_drain}
     if drain_timeout is not None:
         args["drain_timeout"] = drain_timeout
-    _send(ctx, "stop", args)
+    return args
+
+
+_DRAIN_TIMEOUT = click.option("--drain-timeout", type=click.FloatRange(min=0), default=None,
+                              help="Seconds the old engine gets to finish in-flight requests (default "
+                                   "[supervisor] drain_timeout); then it is killed.")
+
+
+@main.command()
+@_location_options
+@click.option("--no-drain", is_flag=True, help="Answer in-flight requests with a 503 now instead of finishing them.")
+@_DRAIN_TIMEOUT
+@click.pass_obj
+def stop(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
+    """Drain and stop the engine, then the supervisor (an engine left without one is stopped too)."""
+    runtime = ctx.runtime()
+    pid_file = runtime / PID_NAME
+    timeout = drain_timeout if drain_timeout is not None else ctx.config().supervisor.drain_timeout
+    if _status_or_none(runtime) is None:
+        orphan = recorded_engine(runtime)
+        if orphan is None:
+            click.echo("not running")
+            return
+        retired = stop_unsupervised(orphan, drain=not no_drain, timeout=timeout)
+        click.echo(f"stopped the engine (pid {orphan.pid}) that ran without a supervisor"
+                   + (f"; {retired.lost} request(s) in flight were lost" if retired.lost else ""))
+        return
+    pid = int(pid_file.read_text()) if pid_file.exists() else None
+    _send(ctx, "stop", _drain_args(no_drain, drain_timeout), timeout=timeout + 60)
     deadline = time.monotonic() + 30
     while pid and time.monotonic() < deadline and _pid_alive(pid):
         time.sleep(0.1)
@@ -175,72 +299,146 @@ def _pid_alive(pid: int) -> bool:
 
 
 @main.command()
-@click.option("--no-drain", is_flag=True, help="Restart at once instead of letting in-flight requests finish.")
-@click.option("--drain-timeout", type=float, default=None)
+@_location_options
+@click.option("--no-drain", is_flag=True,
+              help="Do not wait for in-flight requests: they are answered with a 503 at once (new requests "
+                   "still wait for the new engine, none is refused).")
+@_DRAIN_TIMEOUT
 @click.pass_obj
 def restart(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
-    """Drain (unless --no-drain), restart the engine, wait until it serves again."""
-    args: dict[str, Any] = {"drain": not no_drain}
-    if drain_timeout is not None:
-        args["drain_timeout"] = drain_timeout
-    _send(ctx, "restart", args)
+    """Hand over to a new engine (no request refused); return when it serves."""
+    timeout = drain_timeout if drain_timeout is not None else ctx.config().supervisor.drain_timeout
+    _send(ctx, "restart", _drain_args(no_drain, drain_timeout), timeout=timeout + ctx.config().supervisor.ready_timeout + 60)
     st = _wait_until_serving(ctx, None, ctx.config().supervisor.ready_timeout, "restarting")
     click.echo(f"restarted: serving at {st['engine']['url']}")
 
 
 @main.command()
-@click.option("--timeout", type=float, default=None, help="Seconds to wait for in-flight requests.")
+@_location_options
+@click.option("--timeout", type=click.FloatRange(min=0), default=None, help="Seconds to wait for in-flight requests.")
+@click.option("--cancel", is_flag=True, help="Undo a drain (the same as `opsctl resume`).")
 @click.pass_obj
-def drain(ctx: Ctx, timeout: float | None) -> None:
-    """Stop admitting new requests and wait for in-flight ones (the engine stays up)."""
+def drain(ctx: Ctx, timeout: float | None, cancel: bool) -> None:
+    """Stop admitting new requests (503, for a load balancer) and wait for in-flight ones; the engine stays up."""
+    if cancel:
+        _resume(ctx)
+        return
     reply = _send(ctx, "drain", {"timeout": timeout} if timeout is not None else {})
     result = reply["drain"]
     click.echo(json.dumps(result))
     if not result.get("drained"):
-        sys.exit(1)
+        sys.exit(EXIT_ERROR)
+
+
+def _resume(ctx: Ctx) -> None:
+    _send(ctx, "resume")
+    click.echo("resumed: admitting requests again")
 
 
 @main.command()
+@_location_options
+@click.pass_obj
+def resume(ctx: Ctx) -> None:
+    """Undo `opsctl drain`: admit requests again."""
+    _resume(ctx)
+
+
+def _fmt_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+@main.command()
+@_location_options
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_obj
 def status(ctx: Ctx, as_json: bool) -> None:
-    """Engine state, KV usage, queues, GPU, last decision and its evidence, restarts."""
-    try:
-        st = control.status(ctx.runtime())
-    except (control.SupervisorNotRunning, OSError) as e:
+    """Engine state, KV usage, queues, GPU, last decision and its evidence, restarts.
+
+    Exits 0 only while the engine serves; see `opsctl --help` for the other codes.
+    """
+    runtime = ctx.runtime()
+    st = _status_or_none(runtime)
+    if st is None:
+        orphan = recorded_engine(runtime)
+        failure = read_last_failure(runtime)
         if as_json:
-            click.echo(json.dumps({"supervisor": None, "error": str(e)}))
+            click.echo(json.dumps({"supervisor": None, "engine": {
+                "state": "unsupervised" if orphan else "not_running", "pid": orphan.pid if orphan else None},
+                "last_failure": failure}))
+        elif orphan is not None:
+            click.echo(f"engine      serving without a supervisor (pid {orphan.pid}); "
+                       f"`opsctl start` adopts it, `opsctl stop` stops it")
         else:
-            click.echo(f"supervisor: not running ({e})")
-        sys.exit(EXIT_NOT_RUNNING)
+            click.echo("not running" + (f" (last failure: {one_line(failure['reason'])})" if failure else ""))
+        sys.exit(EXIT_UNSUPERVISED if orphan is not None else EXIT_NOT_RUNNING)
+    code = STATE_EXIT.get(st["engine"]["state"], EXIT_ERROR)
     if as_json:
         click.echo(json.dumps(st, indent=2, default=str))
-        return
+        sys.exit(code)
+    for line in _status_lines(st):
+        click.echo(line)
+    sys.exit(code)
+
+
+def _status_lines(st: dict[str, Any]) -> list[str]:
+    """The human view: integers, nothing it does not know, one line per topic."""
     e, d, r, c, s = st["engine"], st["last_decision"], st["restarts"], st["crash_loop"], st["supervisor"]
-    pct = f"{e['kv_cache_usage'] * 100:.1f}%" if e["kv_cache_usage"] is not None else "?"
-    click.echo(f"engine      {e['state']}  pid {e['pid']}  up {e['uptime_s']}s  {e['url']}  model {e['model']}")
-    click.echo(f"kv cache    {pct} used   running {e['running']}  waiting {e['waiting']}")
-    if e.get("metrics_error"):
-        click.echo(f"probe       {e['metrics_error']}")
+    head = [f"engine      {e['state']}"]
+    if e.get("pid"):
+        head.append(f"pid {e['pid']}")
+    if e.get("uptime_s") is not None:
+        head.append(f"up {_fmt_seconds(e['uptime_s'])}")
+    head.append(e["url"])
+    if e.get("model"):
+        head.append(f"model {e['model']}")
+    lines = ["  ".join(head)]
+    queue = []
+    if e.get("kv_cache_usage") is not None:
+        queue.append(f"kv cache {e['kv_cache_usage'] * 100:.1f}% used")
+    for key in ("running", "waiting"):
+        if e.get(key) is not None:
+            queue.append(f"{key} {int(e[key])}")
+    if e.get("oldest_waiting_s"):
+        queue.append(f"oldest waiting {e['oldest_waiting_s']:.1f}s")
+    if queue:
+        lines.append("requests    " + "  ".join(queue))
+    if e.get("metrics_error") and e["state"] not in ("exited",):
+        lines.append(f"probe       {e['metrics_error']}")
     gpu = st["gpu"]
-    if gpu["devices"]:
-        for g in gpu["devices"]:
-            click.echo(f"gpu {g['index']}       {g['name']}  {g['memory_used_bytes'] / 2**30:.1f} / "
-                       f"{g['memory_total_bytes'] / 2**30:.1f} GiB  util {g['utilization_ratio']}  "
-                       f"{g['temperature_celsius']} C  xid {g['xid_errors_total']}")
-    else:
-        click.echo(f"gpu         {gpu['detail']}")
+    for g in gpu["devices"]:
+        parts = [g["name"], f"{g['memory_used_bytes'] / 2**30:.1f} / {g['memory_total_bytes'] / 2**30:.1f} GiB"]
+        if g.get("utilization_ratio") is not None:
+            parts.append(f"util {int(g['utilization_ratio'] * 100)}%")
+        if g.get("temperature_celsius") is not None:
+            parts.append(f"{int(g['temperature_celsius'])} C")
+        parts.append(f"xid {int(g['xid_errors_total'])}")
+        lines.append(f"gpu {g['index']}       " + "  ".join(parts))
+    if not gpu["devices"]:
+        lines.append(f"gpu         {gpu['detail']}")
     if d:
-        click.echo(f"decision    {d['action']} ({d['reason']}) {json.dumps(d['evidence'])}")
-    guard = f"GAVE UP: {c['reason']}" if c["gave_up"] else f"ok (max {c['max_restarts']} in {c['restart_window_s']:.0f}s)"
-    click.echo(f"restarts    {r['total']}  crash loop: {guard}")
-    if e.get("last_exit"):
-        click.echo(f"last exit   {e['last_exit']}")
-    click.echo(f"supervisor  pid {s['pid']}  launcher {s['launcher']}{'  DRY-RUN' if s['dry_run'] else ''}  "
-               f"metrics {s['metrics_url']}")
+        evidence = ", ".join(f"{k}={v}" for k, v in (d.get("evidence") or {}).items() if v is not None)
+        lines.append(f"decision    {d['action']} ({d['reason']})" + (f": {evidence}" if evidence else ""))
+    if c["gave_up"]:
+        guard = ("FAILED: " if c.get("permanent") else "GAVE UP: ") + one_line(c["reason"])
+    else:
+        guard = f"ok (max {int(c['max_restarts'])} in {_fmt_seconds(c['restart_window_s'])})"
+    lines.append(f"restarts    {int(r['total'])}  crash loop: {guard}")
+    if e.get("last_exit") and not c["gave_up"]:
+        lines.append(f"last exit   {one_line(e['last_exit'])}")
+    lines.append(f"supervisor  pid {s['pid']}  launcher {s['launcher']}  handover {s.get('handover', '?')}"
+                 f"{'  DRY-RUN' if s['dry_run'] else ''}  metrics {s['metrics_url']}")
+    return lines
 
 
 @main.command()
+@_location_options
 @click.option("-f", "--follow", is_flag=True)
 @click.option("--supervisor", "which", flag_value="supervisor", help="Show the supervisor's log instead.")
 @click.option("-n", "--lines", type=int, default=50)
@@ -266,6 +464,7 @@ def logs(ctx: Ctx, follow: bool, which: str | None, lines: int) -> None:
 
 
 @main.command()
+@_location_options
 @click.pass_obj
 def doctor(ctx: Ctx) -> None:
     """Check the environment and show the memory plan for the configured model, without starting it."""
@@ -315,6 +514,7 @@ def config() -> None:
 
 
 @config.command("show")
+@_location_options
 @click.pass_obj
 def config_show(ctx: Ctx) -> None:
     """Print the effective configuration as TOML (file values over built-in defaults)."""

@@ -46,6 +46,7 @@ class SupervisorConfig(PolicyConfig):
     drain_timeout: float = 60.0
     dry_run: bool = False
     launcher: str = "auto"  # auto | process | systemd
+    handover: str = "auto"  # auto | overlap | sequential: start the new engine before the old one leaves?
     unit: str = "pagekeeper-engine.service"
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9400  # 0 = any free port (reported in status)
@@ -61,6 +62,8 @@ class SupervisorConfig(PolicyConfig):
     def validate(self) -> None:
         if self.launcher not in ("auto", "process", "systemd"):
             raise ConfigError(f"[supervisor] launcher must be auto, process or systemd, got {self.launcher!r}")
+        if self.handover not in ("auto", "overlap", "sequential"):
+            raise ConfigError(f"[supervisor] handover must be auto, overlap or sequential, got {self.handover!r}")
         for name in ("poll_interval", "probe_timeout", "hang_seconds", "event_window", "restart_window"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"[supervisor] {name} must be > 0, got {getattr(self, name)}")

@@ -1,43 +1,77 @@
-"""How the supervisor starts, stops and restarts the engine: as its child, or through systemd.
+"""How the supervisor starts, restarts, stops and adopts the engine: as its child, or through systemd.
 
-`ProcessLauncher` binds the engine's listening socket once, in the supervisor, and hands it to
-every engine process it starts (`--listen-fd`): while an engine restarts, new connections wait in
-the kernel's accept queue and are served by the next engine instead of being refused.  The engine
-runs in its own process group with its output in a log file that `opsctl logs` reads.
+`ProcessLauncher` binds the engine's listening socket once, in the supervisor, and hands it to every
+engine it starts (`--listen-fd`), so a restart hands traffic over instead of refusing it:
 
-`SystemdLauncher` drives the engine unit with systemctl (socket activation gives the same
-property there; see systemd/).
+- the old engine is told over its private control socket (engine/server/control.py) to hand over:
+  it stops calling accept(), so new connections wait in the kernel's queue, serves what reaches it on
+  its open connections with `Connection: close`, and exits;
+- with `handover = "overlap"` (the default on CPU, where two engines fit) the new engine is started
+  first and the old one leaves only once the new one serves: nothing waits for a model load; a new
+  engine that fails to start leaves the old one serving.  On a GPU one engine at a time
+  (`"sequential"`): queued connections wait for the new engine's load.
+
+Each engine publishes its requests in flight in a small file; after an engine dies without warning the
+supervisor reads it to count what the crash cost.  `engine.json` in the runtime dir names the engine
+that serves (pid, control socket), so that a supervisor that starts after its predecessor died adopts
+that engine, and the listening socket with it, instead of starting a second one.
+
+`SystemdLauncher` drives the engine unit with systemctl (socket activation gives the same handover
+there; see systemd/).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import psutil
 import structlog
 
+from engine.server import control
+from engine.server.handover import InflightFile
 from engine.server.sockets import bind
 
 log = structlog.get_logger("pagekeeper.supervisor")
 
 _LOG_TAIL_BYTES = 4096
+ENGINE_STATE_NAME = "engine.json"
+EXIT_CONFIG_ERROR = 2  # the engine's "a person must fix this" exit code: never retried
+_CONTROL_TIMEOUT_S = 3.0
+_STOP_NOW_GRACE_S = 5.0
+
+
+@dataclass
+class Retired:
+    """What retiring one engine cost: requests in flight that did not get their answer."""
+
+    lost: int = 0
+    reason: str = ""  # "no_drain" | "killed" when lost > 0
+    successor_serving: bool = False  # the new engine was already serving when the old one left (overlap)
 
 
 class Launcher(Protocol):
     name: str
 
     def start(self) -> None: ...
-    def stop(self, grace: float) -> None: ...
+    def restart(self, drain: bool, timeout: float, ready_timeout: float) -> Retired: ...
+    def stop(self, drain: bool, timeout: float) -> Retired: ...
     def pid(self) -> int | None: ...
     def alive(self) -> bool: ...
     def exit_summary(self) -> str | None: ...
+    def exit_is_permanent(self) -> bool: ...
+    def lost_at_exit(self) -> int: ...
+    def forget_exit(self) -> None: ...
     def log_path(self) -> Path | None: ...
+    def close(self, stop_engine: bool) -> None: ...
 
 
 def tail(path: Path | None, max_bytes: int = _LOG_TAIL_BYTES) -> str:
@@ -48,85 +82,331 @@ def tail(path: Path | None, max_bytes: int = _LOG_TAIL_BYTES) -> str:
         return f.read().decode(errors="replace")
 
 
-def error_lines(log_text: str, limit: int = 5) -> str:
-    """The lines a person needs from an engine's log: its `error:` line (exit 2) or the traceback end."""
-    lines = [ln for ln in log_text.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if ln.startswith("error:")]
-    return "\n".join(errors[-limit:] if errors else lines[-limit:])
+def last_error_line(log_text: str) -> str:
+    """The one line a person needs from an engine's log: its `error:` line (exit 2), else the last
+    exception line of a traceback, else the last line; a JSON log line is reduced to its event/error."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip() and not ln.startswith("--- engine")]
+    for ln in reversed(lines):
+        if ln.startswith("error:"):
+            return ln
+    for ln in reversed(lines):
+        if not ln.startswith(("{", " ", "File ", "Traceback")) and ("Error" in ln or "Exception" in ln):
+            return ln
+    for ln in reversed(lines):
+        if ln.startswith("{"):
+            try:
+                event = json.loads(ln)
+            except ValueError:
+                continue
+            if event.get("level") in ("error", "critical", "exception"):
+                return " ".join(str(event[k]) for k in ("event", "error") if event.get(k))
+    return lines[-1][:300] if lines else ""
+
+
+class EngineProcess:
+    """One engine process: started by this supervisor (a child) or adopted from a predecessor."""
+
+    def __init__(self, pid: int, control_path: Path, inflight_path: Path, popen: subprocess.Popen | None,
+                 create_time: float | None = None) -> None:
+        self.pid = pid
+        self.control_path = control_path
+        self.inflight_path = inflight_path
+        self.popen = popen
+        self.create_time = create_time if create_time is not None else _create_time(pid)
+
+    @property
+    def adopted(self) -> bool:
+        return self.popen is None
+
+    def alive(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        try:
+            p = psutil.Process(self.pid)
+            return p.create_time() == self.create_time and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def returncode(self) -> int | None:
+        """The exit status (negative: killed by that signal); None while alive or for an adopted engine."""
+        return self.popen.poll() if self.popen is not None else None
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.alive():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        if not self.alive():
+            return
+        try:
+            os.killpg(self.pid, sig)  # the engine leads its own process group
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def request(self, cmd: str, timeout: float = _CONTROL_TIMEOUT_S, **args: object) -> dict:
+        return control.request(self.control_path, cmd, timeout, **args)
+
+    def state(self) -> str | None:
+        """loading | serving | draining | stopping, or None when the control socket does not answer."""
+        try:
+            return str(self.request("state", timeout=1.0).get("state"))
+        except (OSError, ValueError):
+            return None
+
+    def in_flight(self) -> int:
+        return max(0, InflightFile.read(self.inflight_path) or 0)
+
+    def cleanup(self) -> None:
+        for path in (self.control_path, self.inflight_path):
+            path.unlink(missing_ok=True)
+
+    def as_json(self) -> dict:
+        return {"pid": self.pid, "create_time": self.create_time, "control": str(self.control_path),
+                "inflight": str(self.inflight_path)}
+
+
+def _create_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def recorded_engine(runtime: Path) -> EngineProcess | None:
+    """The live engine `engine.json` names (one a dead supervisor left serving), or None."""
+    try:
+        recorded = json.loads((runtime / ENGINE_STATE_NAME).read_text())
+        engine = EngineProcess(int(recorded["pid"]), Path(recorded["control"]), Path(recorded["inflight"]),
+                               None, recorded.get("create_time"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return engine if engine.alive() else None
+
+
+def stop_unsupervised(engine: EngineProcess, drain: bool, timeout: float) -> Retired:
+    """Stop an engine whose supervisor is gone (opsctl stop without a supervisor)."""
+    retired = ProcessLauncher.retire(engine, drain, timeout)
+    (engine.control_path.parent / ENGINE_STATE_NAME).unlink(missing_ok=True)
+    return retired
 
 
 class ProcessLauncher:
     name = "process"
 
-    def __init__(self, engine_args: list[str], host: str, port: int, log_file: Path,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(self, engine_args: list[str], host: str, port: int, runtime: Path, log_file: Path,
+                 overlap: bool, env: dict[str, str] | None = None) -> None:
         self.engine_args = engine_args
+        self.runtime = runtime
         self.log_file = log_file
+        self.overlap = overlap
         self.env = env
-        self._proc: subprocess.Popen | None = None
+        self.engine: EngineProcess | None = None
         self._last_exit: str | None = None
-        self.sock = bind(host, port, hint="change [engine] port")
+        self._last_code: int | None = None
+        self._lost_at_exit = 0
+        self._serial = 0
+        self.sock = self._adopt() or bind(host, port, hint="change [engine] port")
 
-    def start(self) -> None:
-        if self.alive():
-            return
+    # -- adoption ---------------------------------------------------------------------------------
+
+    def _adopt(self):  # type: ignore[no-untyped-def]
+        """Take over the engine a dead predecessor left serving, with its listening socket (or None)."""
+        state_file = self.runtime / ENGINE_STATE_NAME
+        engine = recorded_engine(self.runtime)
+        if engine is None:
+            state_file.unlink(missing_ok=True)
+            return None
+        engine.signal_group(signal.SIGCONT)
+        try:
+            sock = control.receive_listening_socket(engine.control_path, timeout=5.0)
+        except (OSError, ValueError) as e:
+            # Alive but not answering: it cannot be handed a successor, so it is stopped like a hung one.
+            log.warning("adoption_failed", pid=engine.pid, error=str(e), action="stopping it")
+            self.retire(engine, drain=True, timeout=10.0)
+            state_file.unlink(missing_ok=True)
+            return None
+        self.engine = engine
+        log.warning("engine_adopted", pid=engine.pid,
+                    detail="the previous supervisor died; this one took over its running engine")
+        return sock
+
+    # -- starting ---------------------------------------------------------------------------------
+
+    def _spawn(self) -> EngineProcess:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        self._serial += 1
+        token = f"{os.getpid()}-{self._serial}"
+        control_path = self.runtime / f"eng-{token}.sock"
+        inflight_path = self.runtime / f"eng-{token}.inflight"
         fd = self.sock.fileno()
-        cmd = [sys.executable, "-m", "engine.server", *self.engine_args, "--listen-fd", str(fd)]
+        cmd = [sys.executable, "-m", "engine.server", *self.engine_args, "--listen-fd", str(fd),
+               "--control-socket", str(control_path), "--inflight-file", str(inflight_path)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         with open(self.log_file, "ab") as logf:
             logf.write(f"\n--- engine start {time.strftime('%Y-%m-%dT%H:%M:%S')} ---\n".encode())
             logf.flush()
-            self._proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                          pass_fds=(fd,), start_new_session=True)
-        log.info("engine_started", launcher=self.name, pid=self._proc.pid)
+            popen = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, pass_fds=(fd,), start_new_session=True)
+        log.info("engine_started", launcher=self.name, pid=popen.pid)
+        return EngineProcess(popen.pid, control_path, inflight_path, popen)
 
-    def stop(self, grace: float) -> None:
-        """SIGTERM (the engine drains), SIGCONT in case it is stopped, SIGKILL after `grace` seconds."""
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            self._note_exit()
+    def _record(self) -> None:
+        path = self.runtime / ENGINE_STATE_NAME
+        if self.engine is None:
+            path.unlink(missing_ok=True)
             return
-        for sig in (signal.SIGTERM, signal.SIGCONT):
-            _signal_group(proc.pid, sig)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.engine.as_json()))
+        tmp.replace(path)
+
+    def start(self) -> None:
+        if self.alive():
+            return
+        self.engine = self._spawn()
+        self._record()
+
+    def _wait_serving(self, engine: EngineProcess, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not engine.alive():
+                return False
+            if engine.state() == "serving":
+                return True
+            time.sleep(0.1)
+        return False
+
+    # -- retiring ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def retire(engine: EngineProcess, drain: bool, timeout: float) -> Retired:
+        """Hand over (drain) or stop now; SIGKILL whatever is left after `timeout` (drain) or a few seconds.
+
+        SIGCONT first: a stopped engine (SIGSTOP, a debugger) resumes and finishes what it holds.
+        The control socket carries the timeout; signals are the fallback when it does not answer.
+        """
+        if not engine.alive():
+            return Retired()
+        engine.signal_group(signal.SIGCONT)
+        cmd = "drain_exit" if drain else "stop_now"
+        aborted = 0
         try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            log.warning("engine_kill", pid=proc.pid, after_s=grace)
-            _signal_group(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        self._note_exit()
+            reply = engine.request(cmd, timeout=_CONTROL_TIMEOUT_S, timeout_s=timeout)
+            aborted = 0 if drain else int(reply.get("in_flight") or 0)
+        except (OSError, ValueError):
+            os.kill(engine.pid, signal.SIGTERM if drain else signal.SIGINT)
+        grace = timeout + 2.0 if drain else _STOP_NOW_GRACE_S
+        if engine.wait(grace):
+            result = Retired(aborted, "no_drain" if aborted else "")
+        else:
+            lost = engine.in_flight()
+            log.warning("engine_kill", pid=engine.pid, after_s=round(grace, 1), in_flight=lost)
+            engine.signal_group(signal.SIGKILL)
+            engine.wait(10)
+            result = Retired(aborted + lost, "killed" if lost else ("no_drain" if aborted else ""))
+        if engine.popen is not None:
+            engine.popen.poll()
+        engine.cleanup()
+        return result
+
+    def restart(self, drain: bool, timeout: float, ready_timeout: float) -> Retired:
+        """Replace the engine.  Overlap: new one first, the old one leaves once it serves."""
+        old = self.engine if self.engine is not None and self.engine.alive() else None
+        if old is None:
+            self._note_exit()
+            self.forget_exit()
+            self.start()
+            return Retired()
+        if self.overlap:
+            new = self._spawn()
+            if not self._wait_serving(new, ready_timeout):
+                self.retire(new, drain=False, timeout=0)
+                code = new.returncode()
+                raise RestartFailed(f"the new engine did not come up ({_describe(code)}: "
+                                    f"{last_error_line(tail(self.log_file))}); the old one keeps serving")
+            self.engine = new
+            self._record()
+            retired = self.retire(old, drain, timeout)
+            retired.successor_serving = True
+            return retired
+        retired = self.retire(old, drain, timeout)
+        self.forget_exit()
+        self.engine = self._spawn()
+        self._record()
+        return retired
+
+    def stop(self, drain: bool, timeout: float) -> Retired:
+        engine, self.engine = self.engine, None
+        retired = self.retire(engine, drain, timeout) if engine is not None else Retired()
+        self._record()
+        return retired
+
+    # -- observing --------------------------------------------------------------------------------
 
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self.engine.pid if self.engine is not None else None
 
     def alive(self) -> bool:
-        if self._proc is None:
+        if self.engine is None:
             return False
-        if self._proc.poll() is None:
+        if self.engine.alive():
             return True
         self._note_exit()
         return False
 
     def _note_exit(self) -> None:
-        if self._proc is not None and self._proc.returncode is not None and self._last_exit is None:
-            code = self._proc.returncode
-            what = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-            detail = error_lines(tail(self.log_file))
-            self._last_exit = f"{what}: {detail}" if detail else what
-            log.info("engine_exited", pid=self._proc.pid, how=what)
+        engine = self.engine
+        if engine is None or engine.alive() or self._last_exit is not None:
+            return
+        code = engine.returncode()
+        self._last_code = code
+        self._lost_at_exit = engine.in_flight()
+        detail = last_error_line(tail(self.log_file))
+        what = _describe(code) if not engine.adopted else "exited (adopted engine: exit status unknown)"
+        self._last_exit = f"{what}: {detail}" if detail else what
+        log.info("engine_exited", pid=engine.pid, how=what, in_flight=self._lost_at_exit)
+        engine.cleanup()
 
     def exit_summary(self) -> str | None:
         return self._last_exit
 
+    def exit_is_permanent(self) -> bool:
+        return self._last_code == EXIT_CONFIG_ERROR
+
+    def lost_at_exit(self) -> int:
+        return self._lost_at_exit
+
     def forget_exit(self) -> None:
         self._last_exit = None
+        self._last_code = None
+        self._lost_at_exit = 0
 
     def log_path(self) -> Path | None:
         return self.log_file
 
-    def close(self) -> None:
+    def close(self, stop_engine: bool) -> None:
+        """Stop the engine (a graceful supervisor exit), or leave it serving for a successor to adopt."""
+        if stop_engine and self.engine is not None:
+            self.stop(drain=False, timeout=0)
         self.sock.close()
+
+
+class RestartFailed(RuntimeError):
+    """The replacement engine did not come up; the one that was serving still does."""
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "exited"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 class SystemdLauncher:
@@ -135,6 +415,7 @@ class SystemdLauncher:
     def __init__(self, unit: str) -> None:
         self.unit = unit
         self._last_exit: str | None = None
+        self._last_code: int | None = None
 
     def _ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(["systemctl", *args], capture_output=True, text=True, check=check, timeout=600)
@@ -146,14 +427,21 @@ class SystemdLauncher:
     def socket_unit(self) -> str:
         return self.unit.rsplit(".", 1)[0] + ".socket"
 
-    def stop(self, grace: float) -> None:
+    def stop(self, drain: bool = True, timeout: float = 0) -> Retired:
         """Stop the service and its listening socket: with the socket left active, the next connection
         would start the engine again (socket activation).  The engine drains on systemd's SIGTERM."""
+        if not drain:
+            self._ctl("kill", "--kill-whom=main", "--signal=SIGINT", self.unit, check=False)
         self._ctl("stop", self.socket_unit, self.unit, check=False)
+        return Retired()
 
-    def restart(self) -> None:
-        """Restart the service (never the socket, so queued connections survive)."""
+    def restart(self, drain: bool = True, timeout: float = 0, ready_timeout: float = 0) -> Retired:
+        """Restart the service (never the socket, so queued connections survive).  The engine hands over
+        on SIGTERM within its own --drain-timeout (TimeoutStopSec= bounds it); no drain is SIGINT first."""
+        if not drain:
+            self._ctl("kill", "--kill-whom=main", "--signal=SIGINT", self.unit, check=False)
         self._ctl("restart", self.unit)
+        return Retired()
 
     def pid(self) -> int | None:
         out = self._ctl("show", "-p", "MainPID", "--value", self.unit, check=False).stdout.strip()
@@ -163,18 +451,32 @@ class SystemdLauncher:
         state = self._ctl("is-active", self.unit, check=False).stdout.strip()
         if state in ("active", "activating", "reloading", "deactivating"):
             return True
-        self._last_exit = f"unit {state}: " + self._ctl(
-            "show", "-p", "Result", "-p", "ExecMainStatus", "--value", self.unit, check=False).stdout.replace("\n", " ")
+        shown = self._ctl("show", "-p", "Result", "-p", "ExecMainStatus", self.unit, check=False).stdout
+        values = dict(line.split("=", 1) for line in shown.splitlines() if "=" in line)
+        status = values.get("ExecMainStatus", "")
+        self._last_code = int(status) if status.isdigit() else None
+        self._last_exit = f"unit {state}: result {values.get('Result', '?')}, exit status {status or '?'}"
         return False
 
     def exit_summary(self) -> str | None:
         return self._last_exit
 
+    def exit_is_permanent(self) -> bool:
+        return self._last_code == EXIT_CONFIG_ERROR
+
+    def lost_at_exit(self) -> int:
+        return 0  # the engine's in-flight file lives in the unit's own namespace
+
     def forget_exit(self) -> None:
         self._last_exit = None
+        self._last_code = None
 
     def log_path(self) -> Path | None:
         return None  # journalctl -u <unit>
+
+    def close(self, stop_engine: bool) -> None:
+        if stop_engine:
+            self.stop()
 
 
 def systemd_available(unit: str) -> bool:
@@ -183,10 +485,3 @@ def systemd_available(unit: str) -> bool:
         return False
     r = subprocess.run(["systemctl", "cat", unit], capture_output=True, text=True)
     return r.returncode == 0
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass

@@ -31,6 +31,7 @@ WANTED = {
     "vllm_engine_draining": "draining",
     "vllm_kv_cache_token_utilization": "token_utilization",
     "vllm_num_preemptions_total": "preemptions",
+    "vllm_oldest_waiting_seconds": "oldest_waiting_s",
 }
 
 
@@ -83,7 +84,13 @@ class EngineProbe:
         return "error", f"HTTP {r.status_code}"
 
     def drain(self, timeout: float) -> dict[str, Any]:
+        """A load balancer's drain: the engine answers 503 to new requests until resumed."""
         r = self.client.post(self.url + "/drain", params={"timeout": timeout}, timeout=timeout + 10)
+        r.raise_for_status()
+        return r.json()
+
+    def resume(self) -> dict[str, Any]:
+        r = self.client.delete(self.url + "/drain")
         r.raise_for_status()
         return r.json()
 

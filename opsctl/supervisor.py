@@ -6,12 +6,20 @@ dir), one JSON request and one JSON reply per connection.  The daemon exports it
 (`pagekeeper_supervisor_*`, and NVML readings as `pagekeeper_gpu_*`) and logs every decision as one
 structured event with its evidence.
 
+Restarts hand over, they never refuse (opsctl/launcher.py).  The supervisor's own death takes no one
+down: the engine it started keeps serving on its listening socket, and the next supervisor for the
+runtime dir (`opsctl start`) adopts that engine instead of starting a second one.  Only one supervisor
+runs per runtime dir (an flock on supervisor.lock).  An engine that exits with code 2 (a mistake a
+person must fix) is never restarted; if it never served, the supervisor exits 2 and leaves the reason
+in last_failure.json for `opsctl start` and `opsctl status`.
+
     python -m opsctl.supervisor [--config FILE] [--runtime-dir DIR] [--dry-run]
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import queue
@@ -32,7 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from engine.config import ConfigError
 from engine.logs import configure_logging
 from opsctl.config import PagekeeperConfig, load_config
-from opsctl.launcher import Launcher, ProcessLauncher, SystemdLauncher, systemd_available
+from opsctl.launcher import Launcher, ProcessLauncher, RestartFailed, SystemdLauncher, systemd_available
 from opsctl.policy import Action, Observation, PolicyState, decide
 from opsctl.probes import EngineProbe, GpuProbe, GpuReading, ProcessProbe, gpu_probe
 
@@ -40,8 +48,12 @@ log = structlog.get_logger("pagekeeper.supervisor")
 
 SOCKET_NAME = "supervisor.sock"
 PID_NAME = "supervisor.pid"
+LOCK_NAME = "supervisor.lock"
+LAST_FAILURE_NAME = "last_failure.json"
 ENGINE_LOG_NAME = "engine.log"
 SUPERVISOR_LOG_NAME = "supervisor.log"
+EXIT_PERMANENT = 2  # the engine cannot start until a person fixes something
+EXIT_ALREADY_RUNNING = 75  # another supervisor holds this runtime dir (EX_TEMPFAIL)
 
 
 class _GpuCollector:
@@ -76,7 +88,8 @@ class _GpuCollector:
 # (action, reason) pairs the policy can decide (opsctl/policy.py).
 ACTIONS = (("restart", "engine_exited"), ("restart", "hang"), ("restart", "start_timeout"),
            ("drain_restart", "high_cache"), ("drain_restart", "backlog"), ("drain_restart", "fragmentation"),
-           ("give_up", "crash_loop"))
+           ("give_up", "crash_loop"), ("give_up", "permanent_failure"))
+LOST_REASONS = ("engine_exited", "killed", "no_drain")
 
 
 class SupervisorMetrics:
@@ -92,13 +105,18 @@ class SupervisorMetrics:
         self.scrape_ok = Gauge("pagekeeper_supervisor_engine_metrics_ok", "1 when the last engine /metrics parsed", registry=r)
         self.nvml = Gauge("pagekeeper_supervisor_nvml_available", "1 when NVML readings are available", registry=r)
         self.polls = Counter("pagekeeper_supervisor_polls", "Polls of the engine", registry=r)
+        self.lost = Counter("pagekeeper_supervisor_requests_lost", "Requests in flight that got no answer: the "
+                            "engine died (engine_exited), was killed after its drain timeout (killed), or was "
+                            "restarted with --no-drain (no_drain: answered with a clean 503)", ["reason"], registry=r)
         self.info = Gauge("pagekeeper_supervisor_info", "The engine this supervisor runs (always 1)",
                           ["model_name", "engine_url", "launcher"], registry=r)
         # Every series exists from the start, so increase() sees the first restart of each kind.
         for action, reason in ACTIONS:
             self.decisions.labels(action, reason)
-        for reason in {reason for _, reason in ACTIONS if reason != "crash_loop"} | {"manual"}:
+        for reason in {reason for kind, reason in ACTIONS if kind != "give_up"} | {"manual"}:
             self.restarts.labels(reason)
+        for reason in LOST_REASONS:
+            self.lost.labels(reason)
         r.register(_GpuCollector(supervisor))
 
 
@@ -128,6 +146,9 @@ class Supervisor:
         self.last_gpu: list[GpuReading] = []
         self.last_reading: dict[str, Any] = {}
         self.gave_up_reason: str | None = None
+        self.failed_permanently = False
+        self.ever_served = False
+        self.exit_code = 0
         self.busy: str | None = None  # the action in progress, for status
         self.commands: queue.Queue[_Command] = queue.Queue()
         self.stopping = False
@@ -140,18 +161,27 @@ class Supervisor:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def serve_metrics(self) -> None:
-        server, _ = start_http_server(self.sup.metrics_port, addr=self.sup.metrics_host, registry=self.metrics.registry)
+        try:
+            server, _ = start_http_server(self.sup.metrics_port, addr=self.sup.metrics_host,
+                                          registry=self.metrics.registry)
+        except OSError as e:
+            raise ConfigError(f"[supervisor] metrics_port {self.sup.metrics_port} on {self.sup.metrics_host}: "
+                              f"{e.strerror}; choose another port (0 = any free port)") from e
         self.metrics_port = server.server_port
         log.info("supervisor_metrics", url=f"http://{self.sup.metrics_host}:{self.metrics_port}/metrics")
 
-    def run(self) -> None:
+    def run(self) -> int:
         log.info("supervisor_started", launcher=self.launcher.name, engine_url=self.cfg.engine_url,
                  poll_interval=self.sup.poll_interval, dry_run=self.sup.dry_run, gpu=self.gpu.reason)
-        self._start_engine()
+        if self.launcher.alive():  # adopted from a predecessor: it has served already
+            self.ever_served = True
+        else:
+            self._start_engine()
         while not self.stopping:
             self.poll_once()
             self._wait_and_serve_commands(self.sup.poll_interval)
-        log.info("supervisor_stopped")
+        log.info("supervisor_stopped", exit_code=self.exit_code)
+        return self.exit_code
 
     def _wait_and_serve_commands(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -168,14 +198,16 @@ class Supervisor:
             except Exception as e:  # a failed command must not kill the daemon
                 log.exception("command_failed", command=cmd.name)
                 cmd.reply = {"ok": False, "error": str(e)}
+            if not self.stopping:
+                self.history.append(self.observe())  # status right after a command is the new state
             cmd.done.set()
 
     # -- one poll -------------------------------------------------------------------------------
 
     def observe(self) -> Observation:
         sent = time.monotonic()  # an observation is dated when its probes were sent
-        pid = self.launcher.pid()
         alive = self.launcher.alive()
+        pid = self.launcher.pid()
         proc = self.process.read(pid if alive else None)
         reading = self.engine.read() if alive else None
         m = reading.metrics if reading else {}
@@ -183,7 +215,9 @@ class Supervisor:
             t=sent, process_alive=alive and proc.alive, health=reading.health if reading else "unreachable",
             cache_usage=m.get("cache_usage"), running=m.get("running"), waiting=m.get("waiting"),
             steps_total=m.get("steps_total"), allocator_efficiency=m.get("allocator_efficiency"),
+            oldest_waiting_s=m.get("oldest_waiting_s"), preemptions=m.get("preemptions"),
             metrics_error=reading.metrics_error if reading else "engine not running",
+            exit_permanent=not alive and self.launcher.exit_is_permanent(),
         )
         gpu = self.gpu.read()
         with self.lock:
@@ -202,7 +236,9 @@ class Supervisor:
         obs = self.observe()
         self.history.append(obs)
         if self.state.ready_at is None and obs.health == "ok":
-            self.state = replace(self.state, ready_at=obs.t)
+            with self.lock:
+                self.state = replace(self.state, ready_at=obs.t)
+                self.ever_served = True
             log.info("engine_ready", seconds_since_start=round(obs.t - self.state.started_at, 2))
         action = decide(list(self.history), self.state, self.policy_cfg, time.monotonic())
         self._record(action)
@@ -227,49 +263,71 @@ class Supervisor:
 
     def _execute(self, action: Action) -> None:
         if action.kind == "give_up":
-            detail = self.launcher.exit_summary() or action.reason
-            with self.lock:
-                self.state = replace(self.state, gave_up=True)
-                self.gave_up_reason = detail
-            self.metrics.gave_up.set(1)
-            log.error("crash_loop_gave_up", restarts=len(self.state.restarts), last_exit=detail,
-                      hint="fix the cause, then `opsctl restart`")
+            self._give_up(action)
             return
         decided_at = time.time()
-        if action.kind == "drain_restart":
-            self._drain(self.sup.drain_timeout)
+        if action.reason == "engine_exited":
+            self._count_lost("engine_exited", self.launcher.lost_at_exit())
+        drain = action.kind == "drain_restart" or action.reason == "hang"
+        timeout = self.sup.drain_timeout
+        if action.reason == "hang" and not self._overlap():
+            timeout = min(timeout, 10.0)  # one GPU: a hung engine holds the memory its successor needs
         self._restart(action.reason, counts_as_crash=action.reason in ("engine_exited", "hang", "start_timeout"),
-                      decided_at=decided_at)
+                      drain=drain, timeout=timeout, decided_at=decided_at)
 
-    def _drain(self, timeout: float) -> dict[str, Any]:
+    def _give_up(self, action: Action) -> None:
+        detail = self.launcher.exit_summary() or action.reason
+        permanent = action.reason == "permanent_failure"
         with self.lock:
-            self.busy = "draining"
-        try:
-            result = self.engine.drain(timeout)
-            log.info("engine_drained", **result)
-            return result
-        except Exception as e:  # the restart goes ahead; in-flight work was given its chance
-            log.warning("drain_failed", error=str(e))
-            return {"drained": False, "error": str(e)}
+            self.state = replace(self.state, gave_up=True)
+            self.gave_up_reason = detail
+            self.failed_permanently = permanent
+        self.metrics.gave_up.set(1)
+        if permanent:
+            log.error("engine_failed_permanently", last_exit=detail,
+                      hint="exit code 2 is a mistake a person must fix (see the line above); it is not retried")
+        else:
+            log.error("crash_loop_gave_up", restarts=len(self.state.restarts), last_exit=detail,
+                      hint="fix the cause, then `opsctl restart`")
+        if permanent and not self.ever_served:
+            # Nothing to supervise until a person changes something: say why and leave.
+            write_last_failure(self.sup.runtime_path(), detail)
+            self.exit_code = EXIT_PERMANENT
+            self.stopping = True
 
-    def _restart(self, reason: str, counts_as_crash: bool, decided_at: float | None = None) -> None:
-        now = time.monotonic()
+    def _count_lost(self, reason: str, count: int) -> None:
+        if count > 0:
+            self.metrics.lost.labels(reason).inc(count)
+            log.warning("requests_lost", reason=reason, count=count)
+
+    def _overlap(self) -> bool:
+        return bool(getattr(self.launcher, "overlap", False))
+
+    def _restart(self, reason: str, counts_as_crash: bool, drain: bool, timeout: float,
+                 decided_at: float | None = None) -> None:
         with self.lock:
             self.busy = "restarting"
-        grace = self.sup.drain_timeout + 10 if reason in ("manual", "high_cache", "backlog", "fragmentation") else 5.0
-        log.warning("engine_restart", reason=reason)
-        if isinstance(self.launcher, SystemdLauncher):
-            self.launcher.restart()
-        else:
-            self.launcher.stop(grace)
+        log.warning("engine_restart", reason=reason, drain=drain, timeout_s=timeout)
+        try:
+            retired = self.launcher.restart(drain=drain, timeout=timeout, ready_timeout=self.sup.ready_timeout)
+        except RestartFailed as e:
+            log.error("restart_failed", reason=reason, error=str(e))
+            with self.lock:
+                self.busy = None
+            raise
+        finally:
             self.launcher.forget_exit()
-            self.launcher.start()
+        self._count_lost(retired.reason, retired.lost)
+        now = time.monotonic()
         restarts = self.state.restarts + ((now,) if counts_as_crash else ())
+        # Overlap: the new engine already serves (the launcher waited for it), so it is ready now.
+        ready_at = now if retired.successor_serving else None
         with self.lock:
-            self.state = PolicyState(started_at=time.monotonic(), restarts=restarts)
+            self.state = PolicyState(started_at=now, ready_at=ready_at, restarts=restarts)
             self.history.clear()
             self.engine_started_wall = time.time()
-            self.restart_log.append({"time": time.time(), "decided_at": decided_at or time.time(), "reason": reason})
+            self.restart_log.append({"time": time.time(), "decided_at": decided_at or time.time(), "reason": reason,
+                                     "lost": retired.lost})
             self.busy = None
         self.metrics.restarts.labels(reason).inc()
         self.metrics.last_restart.set(time.time())
@@ -291,24 +349,35 @@ class Supervisor:
         return cmd.reply
 
     def _run_command(self, cmd: _Command) -> dict[str, Any]:
-        if cmd.name == "drain":
-            return {"ok": True, "drain": self._drain(float(cmd.args.get("timeout", self.sup.drain_timeout)))}
+        timeout = float(cmd.args.get("drain_timeout") or self.sup.drain_timeout)
+        if cmd.name == "drain":  # a load balancer's drain: the engine answers 503 until resumed
+            with self.lock:
+                self.busy = "draining"
+            try:
+                return {"ok": True, "drain": self.engine.drain(float(cmd.args.get("timeout") or timeout))}
+            finally:
+                with self.lock:
+                    self.busy = None
+        if cmd.name == "resume":
+            return {"ok": True, "resume": self.engine.resume()}
         if cmd.name == "restart":
-            if cmd.args.get("drain", True):
-                self._drain(float(cmd.args.get("drain_timeout", self.sup.drain_timeout)))
             with self.lock:
                 self.state = replace(self.state, gave_up=False)
                 self.gave_up_reason = None
+                self.failed_permanently = False
             self.metrics.gave_up.set(0)
-            self._restart("manual", counts_as_crash=False)
+            try:
+                self._restart("manual", counts_as_crash=False, drain=bool(cmd.args.get("drain", True)),
+                              timeout=timeout)
+            except RestartFailed as e:
+                return {"ok": False, "error": str(e)}
             return {"ok": True}
         if cmd.name == "stop":
             with self.lock:
                 self.busy = "stopping"
             if cmd.args.get("engine", True):
-                if cmd.args.get("drain", True) and self.launcher.alive():
-                    self._drain(float(cmd.args.get("drain_timeout", self.sup.drain_timeout)))
-                self.launcher.stop(self.sup.drain_timeout + 10)
+                retired = self.launcher.stop(drain=bool(cmd.args.get("drain", True)), timeout=timeout)
+                self._count_lost(retired.reason, retired.lost)
             self.stopping = True
             return {"ok": True}
         return {"ok": False, "error": f"unknown command {cmd.name!r}"}
@@ -320,7 +389,7 @@ class Supervisor:
             alive = self.launcher.alive()
             health = reading.get("health", "unknown")
             if self.state.gave_up:
-                state = "gave_up"
+                state = "failed" if self.failed_permanently else "gave_up"
             elif self.busy:
                 state = self.busy
             elif not alive:
@@ -329,14 +398,20 @@ class Supervisor:
                 state = "starting"
             else:
                 state = {"ok": "serving", "draining": "draining", "stalled": "stalled"}.get(health, "unresponsive")
+
+            def count(key: str) -> int | None:
+                value = metrics.get(key)
+                return int(value) if value is not None else None
+
             return {
                 "engine": {
                     "state": state, "health": health, "health_detail": reading.get("health_detail"),
                     "pid": self.launcher.pid() if alive else None,
                     "uptime_s": round(time.time() - self.engine_started_wall, 1) if alive else None,
                     "url": self.cfg.engine_url, "model": reading.get("model"),
-                    "kv_cache_usage": metrics.get("cache_usage"), "running": metrics.get("running"),
-                    "waiting": metrics.get("waiting"), "steps_total": metrics.get("steps_total"),
+                    "kv_cache_usage": metrics.get("cache_usage"), "running": count("running"),
+                    "waiting": count("waiting"), "oldest_waiting_s": metrics.get("oldest_waiting_s"),
+                    "steps_total": count("steps_total"),
                     "metrics_error": reading.get("metrics_error"), "process": reading.get("process"),
                     "last_exit": self.launcher.exit_summary(),
                 },
@@ -346,13 +421,26 @@ class Supervisor:
                 "restarts": {"total": len(self.restart_log), "recent": self.restart_log[-10:],
                              "counted_for_crash_loop": len(self.state.restarts)},
                 "crash_loop": {"gave_up": self.state.gave_up, "reason": self.gave_up_reason,
+                               "permanent": self.failed_permanently,
                                "max_restarts": self.sup.max_restarts, "restart_window_s": self.sup.restart_window},
                 "supervisor": {"pid": os.getpid(), "launcher": self.launcher.name, "dry_run": self.sup.dry_run,
                                "uptime_s": round(time.time() - self.started_wall, 1),
                                "metrics_url": f"http://{self.sup.metrics_host}:{self.metrics_port}/metrics",
-                               "config": self.cfg.source, "poll_interval_s": self.sup.poll_interval},
+                               "config": self.cfg.source, "poll_interval_s": self.sup.poll_interval,
+                               "handover": "overlap" if self._overlap() else "sequential"},
                 "engine_log": str(self.launcher.log_path()) if self.launcher.log_path() else None,
             }
+
+
+def write_last_failure(runtime: Path, detail: str) -> None:
+    (runtime / LAST_FAILURE_NAME).write_text(json.dumps({"time": time.time(), "reason": detail}))
+
+
+def read_last_failure(runtime: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((runtime / LAST_FAILURE_NAME).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _model_name(cfg: PagekeeperConfig) -> str:
@@ -396,13 +484,42 @@ def serve_control(supervisor: Supervisor, path: Path) -> _ControlServer:
     return server
 
 
-def build_launcher(cfg: PagekeeperConfig, runtime: Path) -> Launcher:
+def handover_overlaps(cfg: PagekeeperConfig, gpu: GpuProbe) -> bool:
+    """Start the new engine before the old one leaves?  Where two engines fit: on CPU.
+
+    `[supervisor] handover`: "overlap", "sequential", or "auto" (overlap unless the engine will run on a
+    GPU: `[engine] device` names cuda, or is auto and NVML sees a GPU).
+    """
+    mode = cfg.supervisor.handover
+    if mode != "auto":
+        return mode == "overlap"
+    device = str(cfg.engine.get("device", "auto"))
+    if device.startswith("cuda"):
+        return False
+    if device == "cpu":
+        return True
+    return not (gpu.available and gpu.read())
+
+
+def build_launcher(cfg: PagekeeperConfig, runtime: Path, gpu: GpuProbe) -> Launcher:
     choice = cfg.supervisor.launcher
     if choice == "auto":
         choice = "systemd" if systemd_available(cfg.supervisor.unit) else "process"
     if choice == "systemd":
         return SystemdLauncher(cfg.supervisor.unit)
-    return ProcessLauncher(cfg.engine_args(), cfg.host, cfg.port, runtime / ENGINE_LOG_NAME)
+    return ProcessLauncher(cfg.engine_args(), cfg.host, cfg.port, runtime, runtime / ENGINE_LOG_NAME,
+                           overlap=handover_overlaps(cfg, gpu))
+
+
+def hold_lock(runtime: Path) -> Any:
+    """One supervisor per runtime dir: an exclusive flock held for the process's lifetime (or None)."""
+    fd = os.open(runtime / LOCK_NAME, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -419,11 +536,22 @@ def main(argv: list[str] | None = None) -> int:
                                                        "launcher": args.launcher}})
         runtime = cfg.supervisor.runtime_path()
         runtime.mkdir(parents=True, exist_ok=True, mode=0o700)
-        launcher = build_launcher(cfg, runtime)
-        supervisor = Supervisor(cfg, launcher, EngineProbe(cfg.engine_url, cfg.supervisor.probe_timeout), gpu_probe())
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    lock = hold_lock(runtime)
+    if lock is None:
+        print(f"error: another supervisor already runs for {runtime}; `opsctl status` shows it", file=sys.stderr)
+        return EXIT_ALREADY_RUNNING
+    (runtime / LAST_FAILURE_NAME).unlink(missing_ok=True)
+    try:
+        gpu = gpu_probe()
+        launcher = build_launcher(cfg, runtime, gpu)
+        supervisor = Supervisor(cfg, launcher, EngineProbe(cfg.engine_url, cfg.supervisor.probe_timeout), gpu)
         supervisor.serve_metrics()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        write_last_failure(runtime, str(e))
         return 2
     control = serve_control(supervisor, runtime / SOCKET_NAME)
     (runtime / PID_NAME).write_text(str(os.getpid()))
@@ -439,16 +567,17 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    code = 1
     try:
-        supervisor.run()
+        code = supervisor.run()
     finally:
         control.shutdown()
         for name in (SOCKET_NAME, PID_NAME):
             (runtime / name).unlink(missing_ok=True)
-        if isinstance(launcher, ProcessLauncher):  # a child engine never outlives its supervisor
-            launcher.stop(5)
-            launcher.close()
-    return 0
+        # A stop (or a permanent failure) stopped the engine; a crash of this daemon leaves it serving for the
+        # next supervisor to adopt.
+        launcher.close(stop_engine=supervisor.stopping)
+    return code
 
 
 if __name__ == "__main__":

@@ -275,6 +275,7 @@ class EngineCore:
             prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
             prompt_tokens=stats.prompt_tokens, generation_tokens=stats.generation_tokens,
             preemptions=sched.num_preemptions, steps=stats.steps,
+            oldest_waiting_seconds=sched.oldest_waiting_seconds(),
             allocated_bytes=allocated, reserved_bytes=reserved,
         )
 

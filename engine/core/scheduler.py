@@ -74,6 +74,13 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         bisect.insort(self.waiting, req, key=_order)
 
+    def oldest_waiting_seconds(self, now: float | None = None) -> float:
+        """How long the longest-waiting request (waiting or swapped out) has been in the engine."""
+        heads = [q[0].arrival_time for q in (self.waiting, self.swapped) if q]
+        if not heads:
+            return 0.0
+        return max(0.0, (time.monotonic() if now is None else now) - min(heads))
+
     def add_running(self, req: Request) -> None:
         """A forked sibling joins the running batch with the blocks it shares."""
         req.status = RequestStatus.RUNNING

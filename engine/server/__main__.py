@@ -7,8 +7,13 @@ in-flight ones finish, then exit 0.  A second SIGTERM or SIGINT stops at once.
 
 Under systemd (`Type=notify`, see systemd/) it reports loading / serving / draining through sd_notify,
 pings the watchdog from the step loop, and serves on the socket-activated listening socket.  When the
-listening socket is inherited (systemd or opsctl hold it), SIGTERM first stops accepting: connections
-that arrive during the drain wait in the kernel's queue for the next engine instead of getting a 503.
+listening socket is inherited (systemd or opsctl hold it), SIGTERM hands over instead of refusing: the
+engine stops accepting (new connections wait in the kernel's queue for the next engine), serves what
+reaches it on the connections it has with `Connection: close`, closes idle keep-alive connections and
+exits (engine/server/handover.py).  A bare server, which nobody else holds a socket for, keeps
+accepting during its drain and answers 503 + Retry-After.  SIGINT, or a second SIGTERM, stops at once:
+requests in flight are answered with a clean error (503 `engine_restarting`, or an error event in a
+stream) instead of being cut off.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import uvicorn
 
 from engine.config import ConfigError, EngineConfig
 from engine.logs import configure_logging
+from engine.server.control import ControlSocket
+from engine.server.handover import HandoverDrain, HttpTracker, InflightFile, keepalive_safe_protocol
 from engine.server.notify import get_notifier
 from engine.server.sockets import bind, inherited_socket
 
@@ -47,6 +54,8 @@ class ServerConfig:
     enable_debug_hooks: bool = False
     log_level: str = "info"
     listen_fd: int | None = None
+    control_socket: str | None = None
+    inflight_file: str | None = None
     config: str | None = None
 
 
@@ -71,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s.add_argument("--listen-fd", type=int, default=None,
                    help="Serve on this inherited listening socket instead of binding (opsctl passes one).")
+    s.add_argument("--control-socket", default=None,
+                   help="Serve the supervisor's private control channel on this unix socket (opsctl sets it).")
+    s.add_argument("--inflight-file", default=None,
+                   help="Publish the count of requests in flight in this file (opsctl sets it, to count what a "
+                        "crash cost).")
     s.add_argument("--config", default=None,
                    help="Take flags from the [engine] section of this pagekeeper TOML file (the file opsctl "
                         "and the systemd unit use); flags given on the command line win.")
@@ -112,7 +126,7 @@ def log_inapplicable_flags(engine_config: EngineConfig, device: str) -> None:
 
 
 def serve(server_config: ServerConfig, engine_config: EngineConfig, sock: socket.socket,
-          inherited: bool = False) -> int:
+          inherited: bool = False, control: ControlSocket | None = None) -> int:
     from engine.llm_engine import LLMEngine
     from engine.metrics import EngineMetrics
     from engine.server.app import build_app
@@ -141,13 +155,14 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig, sock: socket
         model_root=engine_config.model_path(), api_key=server_config.api_key, admin_key=server_config.admin_key,
         enable_debug_hooks=server_config.enable_debug_hooks, log_requests=not server_config.disable_log_requests,
     )
-    app = build_app(state)
+    inflight = InflightFile(server_config.inflight_file) if server_config.inflight_file else None
+    tracker = HttpTracker(build_app(state), inflight)
 
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
-                            lifespan="off")
+    config = uvicorn.Config(tracker, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                            lifespan="off", http=keepalive_safe_protocol())
     host, port = sock.getsockname()[:2]
-    server = DrainOnTermServer(config, async_engine, server_config.drain_timeout, stop_accepting_on_term=inherited,
-                               serving_status=f"serving {model_name} on {host}:{port}")
+    server = DrainOnTermServer(config, async_engine, tracker, server_config.drain_timeout, handover=inherited,
+                               serving_status=f"serving {model_name} on {host}:{port}", control=control)
     # The watchdog is pinged from the step loop, and only while the HTTP loop is alive too.
     async_engine.add_step_hook(lambda: server.http_loop_alive(notifier.watchdog_interval) and notifier.watchdog())
     async_engine.start()
@@ -187,28 +202,42 @@ def stop_accepting(servers: list[asyncio.AbstractServer]) -> None:
 
 
 class DrainOnTermServer(uvicorn.Server):
-    """uvicorn.Server whose first SIGTERM drains before exiting instead of cutting requests off.
+    """uvicorn.Server whose SIGTERM drains (or hands over) and whose SIGINT fails in-flight work cleanly.
 
-    With `stop_accepting_on_term` (the listening socket is inherited: systemd or opsctl hold it open),
-    SIGTERM first closes this process's copy of the socket, so new connections queue in the kernel for
-    the next engine, then drains.  It also tells systemd: READY=1 once serving, STOPPING=1 on SIGTERM.
+    `handover` (the listening socket is inherited: systemd or opsctl hold it open): SIGTERM stops
+    accepting and hands the traffic over to the next engine (engine/server/handover.py), no 503 at
+    all.  Otherwise SIGTERM refuses new requests with 503 while in-flight ones finish.  SIGINT or a
+    second SIGTERM stops now; a third exits without waiting.  The supervisor sends the same requests
+    over the control socket, with its own timeout.  Tells systemd: READY=1 once serving, STOPPING=1.
     """
 
-    def __init__(self, config: uvicorn.Config, async_engine, drain_timeout: float,  # type: ignore[no-untyped-def]
-                 stop_accepting_on_term: bool = False, serving_status: str = "serving") -> None:
+    def __init__(self, config: uvicorn.Config, async_engine, tracker: HttpTracker,  # type: ignore[no-untyped-def]
+                 drain_timeout: float, handover: bool = False, serving_status: str = "serving",
+                 control: ControlSocket | None = None) -> None:
         super().__init__(config)
         self.async_engine = async_engine
+        self.tracker = tracker
         self.drain_timeout = drain_timeout
-        self.stop_accepting_on_term = stop_accepting_on_term
+        self.handover = handover
         self.serving_status = serving_status
+        self.control = control
         self.exit_reason = "signal"
-        self._draining = False
+        self._stopping: str | None = None  # "drain" | "now" once asked
         self._last_tick = time.monotonic()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if control is not None:
+            control.set_in_flight_reader(lambda: tracker.in_flight)
+            control.handlers["drain_exit"] = lambda req: self._request_stop(
+                "drain", float(req.get("timeout_s", drain_timeout)))
+            control.handlers["stop_now"] = lambda req: self._request_stop("now", 0.0)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         if self.started and not self.should_exit:
             get_notifier().ready(self.serving_status)
+            if self.control is not None:
+                self.control.state = "serving"
 
     async def on_tick(self, counter: int) -> bool:
         self._last_tick = time.monotonic()
@@ -219,23 +248,64 @@ class DrainOnTermServer(uvicorn.Server):
         return within is None or time.monotonic() - self._last_tick < within / 2
 
     def handle_exit(self, sig: int, frame) -> None:  # type: ignore[no-untyped-def]
-        if sig == signal.SIGTERM and not self._draining:
-            self._draining = True
-            asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
-            return
-        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM and self._stopping is None:
+            self._request_stop("drain", self.drain_timeout)
+        elif self._stopping != "now":
+            self._request_stop("now", 0.0)
+        else:
+            super().handle_exit(sig, frame)  # a third signal: uvicorn's own (forced) exit
 
-    async def _drain_then_exit(self) -> None:
+    def _request_stop(self, how: str, timeout: float) -> dict:
+        """Thread-safe (signal handler, control thread): start a drain/handover or an immediate stop."""
+        if self._stopping == "now" or (self._stopping == how):
+            return {"ok": True, "already": self._stopping}
+        self._stopping = how
+        if self.control is not None:
+            self.control.state = "stopping" if how == "now" else "draining"
+        loop = self._loop or asyncio.get_event_loop()
+        coro = self._stop_now if how == "now" else (lambda: self._drain_then_exit(timeout))
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(coro()))
+        return {"ok": True, "pid": os.getpid(), "in_flight": self.tracker.in_flight}
+
+    async def _stop_accepting(self, reason: str) -> None:
+        """Leave the held listening socket to the next engine (connections queue in the kernel)."""
+        servers = getattr(self, "servers", [])
+        stop_accepting(servers)
+        log.info("stopped_accepting", reason=reason, queued_connections="wait for the next engine")
+        await asyncio.sleep(ACCEPT_GRACE_S)
+        for server in servers:
+            server.close()  # our copy of the listening socket; the holder keeps it open
+
+    async def _drain_then_exit(self, timeout: float) -> None:
         get_notifier().stopping(f"draining: {self.async_engine.num_in_flight} request(s) in flight")
-        if self.stop_accepting_on_term:
-            servers = getattr(self, "servers", [])
-            stop_accepting(servers)
-            log.info("stopped_accepting", reason="SIGTERM", queued_connections="wait for the next engine")
-            await asyncio.sleep(ACCEPT_GRACE_S)
-            for server in servers:
-                server.close()  # our copy of the listening socket; the holder keeps it open
-        result = await self.async_engine.drain(self.drain_timeout)
-        self.exit_reason = "drained" if result.drained else "drain_timeout"
+        start = time.monotonic()
+        if self.handover:
+            await self._stop_accepting("drain")
+            self.async_engine.begin_handover()
+            drain = HandoverDrain(self.server_state.connections, self.tracker)
+            drain.begin()
+            done = await drain.wait(max(0.0, timeout - (time.monotonic() - start)),
+                                    busy=lambda: self.async_engine.num_in_flight > 0)
+            log.info("handover_finished", handed_over=done, seconds=round(time.monotonic() - start, 3),
+                     in_flight=self.tracker.in_flight)
+            self.exit_reason = "handed_over" if done else "drain_timeout"
+        else:
+            result = await self.async_engine.drain(timeout)
+            self.exit_reason = "drained" if result.drained else "drain_timeout"
+        if self._stopping == "drain":
+            self.should_exit = True
+
+    async def _stop_now(self) -> None:
+        get_notifier().stopping("stopping without draining")
+        if self.handover:
+            await self._stop_accepting("stop_now")
+        self.tracker.closing = True
+        aborted = self.async_engine.abort_all("the engine is restarting without draining; retry the request")
+        deadline = time.monotonic() + 2.0  # let each handler write its error response
+        while self.tracker.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        log.warning("stopped_now", aborted=aborted, unanswered=self.tracker.in_flight)
+        self.exit_reason = "stopped_now"
         self.should_exit = True
 
 
@@ -245,7 +315,12 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(server_config.log_level, force=True)
         inherited = inherited_socket(server_config.listen_fd)
         sock = inherited or bind(server_config.host, server_config.port)
-        return serve(server_config, engine_config, sock, inherited=inherited is not None)
+        control = ControlSocket(server_config.control_socket, sock) if server_config.control_socket else None
+        try:
+            return serve(server_config, engine_config, sock, inherited=inherited is not None, control=control)
+        finally:
+            if control is not None:
+                control.close()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -43,9 +43,12 @@ async def metrics(http: Request) -> Response:
         return Response(b"this is {not prometheus text\nvllm_num_requests_running{{{ 1\n", media_type=CONTENT_TYPE_LATEST)
     if mode == "slow":
         await asyncio.sleep(seconds)
-    # The queue is read live: a stuck step loop cannot refresh its own gauges, and requests piling up
-    # behind it are exactly what an operator needs to see.
-    state.metrics.waiting.labels(state.model_name).set(state.async_engine.queue_depth())
+    # Running, waiting and cache usage come from one snapshot the step loop takes after each step, so
+    # that they agree with each other (a live queue next to the last step's batch reads as a backlog
+    # that is not there).  Only a stalled loop, which refreshes nothing, has its queue read live:
+    # requests piling up behind it are exactly what an operator needs to see.
+    if state.async_engine.health() == "stalled":
+        state.metrics.waiting.labels(state.model_name).set(state.async_engine.queue_depth())
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -42,6 +42,10 @@ class EngineStepError(RuntimeError):
     """The step that was running this request raised; the request is failed, the engine goes on."""
 
 
+class EngineStopping(RuntimeError):
+    """The engine was told to stop without draining (`opsctl restart --no-drain`); the client may retry."""
+
+
 @dataclass(eq=False)
 class _Slot:
     loop: asyncio.AbstractEventLoop
@@ -76,7 +80,8 @@ class AsyncEngine:
         self.metrics = metrics
         self.health_stall_seconds = health_stall_seconds
         self.max_waiting = max_waiting
-        self.draining = False
+        self.draining = False  # refusing new requests (503): a load balancer's drain
+        self.handing_over = False  # serving what reaches it while the next engine takes new connections
         self.heartbeat = time.monotonic()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -183,6 +188,22 @@ class AsyncEngine:
         log.info("drain_finished", **result.__dict__)
         return result
 
+    def begin_handover(self) -> None:
+        """Report draining (health, metric) while still admitting requests on open connections."""
+        self.handing_over = True
+        self.metrics.set_draining(True)
+        get_notifier().status(f"handing over: {self.num_in_flight} request(s) in flight")
+        log.info("handover_started", in_flight=self.num_in_flight)
+
+    def abort_all(self, reason: str) -> int:
+        """Refuse new requests and fail every admitted one with EngineStopping; returns how many."""
+        self.draining = True
+        self.metrics.set_draining(True)
+        count = self.num_in_flight
+        self._post("abort_all", reason)
+        log.warning("aborting_in_flight", requests=count, reason=reason)
+        return count
+
     def resume(self) -> None:
         """Undo a drain (admit again)."""
         self.draining = False
@@ -196,7 +217,7 @@ class AsyncEngine:
         """'ok', 'draining' or 'stalled' (work is waiting and the loop has not advanced in time)."""
         if not self._thread.is_alive():
             return "stalled"
-        if self.draining:
+        if self.draining or self.handing_over:
             return "draining"
         with self._lock:
             has_work = bool(self._inbox) or self.engine.has_unfinished_requests()
@@ -236,6 +257,9 @@ class AsyncEngine:
 
     def _apply(self, commands: list[tuple[str, object]]) -> None:
         for op, arg in commands:
+            if op == "abort_all":
+                self._fail_everything(EngineStopping(str(arg)))
+                continue
             if op == "abort":
                 out = self.engine.abort_request(arg)  # type: ignore[arg-type]
                 if out is not None:
@@ -256,7 +280,7 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as e:  # a bug, not an input: fail the batch, keep serving
             log.exception("step_failed")
-            self._fail_everything(e)
+            self._fail_everything(EngineStepError(f"the engine step failed: {e}"))
             return
         for out in outputs:
             slot = self._slots.get(out.request_id)
@@ -280,7 +304,7 @@ class AsyncEngine:
             self.metrics.request_failed("error")
             slot = self._slots.get(request_id)
             if slot is not None:
-                slot.publish(error=EngineStepError(f"the engine step failed: {error}"))
+                slot.publish(error=error)
 
     def _snapshot(self) -> EngineSnapshot:
         snap = self.engine.core.snapshot()

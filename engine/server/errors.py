@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.server.async_engine import EngineStopping
 from engine.server.protocol import ErrorResponse
 
 log = structlog.get_logger("pagekeeper.server")
@@ -72,6 +73,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(e.status_code, str(e.detail)), e.status_code, headers=e.headers)
+
+    @app.exception_handler(EngineStopping)
+    async def _stopping(_: Request, e: EngineStopping) -> JSONResponse:
+        return JSONResponse(error_body(503, str(e), code="engine_restarting"), 503, headers={"Retry-After": "1"})
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, e: Exception) -> JSONResponse:

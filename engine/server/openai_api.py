@@ -19,7 +19,8 @@ from fastapi.responses import StreamingResponse
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.server import protocol as p
-from engine.server.errors import OpenAIError, error_responses
+from engine.server.async_engine import EngineStepError, EngineStopping
+from engine.server.errors import OpenAIError, error_body, error_responses
 from engine.server.state import ServerState, get_state, require_api_key
 
 router = APIRouter(dependencies=[Depends(require_api_key)], responses=error_responses(400, 401, 404, 429, 503))
@@ -161,8 +162,22 @@ def _usage(prompts: list[_Prompt], outputs: list[RequestOutput]) -> p.Usage:
     return p.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
 
 
-def _streaming(body: Any) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream",
+async def _ending_cleanly(body: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream the engine fails (stopped without draining, a failed step) ends with an error event and
+    [DONE], as vLLM's do, instead of being cut off mid-way: the client can tell an error from a network fault."""
+    try:
+        async for event in body:
+            yield event
+    except EngineStopping as e:
+        yield _sse(error_body(503, str(e), code="engine_restarting"))
+        yield _sse("[DONE]")
+    except EngineStepError as e:
+        yield _sse(error_body(500, str(e)))
+        yield _sse("[DONE]")
+
+
+def _streaming(body: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(_ending_cleanly(body), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

@@ -119,35 +119,57 @@ def test_stuck_cache_drains_then_restarts_and_no_request_is_lost(deploy):
     assert reasons and set(reasons) == {"high_cache"}, (reasons, st["last_decision"])
     events = [json.loads(l) for l in d.log("supervisor.log").splitlines() if '"action": "drain_restart"' in l]
     assert events and events[0]["evidence"]["peak_cache_usage"] > 0.95
-    lost = [r for r in results if r[0] not in (200, 503, 429)]
-    assert not lost, lost
-    assert all(tokens == wanted for code, tokens, wanted in results if code == 200)  # complete outputs
-    assert sum(1 for code, _, wanted in results if code == 200 and wanted == 240) == FLOOD  # the whole flood
-    assert any(code == 503 for code, _, _ in results)  # arrivals during the drain were told to retry
+    assert events[0]["evidence"]["preemptions_in_window"] > 0  # pressure, not just a full cache
+    lost = [r for r in results if r[0] != 200]
     print(f"stuck cache: {len(results)} requests, " + ", ".join(
-        f"{sum(1 for r in results if r[0] == c)} x {c}" for c in (200, 503, 429)))
+        f"{sum(1 for r in results if r[0] == c)} x {c}" for c in sorted({r[0] for r in results}, key=str)))
+    assert not lost, lost  # a drain-restart hands over: no 503, no reset, nothing refused
+    assert all(tokens == wanted for code, tokens, wanted in results)  # complete outputs
+    assert sum(1 for _, _, wanted in results if wanted == 240) == FLOOD  # the whole flood
     log = [json.loads(l) for l in d.log("supervisor.log").splitlines() if l.startswith("{")]
-    order = [e["event"] for e in log if e["event"] in ("decision", "engine_drained", "engine_restart")
+    order = [e["event"] for e in log if e["event"] in ("decision", "engine_restart")
              and e.get("action", "drain_restart") == "drain_restart"]
-    assert order[:3] == ["decision", "engine_drained", "engine_restart"], order
-    drained = next(e for e in log if e["event"] == "engine_drained")
-    assert drained["drained"] is True and drained["in_flight_at_start"] > 0
+    assert order[:2] == ["decision", "engine_restart"], order
+    engine_log = [json.loads(l) for l in d.log("engine.log").splitlines() if l.startswith("{")]
+    handover = [e for e in engine_log if e["event"] == "handover_started"]
+    assert handover and handover[0]["in_flight"] > 0  # the flood was in flight and finished on the old engine
     m = d.supervisor_metrics()
     assert sum(v for k, v in m.items() if k.startswith("pagekeeper_supervisor_decisions_total{action=drain_restart")) >= 1
+    assert sum(v for k, v in m.items() if k.startswith("pagekeeper_supervisor_requests_lost_total")) == 0
 
 
-def test_a_model_that_cannot_load_ends_in_a_reported_crash_loop(deploy):
+def test_an_engine_that_exits_2_is_started_once_and_start_says_why(deploy):
     d = deploy(engine={"model": "/nonexistent/model"}, supervisor={"max_restarts": 2})
+    started = time.monotonic()
     r = d.opsctl("start")
-    assert r.returncode == 1
-    assert "gave up" in r.stderr and "no such directory" in r.stderr
+    took = time.monotonic() - started
+    print(f"opsctl start with a bad model path: exit {r.returncode} after {took:.1f} s: {r.stderr.strip()}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "/nonexistent/model" in errors[0] and "no such directory" in errors[0], r.stderr
+    assert took < 30
+    assert d.log("engine.log").count("--- engine start") == 1  # started once, never retried
+    st = d.opsctl("status")
+    assert st.returncode == 3 and "last failure" in st.stdout and "/nonexistent/model" in st.stdout
+    assert not (d.runtime / "supervisor.sock").exists()
+
+
+def test_an_engine_that_keeps_crashing_ends_in_a_reported_crash_loop(deploy, tmp_path):
+    # exit 1 (a bug, not a config mistake) is retried until the crash-loop guard gives up
+    crasher = tmp_path / "sitecustomize.py"
+    crasher.write_text("import sys\nif 'engine.server' in sys.orig_argv:\n"
+                       "    print('boom: a crash on start-up', flush=True); sys.exit(1)\n")
+    d = deploy(supervisor={"max_restarts": 2})
+    r = d.opsctl("start", env={"PYTHONPATH": f"{tmp_path}:{d.env()['PYTHONPATH']}"})
+    assert r.returncode == 6, r.stdout + r.stderr
+    assert "gave up" in r.stderr and "exit code 1" in r.stderr
     st = d.status()
-    assert st["engine"]["state"] == "gave_up"
-    assert st["crash_loop"]["gave_up"] is True
-    assert "exit code 2" in st["crash_loop"]["reason"] and "/nonexistent/model" in st["crash_loop"]["reason"]
+    assert st["engine"]["state"] == "gave_up" and st["crash_loop"]["gave_up"] is True
     assert st["restarts"]["counted_for_crash_loop"] == 2
-    text = d.opsctl("status").stdout
-    assert "GAVE UP" in text and "no such directory" in text
+    text = d.opsctl("status")
+    assert text.returncode == 6 and "GAVE UP" in text.stdout and "exit code 1" in text.stdout
+    again = d.opsctl("start")
+    assert again.returncode == 6 and "gave up" in again.stderr
     m = d.supervisor_metrics()
     assert m["pagekeeper_supervisor_crash_loop_gave_up"] == 1
     assert m["pagekeeper_supervisor_restarts_total{reason=engine_exited}"] == 2
@@ -220,11 +242,12 @@ def test_dry_run_decides_and_logs_but_never_acts(deploy):
         os.kill(old, signal.SIGCONT)
 
 
-def test_cli_restart_drain_stop_and_logs(deploy):
+def test_cli_restart_drain_resume_stop_and_logs(deploy):
     d = deploy()
     st = _start(d)
     old = st["engine"]["pid"]
-    assert "already running" in d.opsctl("start").stdout
+    again = d.opsctl("start")
+    assert again.returncode == 0 and "already running" in again.stdout
     r = d.opsctl("restart", "--drain-timeout", "5")
     assert r.returncode == 0 and "restarted" in r.stdout
     st = d.status()
@@ -233,10 +256,20 @@ def test_cli_restart_drain_stop_and_logs(deploy):
     drained = json.loads(d.opsctl("drain", "--timeout", "5").stdout)
     assert drained["drained"] is True
     assert httpx.get(d.url + "/health").json() == {"status": "draining"}
+    st = d.opsctl("status")
+    assert st.returncode == 5 and st.stdout.startswith("engine      draining"), st.stdout  # not stale
+    assert d.opsctl("start").returncode == 5
+    r = d.opsctl("resume")
+    assert r.returncode == 0 and "resumed" in r.stdout
+    assert httpx.get(d.url + "/health").json() == {"status": "ok"}
+    st = d.opsctl("status")
+    assert st.returncode == 0 and st.stdout.startswith("engine      serving"), st.stdout
+    assert "None" not in st.stdout and ".0 " not in st.stdout  # integers, nothing unknown printed
     assert "engine_ready" in d.opsctl("logs", "--supervisor").stdout
     assert "serving" in d.opsctl("logs").stdout
     r = d.opsctl("stop")
     assert r.returncode == 0 and "stopped" in r.stdout
     assert d.opsctl("status").returncode == 3
+    assert d.opsctl("stop").returncode == 0  # stopping what is stopped is done, like systemctl stop
     with pytest.raises(httpx.ConnectError):
         httpx.get(d.url + "/health", timeout=2)

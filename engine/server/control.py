@@ -1,0 +1,118 @@
+"""The engine's private control channel: a unix socket only its supervisor talks to.
+
+Over TCP the supervisor cannot choose which engine answers: while two engines share the held
+listening socket (a restart on CPU starts the new engine before the old one leaves), a request to
+`/drain` may land on either.  This socket belongs to one process, so "are you ready?", "hand over
+and exit", "stop now" and "give me the listening socket" (for a supervisor that adopts a running
+engine after its predecessor died) reach exactly that engine.  It runs in its own thread, so it
+answers while the model loads and while the HTTP loop is busy.
+
+One JSON line per connection, one JSON line back; the socket is created 0600 and a peer with
+another uid is refused (SO_PEERCRED).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import structlog
+
+log = structlog.get_logger("pagekeeper.server")
+
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class ControlSocket:
+    def __init__(self, path: str | os.PathLike[str], listen_sock: socket.socket) -> None:
+        self.path = Path(path)
+        self.listen_sock = listen_sock
+        self.state = "loading"
+        self.handlers: dict[str, Handler] = {}  # filled in once the server exists
+        self._in_flight: Callable[[], int] = lambda: 0
+        self.path.unlink(missing_ok=True)
+        old = os.umask(0o177)
+        try:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock.bind(str(self.path))
+        finally:
+            os.umask(old)
+        self._sock.listen(16)
+        threading.Thread(target=self._serve, name="engine-control", daemon=True).start()
+
+    def set_in_flight_reader(self, reader: Callable[[], int]) -> None:
+        self._in_flight = reader
+
+    def close(self) -> None:
+        self._sock.close()
+        self.path.unlink(missing_ok=True)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                try:
+                    conn.settimeout(5)
+                    self._handle(conn)
+                except Exception as e:  # one bad client never stops the channel
+                    log.warning("control_request_failed", error=str(e))
+
+    def _peer_allowed(self, conn: socket.socket) -> bool:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        return uid in (os.geteuid(), 0)
+
+    def _handle(self, conn: socket.socket) -> None:
+        if not self._peer_allowed(conn):
+            conn.sendall(b'{"ok": false, "error": "not your engine"}\n')
+            return
+        line = conn.makefile("rb").readline()
+        request = json.loads(line or b"{}")
+        cmd = str(request.get("cmd", ""))
+        if cmd == "state":
+            reply = {"ok": True, "pid": os.getpid(), "state": self.state, "in_flight": self._in_flight()}
+        elif cmd == "listen_fd":
+            socket.send_fds(conn, [b'{"ok": true}\n'], [self.listen_sock.fileno()])
+            log.info("listening_socket_handed_over")
+            return
+        elif cmd in self.handlers:
+            reply = self.handlers[cmd](request)
+        elif cmd in ("drain_exit", "stop_now"):  # asked before the server exists: nothing is in flight
+            log.info("exit_requested_while_loading", command=cmd)
+            conn.sendall(b'{"ok": true, "state": "loading"}\n')
+            os._exit(0)
+        else:
+            reply = {"ok": False, "error": f"unknown command {cmd!r}"}
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+
+
+def request(path: str | os.PathLike[str], cmd: str, timeout: float = 5.0, **args: Any) -> dict[str, Any]:
+    """Send one command to an engine's control socket (OSError/ValueError when it does not answer)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+        data = s.makefile("rb").readline()
+    return json.loads(data)
+
+
+def receive_listening_socket(path: str | os.PathLike[str], timeout: float = 5.0) -> socket.socket:
+    """Ask a running engine for its listening socket (a supervisor adopting it needs its own copy)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        s.sendall(b'{"cmd": "listen_fd"}\n')
+        msg, fds, _flags, _addr = socket.recv_fds(s, 1024, 1)
+    if not fds or not json.loads(msg or b"{}").get("ok"):
+        raise OSError(f"the engine at {path} did not hand over its listening socket")
+    sock = socket.socket(fileno=fds[0])
+    sock.set_inheritable(True)
+    return sock

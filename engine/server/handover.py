@@ -1,0 +1,180 @@
+"""Handing traffic over to the next engine without failing a request.
+
+When the listening socket is held by someone else (opsctl's supervisor or systemd), a restart needs
+no 503 at all: the old engine stops calling accept(), so new connections wait in the kernel's queue
+for the next engine; requests that reach it on connections it already has are still served, but
+answered with `Connection: close`, so every client's next request opens a new connection (to the
+next engine); keep-alive connections that stay idle are closed once nothing can be on its way on
+them.  `HttpTracker` is the ASGI side of that (it counts requests in flight and adds the header);
+`HandoverDrain` is the loop that waits for the connections to empty.
+
+`InflightFile` publishes the count of requests in flight in an 8-byte file that the supervisor reads
+after an engine died without warning (kill -9, OOM killer): those requests are what the crash cost,
+and the supervisor exports them as a metric.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import mmap
+import os
+import struct
+import termios
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import structlog
+
+log = structlog.get_logger("pagekeeper.server")
+
+_COUNT = struct.Struct("<q")
+# Paths that are probes, not work: a supervisor or load balancer polling them is not a request in flight.
+_PROBE_PATHS = ("/health", "/metrics")
+# A keep-alive connection that stayed idle this long after the handover began is closed.  Clients that
+# send requests back to back reuse their connection within milliseconds (and are then answered with
+# `Connection: close`), so only connections nobody is using are closed this way.
+IDLE_CLOSE_S = 1.0
+_POLL_S = 0.02
+
+
+class InflightFile:
+    """A shared 8-byte counter: requests this engine has accepted and not finished answering."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            os.ftruncate(fd, _COUNT.size)
+            self._map = mmap.mmap(fd, _COUNT.size)
+        finally:
+            os.close(fd)
+        self.set(0)
+
+    def set(self, value: int) -> None:
+        _COUNT.pack_into(self._map, 0, value)
+
+    @staticmethod
+    def read(path: str | os.PathLike[str]) -> int | None:
+        """The last count an engine published (None if there is no such file)."""
+        try:
+            data = Path(path).read_bytes()
+        except OSError:
+            return None
+        return _COUNT.unpack_from(data)[0] if len(data) >= _COUNT.size else None
+
+
+class HttpTracker:
+    """ASGI middleware: counts requests in flight and, once `closing`, answers with `Connection: close`."""
+
+    def __init__(self, app: Any, inflight: InflightFile | None = None) -> None:
+        self.app = app
+        self.inflight = inflight
+        self.in_flight = 0
+        self.closing = False
+
+    def _count(self, delta: int) -> None:
+        self.in_flight += delta
+        if self.inflight is not None:
+            self.inflight.set(self.in_flight)
+
+    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
+                       send: Callable[[dict], Awaitable[None]]) -> None:
+        if scope["type"] != "http" or scope["path"] in _PROBE_PATHS:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_closing(message: dict) -> None:
+            if message["type"] == "http.response.start" and self.closing:
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+                message = {**message, "headers": headers + [(b"connection", b"close")]}
+            await send(message)
+
+        self._count(+1)
+        try:
+            await self.app(scope, receive, send_closing)
+        finally:
+            self._count(-1)
+
+
+def pending_bytes(transport: Any) -> int:
+    """Bytes the kernel holds for this connection that the server has not read yet (FIONREAD)."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.fileno() < 0:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+    except OSError:
+        return 0
+
+
+def keepalive_safe_protocol() -> type:
+    """uvicorn's HTTP protocol, except that its keep-alive timeout never closes a connection on which a
+    request has already arrived.
+
+    Closing a socket with unread data makes the kernel send a reset: the client sees its request fail
+    although it was sent in time.  That happens whenever the event loop runs late, e.g. an engine resumed
+    after SIGSTOP: the interrupted select() returns no events once its deadline has passed (PEP 475), so
+    the overdue keep-alive timers run before the requests that arrived meanwhile are read.
+    """
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class KeepAliveSafeProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        def timeout_keep_alive_handler(self) -> None:
+            if pending_bytes(self.transport) > 0:  # a request is waiting: the loop reads it next
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                    self.timeout_keep_alive_handler)
+                return
+            super().timeout_keep_alive_handler()
+
+    return KeepAliveSafeProtocol
+
+
+def _idle(conn: Any) -> bool:
+    """No request is being read or answered on this connection (uvicorn's h11 and httptools protocols)."""
+    cycle = getattr(conn, "cycle", None)
+    return cycle is None or bool(getattr(cycle, "response_complete", False))
+
+
+class HandoverDrain:
+    """Close this engine's connections one by one as they fall idle; done when none is left.
+
+    Connections busy when it starts finish their response and close (keep-alive off); requests that
+    arrive on idle ones are served with `Connection: close`; a connection idle since the start for
+    IDLE_CLOSE_S is closed.
+    """
+
+    def __init__(self, connections: set[Any], tracker: HttpTracker) -> None:
+        self.connections = connections
+        self.tracker = tracker
+
+    def begin(self) -> None:
+        self.tracker.closing = True
+        for conn in list(self.connections):
+            cycle = getattr(conn, "cycle", None)
+            if cycle is not None and not _idle(conn):
+                cycle.keep_alive = False  # close once this response is complete
+
+    async def wait(self, timeout: float, busy: Callable[[], bool]) -> bool:
+        """True once no connection and no request (`busy()`) is left; False at the timeout."""
+        start = time.monotonic()
+        idle_since: dict[Any, tuple[float, Any]] = {}
+        while True:
+            now = time.monotonic()
+            for conn in list(self.connections):
+                if not _idle(conn):
+                    idle_since.pop(conn, None)
+                    continue
+                since, cycle = idle_since.setdefault(conn, (now, getattr(conn, "cycle", None)))
+                if getattr(conn, "cycle", None) is not cycle:  # served a request meanwhile
+                    idle_since[conn] = (now, conn.cycle)
+                elif now - since >= IDLE_CLOSE_S and pending_bytes(getattr(conn, "transport", None)) == 0:
+                    conn.shutdown()  # an idle keep-alive connection: closed cleanly, nothing lost
+            if not self.connections and not busy() and self.tracker.in_flight == 0:
+                return True
+            if now - start >= timeout:
+                log.warning("handover_timeout", connections=len(self.connections),
+                            in_flight=self.tracker.in_flight, timeout_s=timeout)
+                return False
+            await asyncio.sleep(_POLL_S)

@@ -1,0 +1,128 @@
+"""Steady client load for the supervisor's fault tests: every request recorded with its outcome.
+
+Clients are real HTTP clients in threads, each looping over one kind of request for a bounded time:
+streaming or not, on a kept-alive connection or a new connection per request.  An outcome is "ok"
+only when the response is complete (all `max_tokens` tokens; a stream ends with [DONE]), so a stream
+cut off halfway or an error event counts as what it is.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+
+MODEL = "pagekeeper-default"
+MAX_TOKENS = 12
+
+
+@dataclass
+class Record:
+    client: str
+    start: float
+    end: float
+    outcome: str  # ok | http_<code> | refused | reset | timeout | truncated | error_event | <exception name>
+    detail: str = ""
+
+    def in_flight_at(self, t: float) -> bool:
+        return self.start <= t <= self.end
+
+
+def _classify(e: Exception) -> str:
+    if isinstance(e, httpx.ConnectError):
+        return "refused"
+    if isinstance(e, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(e, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
+        return "reset"
+    return type(e).__name__
+
+
+@dataclass
+class Load:
+    url: str
+    clients_per_kind: int = 2
+    pause_s: float = 0.02
+    timeout_s: float = 90.0
+    records: list[Record] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    KINDS = ("plain-keepalive", "plain-new", "stream-keepalive", "stream-new")
+
+    def start(self) -> Load:
+        for kind in self.KINDS:
+            for i in range(self.clients_per_kind):
+                t = threading.Thread(target=self._client, args=(f"{kind}-{i}", kind), daemon=True)
+                t.start()
+                self._threads.append(t)
+        return self
+
+    def stop(self) -> list[Record]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.timeout_s + 10)
+        return list(self.records)
+
+    def _client(self, name: str, kind: str) -> None:
+        stream = kind.startswith("stream")
+        keepalive = kind.endswith("keepalive")
+        client = httpx.Client(base_url=self.url, timeout=self.timeout_s) if keepalive else None
+        n = 0
+        try:
+            while not self._stop.is_set():
+                n += 1
+                body = {"model": MODEL, "prompt": f"Beautiful is {n % 7}", "max_tokens": MAX_TOKENS,
+                        "ignore_eos": True, "temperature": 0, "stream": stream}
+                c = client or httpx.Client(base_url=self.url, timeout=self.timeout_s)
+                start = time.monotonic()
+                try:
+                    outcome, detail = (self._stream if stream else self._plain)(c, body)
+                except Exception as e:  # noqa: BLE001 - every failure is an outcome to count
+                    outcome, detail = _classify(e), repr(e)[:200]
+                finally:
+                    if client is None:
+                        c.close()
+                with self._lock:
+                    self.records.append(Record(name, start, time.monotonic(), outcome, detail))
+                time.sleep(self.pause_s)
+        finally:
+            if client is not None:
+                client.close()
+
+    @staticmethod
+    def _plain(c: httpx.Client, body: dict) -> tuple[str, str]:
+        r = c.post("/v1/completions", json=body)
+        if r.status_code != 200:
+            return f"http_{r.status_code}", r.text[:200]
+        tokens = r.json()["usage"]["completion_tokens"]
+        return ("ok", "") if tokens == MAX_TOKENS else ("truncated", f"{tokens} tokens")
+
+    @staticmethod
+    def _stream(c: httpx.Client, body: dict) -> tuple[str, str]:
+        chunks = 0
+        done = False
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                return f"http_{r.status_code}", r.text[:200]
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        return "error_event", str(event["error"])[:200]
+                    chunks += 1
+        if not done:
+            return "truncated", f"{chunks} chunks, no [DONE]"
+        return "ok", ""
+
+
+def tally(records: list[Record]) -> Counter:
+    return Counter(r.outcome for r in records)
