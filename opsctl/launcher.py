@@ -54,7 +54,7 @@ class Retired:
     """What retiring one engine cost: requests in flight that did not get their answer."""
 
     lost: int = 0
-    reason: str = ""  # "no_drain" | "killed" when lost > 0
+    reason: str = ""  # "engine_exited" | "no_drain" | "killed" when lost > 0
     successor_serving: bool = False  # the new engine was already serving when the old one left (overlap)
 
 
@@ -68,10 +68,9 @@ class Launcher(Protocol):
     def alive(self) -> bool: ...
     def exit_summary(self) -> str | None: ...
     def exit_is_permanent(self) -> bool: ...
-    def lost_at_exit(self) -> int: ...
     def forget_exit(self) -> None: ...
     def log_path(self) -> Path | None: ...
-    def close(self, stop_engine: bool) -> None: ...
+    def close(self) -> None: ...
 
 
 def tail(path: Path | None, max_bytes: int = _LOG_TAIL_BYTES) -> str:
@@ -158,7 +157,13 @@ class EngineProcess:
             return None
 
     def in_flight(self) -> int:
-        return max(0, InflightFile.read(self.inflight_path) or 0)
+        counts = InflightFile.read(self.inflight_path)
+        return max(0, counts[0]) if counts else 0
+
+    def aborted(self) -> int:
+        """Requests a stop-now answered with a retryable 503 (in flight then, or arriving after)."""
+        counts = InflightFile.read(self.inflight_path)
+        return max(0, counts[1]) if counts else 0
 
     def cleanup(self) -> None:
         for path in (self.control_path, self.inflight_path):
@@ -300,8 +305,10 @@ class ProcessLauncher:
             os.kill(engine.pid, signal.SIGTERM if drain else signal.SIGINT)
         grace = timeout + 2.0 if drain else _STOP_NOW_GRACE_S
         if engine.wait(grace):
+            aborted = engine.aborted() or aborted  # the engine's own count includes late arrivals
             result = Retired(aborted, "no_drain" if aborted else "")
         else:
+            aborted = engine.aborted() or aborted
             lost = engine.in_flight()
             log.warning("engine_kill", pid=engine.pid, after_s=round(grace, 1), in_flight=lost)
             engine.signal_group(signal.SIGKILL)
@@ -315,11 +322,12 @@ class ProcessLauncher:
     def restart(self, drain: bool, timeout: float, ready_timeout: float) -> Retired:
         """Replace the engine.  Overlap: new one first, the old one leaves once it serves."""
         old = self.engine if self.engine is not None and self.engine.alive() else None
-        if old is None:
+        if old is None:  # it died: what it had in flight is lost
             self._note_exit()
+            lost = self._lost_at_exit
             self.forget_exit()
             self.start()
-            return Retired()
+            return Retired(lost, "engine_exited" if lost else "")
         if self.overlap:
             new = self._spawn()
             if not self._wait_serving(new, ready_timeout):
@@ -376,9 +384,6 @@ class ProcessLauncher:
     def exit_is_permanent(self) -> bool:
         return self._last_code == EXIT_CONFIG_ERROR
 
-    def lost_at_exit(self) -> int:
-        return self._lost_at_exit
-
     def forget_exit(self) -> None:
         self._last_exit = None
         self._last_code = None
@@ -387,10 +392,8 @@ class ProcessLauncher:
     def log_path(self) -> Path | None:
         return self.log_file
 
-    def close(self, stop_engine: bool) -> None:
-        """Stop the engine (a graceful supervisor exit), or leave it serving for a successor to adopt."""
-        if stop_engine and self.engine is not None:
-            self.stop(drain=False, timeout=0)
+    def close(self) -> None:
+        """Let go of the listening socket; an engine still running keeps serving for a successor to adopt."""
         self.sock.close()
 
 
@@ -464,9 +467,6 @@ class SystemdLauncher:
     def exit_is_permanent(self) -> bool:
         return self._last_code == EXIT_CONFIG_ERROR
 
-    def lost_at_exit(self) -> int:
-        return 0  # the engine's in-flight file lives in the unit's own namespace
-
     def forget_exit(self) -> None:
         self._last_exit = None
         self._last_code = None
@@ -474,9 +474,8 @@ class SystemdLauncher:
     def log_path(self) -> Path | None:
         return None  # journalctl -u <unit>
 
-    def close(self, stop_engine: bool) -> None:
-        if stop_engine:
-            self.stop()
+    def close(self) -> None:
+        pass  # the engine is a unit of its own
 
 
 def systemd_available(unit: str) -> bool:

@@ -266,8 +266,6 @@ class Supervisor:
             self._give_up(action)
             return
         decided_at = time.time()
-        if action.reason == "engine_exited":
-            self._count_lost("engine_exited", self.launcher.lost_at_exit())
         drain = action.kind == "drain_restart" or action.reason == "hang"
         timeout = self.sup.drain_timeout
         if action.reason == "hang" and not self._overlap():
@@ -574,9 +572,9 @@ def main(argv: list[str] | None = None) -> int:
         control.shutdown()
         for name in (SOCKET_NAME, PID_NAME):
             (runtime / name).unlink(missing_ok=True)
-        # A stop (or a permanent failure) stopped the engine; a crash of this daemon leaves it serving for the
-        # next supervisor to adopt.
-        launcher.close(stop_engine=supervisor.stopping)
+        # A stop command stopped the engine already (unless it runs as a systemd unit of its own); a crash of
+        # this daemon leaves it serving for the next supervisor to adopt.
+        launcher.close()
     return code
 
 

@@ -34,7 +34,8 @@ import uvicorn
 from engine.config import ConfigError, EngineConfig
 from engine.logs import configure_logging
 from engine.server.control import ControlSocket
-from engine.server.handover import HandoverDrain, HttpTracker, InflightFile, keepalive_safe_protocol
+from engine.server.handover import (RESTARTING_MESSAGE, HandoverDrain, HttpTracker, InflightFile,
+                                     keepalive_safe_protocol)
 from engine.server.notify import get_notifier
 from engine.server.sockets import bind, inherited_socket
 
@@ -300,7 +301,9 @@ class DrainOnTermServer(uvicorn.Server):
         if self.handover:
             await self._stop_accepting("stop_now")
         self.tracker.closing = True
-        aborted = self.async_engine.abort_all("the engine is restarting without draining; retry the request")
+        self.tracker.stopping = True  # requests that reach it from now on are answered "restarting" at once,
+        # and it counts each one the abort below answers with a 503 or an error event
+        aborted = self.async_engine.abort_all(RESTARTING_MESSAGE)
         deadline = time.monotonic() + 2.0  # let each handler write its error response
         while self.tracker.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.02)

@@ -82,6 +82,8 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.draining = False  # refusing new requests (503): a load balancer's drain
         self.handing_over = False  # serving what reaches it while the next engine takes new connections
+        self.stopping = False  # stopped without draining: every request fails with EngineStopping
+        self.stop_reason = ""
         self.heartbeat = time.monotonic()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -120,6 +122,8 @@ class AsyncEngine:
             return self._num_waiting + sum(1 for op, _ in self._inbox if op == "add")
 
     def check_admission(self) -> None:
+        if self.stopping:
+            raise EngineStopping(self.stop_reason)
         if self.draining:
             raise EngineDraining("the engine is draining and accepts no new requests")
         if self.max_waiting is not None and self.queue_depth() >= self.max_waiting:
@@ -197,6 +201,8 @@ class AsyncEngine:
 
     def abort_all(self, reason: str) -> int:
         """Refuse new requests and fail every admitted one with EngineStopping; returns how many."""
+        self.stopping = True
+        self.stop_reason = reason
         self.draining = True
         self.metrics.set_draining(True)
         count = self.num_in_flight

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import json
 import mmap
 import os
 import struct
@@ -40,55 +41,80 @@ _POLL_S = 0.02
 
 
 class InflightFile:
-    """A shared 8-byte counter: requests this engine has accepted and not finished answering."""
+    """Two shared counters: requests in flight now, and requests answered "restarting" by a stop-now."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
         fd = os.open(path, flags, 0o600)
         try:
-            os.ftruncate(fd, _COUNT.size)
-            self._map = mmap.mmap(fd, _COUNT.size)
+            os.ftruncate(fd, 2 * _COUNT.size)
+            self._map = mmap.mmap(fd, 2 * _COUNT.size)
         finally:
             os.close(fd)
         self.set(0)
+        self.set_aborted(0)
 
     def set(self, value: int) -> None:
         _COUNT.pack_into(self._map, 0, value)
 
+    def set_aborted(self, value: int) -> None:
+        _COUNT.pack_into(self._map, _COUNT.size, value)
+
     @staticmethod
-    def read(path: str | os.PathLike[str]) -> int | None:
-        """The last count an engine published (None if there is no such file)."""
+    def read(path: str | os.PathLike[str]) -> tuple[int, int] | None:
+        """(in flight, aborted) as an engine last published them (None if there is no such file)."""
         try:
             data = Path(path).read_bytes()
         except OSError:
             return None
-        return _COUNT.unpack_from(data)[0] if len(data) >= _COUNT.size else None
+        if len(data) < 2 * _COUNT.size:
+            return None
+        return _COUNT.unpack_from(data, 0)[0], _COUNT.unpack_from(data, _COUNT.size)[0]
 
 
 class HttpTracker:
-    """ASGI middleware: counts requests in flight and, once `closing`, answers with `Connection: close`."""
+    """ASGI middleware: counts requests in flight; once `closing`, answers with `Connection: close`; once
+    `stopping` (stop without draining), answers every new request with a retryable 503 at once."""
 
     def __init__(self, app: Any, inflight: InflightFile | None = None) -> None:
         self.app = app
         self.inflight = inflight
         self.in_flight = 0
+        self.aborted = 0
         self.closing = False
+        self.stopping = False
 
     def _count(self, delta: int) -> None:
         self.in_flight += delta
         if self.inflight is not None:
             self.inflight.set(self.in_flight)
 
+    def count_aborted(self, n: int) -> None:
+        self.aborted += n
+        if self.inflight is not None:
+            self.inflight.set_aborted(self.aborted)
+
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
                        send: Callable[[dict], Awaitable[None]]) -> None:
         if scope["type"] != "http" or scope["path"] in _PROBE_PATHS:
             await self.app(scope, receive, send)
             return
+        if self.stopping:
+            self.count_aborted(1)
+            await _send_restarting(send)
+            return
+
+        counted = False
 
         async def send_closing(message: dict) -> None:
+            nonlocal counted
             if message["type"] == "http.response.start" and self.closing:
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
                 message = {**message, "headers": headers + [(b"connection", b"close")]}
+            if self.stopping and not counted and (  # a request the stop failed: a 503, or an error event
+                    message.get("status") == 503 or b'"engine_restarting"' in message.get("body", b"")):
+                counted = True
+                self.count_aborted(1)
             await send(message)
 
         self._count(+1)
@@ -96,6 +122,18 @@ class HttpTracker:
             await self.app(scope, receive, send_closing)
         finally:
             self._count(-1)
+
+
+RESTARTING_MESSAGE = "the engine is restarting without draining; retry the request"
+
+
+async def _send_restarting(send: Callable[[dict], Awaitable[None]]) -> None:
+    body = json.dumps({"error": {"message": RESTARTING_MESSAGE, "type": "ServiceUnavailableError", "param": None,
+                                 "code": "engine_restarting"}}).encode()
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"retry-after", b"1"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def pending_bytes(transport: Any) -> int:

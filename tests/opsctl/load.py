@@ -63,6 +63,32 @@ class Load:
                 self._threads.append(t)
         return self
 
+    def burst(self, n: int, max_tokens: int) -> list[threading.Thread]:
+        """`n` one-off requests at once on new connections (a queue the engine cannot serve at once)."""
+
+        def one(i: int) -> None:
+            body = {"model": MODEL, "prompt": "Errors should never", "max_tokens": max_tokens, "ignore_eos": True,
+                    "temperature": 0}
+            start = time.monotonic()
+            try:
+                with httpx.Client(base_url=self.url, timeout=self.timeout_s) as c:
+                    r = c.post("/v1/completions", json=body)
+                if r.status_code != 200:
+                    outcome, detail = f"http_{r.status_code}", r.text[:200]
+                else:
+                    tokens = r.json()["usage"]["completion_tokens"]
+                    outcome, detail = ("ok", "") if tokens == max_tokens else ("truncated", f"{tokens} tokens")
+            except Exception as e:  # noqa: BLE001
+                outcome, detail = _classify(e), repr(e)[:200]
+            with self._lock:
+                self.records.append(Record(f"burst-{i}", start, time.monotonic(), outcome, detail))
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+        for t in threads:
+            t.start()
+        self._threads.extend(threads)
+        return threads
+
     def stop(self) -> list[Record]:
         self._stop.set()
         for t in self._threads:
