@@ -10,7 +10,7 @@ import torch
 from tests.checkpoints import make_checkpoint
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def _skip_gpu_tests_without_cuda(items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is false)")
@@ -35,3 +35,63 @@ def checkpoint(checkpoint_root: Path):
         return made[arch]
 
     return get
+
+
+# -- the ten-minute soak (tests/opsctl/test_soak.py), run alongside the rest of the suite ------------------------
+
+SOAK_SECONDS = 600.0
+SOAK_PAUSE_S = 1.0  # each of the 8 clients pauses 1 s between requests: steady, and light on a 2-core machine
+
+
+def _is_soak(item: pytest.Item) -> bool:
+    return item.get_closest_marker("soak") is not None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The soak's check runs last, so that its ten minutes pass while the other tests run."""
+    _skip_gpu_tests_without_cuda(items)
+    items.sort(key=_is_soak)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _background_soak(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Starts tests/opsctl/soak.py in its own process at the session's first test, if the soak test runs."""
+    if not any(_is_soak(item) for item in request.session.items):
+        yield None
+        return
+    import subprocess
+    import sys
+
+    from tests.server.harness import REPO
+
+    root = tmp_path_factory.mktemp("soak")
+    out = root / "soak.json"
+    log = open(root / "soak.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "tests.opsctl.soak", "--seconds", str(SOAK_SECONDS),
+                             "--pause", str(SOAK_PAUSE_S), "--root", str(root / "d"), "--out", str(out)],
+                            cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    handle = {"proc": proc, "out": out, "root": root}
+    yield handle
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+    log.close()
+    _teardown_soak_deployment(root / "d")
+
+
+def _teardown_soak_deployment(root: Path) -> None:
+    import json
+
+    from tests.opsctl.harness import Deployment
+
+    try:
+        info = json.loads((root / "deployment.json").read_text())
+    except (OSError, ValueError):
+        return
+    Deployment(root, Path(info["config"]), Path(info["runtime"]), int(info["port"])).teardown()
+
+
+@pytest.fixture
+def background_soak(_background_soak):  # type: ignore[no-untyped-def]
+    return _background_soak

@@ -1,0 +1,33 @@
+"""Healthy steady load for ten minutes at a 1 s poll: the supervisor takes no action.
+
+The load runs in its own process from the session's first test on (tests/conftest.py,
+tests/opsctl/soak.py), so the ten minutes overlap the rest of the suite; this check runs last and
+waits for whatever is left.  The policy uses its default thresholds; only the poll (1 s) and the
+cooldown (5 s, so that nearly all ten minutes are judged) are set.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.soak]
+
+
+def test_ten_minutes_of_healthy_load_cause_no_policy_action(background_soak):
+    proc, out = background_soak["proc"], background_soak["out"]
+    deadline = time.monotonic() + 900
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(1)
+    log = (background_soak["root"] / "soak.log").read_text(errors="replace")
+    assert proc.returncode == 0 and out.exists(), log[-3000:]
+    result = json.loads(out.read_text())
+    print("\n" + json.dumps(result, indent=2))
+    assert "error" not in result, result
+    assert result["seconds"] >= 600
+    assert result["clients"] >= 8 and result["requests"] > 1000
+    assert result["outcomes"] == {"ok": result["requests"]}
+    assert result["polls"] >= 550  # a 1 s poll (probes take time: a few polls fewer than seconds)
+    assert result["decisions"] == {} and result["restarts"] == 0, result
