@@ -131,8 +131,9 @@ def test_stuck_cache_drains_then_restarts_and_no_request_is_lost(deploy):
              and e.get("action", "drain_restart") == "drain_restart"]
     assert order[:2] == ["decision", "engine_restart"], order
     engine_log = [json.loads(l) for l in d.log("engine.log").splitlines() if l.startswith("{")]
-    handover = [e for e in engine_log if e["event"] == "handover_started"]
-    assert handover and handover[0]["in_flight"] > 0  # the flood was in flight and finished on the old engine
+    # the old engine handed over (it was not killed): what it held finished there, whether the flood was still
+    # running when the new engine took over or had finished while the new one loaded (overlap)
+    assert [e for e in engine_log if e["event"] == "handover_finished"][0]["handed_over"] is True
     m = d.supervisor_metrics()
     assert sum(v for k, v in m.items() if k.startswith("pagekeeper_supervisor_decisions_total{action=drain_restart")) >= 1
     assert sum(v for k, v in m.items() if k.startswith("pagekeeper_supervisor_requests_lost_total")) == 0
@@ -147,7 +148,7 @@ def test_an_engine_that_exits_2_is_started_once_and_start_says_why(deploy):
     assert r.returncode == 2, r.stdout + r.stderr
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "/nonexistent/model" in errors[0] and "no such directory" in errors[0], r.stderr
-    assert took < 30
+    assert took < 15  # the issue asks for ~10 s; 5.6 s measured on the 2-core machine
     assert d.log("engine.log").count("--- engine start") == 1  # started once, never retried
     st = d.opsctl("status")
     assert st.returncode == 3 and "last failure" in st.stdout and "/nonexistent/model" in st.stdout
