@@ -1,32 +1,67 @@
 """The TOML config file: `[engine]` (the server's flags) and `[supervisor]` (every policy threshold).
 
-One file describes a deployment.  Keys are the flag names with dashes turned into underscores;
-an unknown key is an error naming it (a typo must not silently fall back to a default).  Without a
-file, built-in defaults serve the embedded model on 127.0.0.1:8000.
+One file describes a deployment.  Keys are the flag names with dashes turned into underscores.
+Every key has a type and a range, checked by one pydantic schema built from the dataclasses that
+use the values (EngineConfig, ServerConfig, SupervisorConfig), strictly: `dry_run = "no"` is an
+error, not a truthy string; an unknown key is an error naming it.  Each mistake is one line that
+names the key, the value and what is allowed (opsctl and the engine exit 2 on it).  Without a file,
+built-in defaults serve the embedded model on 127.0.0.1:8000.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_type_hints
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from engine.config import ConfigError, EngineConfig
+from engine.server.settings import INTERNAL_FIELDS, ServerConfig
 from opsctl.policy import PolicyConfig
 
 DEFAULT_CONFIG_PATH = Path("/etc/pagekeeper/pagekeeper.toml")
 
-# Server flags of `python -m engine.server` that are not engine flags (see engine/server/__main__.py).
-SERVER_KEYS = {
-    "host": "127.0.0.1", "port": 8000, "api_key": None, "admin_key": None, "disable_log_requests": False,
-    "max_waiting": None, "health_stall_seconds": 30.0, "drain_timeout": 60.0, "enable_debug_hooks": False,
-    "log_level": "info",
-}
+# Server flags of `python -m engine.server` that are not engine flags, with their defaults.
+SERVER_KEYS = {f.name: f.default for f in dataclasses.fields(ServerConfig) if f.name not in INTERNAL_FIELDS}
 
 
+@lru_cache(maxsize=None)
+def _schema(cls: type, exclude: tuple[str, ...] = ()) -> type[BaseModel]:
+    """A strict pydantic model of a dataclass's fields (types and the ranges in their Annotated metadata)."""
+    hints = get_type_hints(cls, include_extras=True)
+    fields = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(cls) if f.name not in exclude}
+    return create_model(f"{cls.__name__}Schema", __config__=ConfigDict(extra="forbid", strict=True), **fields)
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value, default=str) if isinstance(value, (str, bool, int, float)) else repr(value)
+
+
+def validate_section(cls: type, values: dict[str, Any], where: str, flag_style: bool = False,
+                     exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The values, checked against `cls`'s schema; the first mistake as one ConfigError line."""
+    schema = _schema(cls, exclude)
+    try:
+        model = schema.model_validate(values)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = str(err["loc"][0]) if err["loc"] else "?"
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if flag_style:
+            raise ConfigError(f"--{key.replace('_', '-')} {_shown(err.get('input'))}: {msg}") from None
+        if err["type"] == "extra_forbidden":
+            known = ", ".join(sorted(schema.model_fields))
+            raise ConfigError(f"{where}: unknown key {key!r}; known keys: {known}") from None
+        raise ConfigError(f"{where} {key} = {_shown(err.get('input'))}: {msg}") from None
+    return {k: getattr(model, k) for k in values}
 def default_runtime_dir() -> Path:
     env = os.environ.get("PAGEKEEPER_RUNTIME_DIR")
     if env:
@@ -41,17 +76,17 @@ def default_runtime_dir() -> Path:
 class SupervisorConfig(PolicyConfig):
     """The [supervisor] section: the policy's thresholds (inherited) plus how the daemon runs."""
 
-    poll_interval: float = 10.0
-    probe_timeout: float = 5.0
-    drain_timeout: float = 60.0
+    poll_interval: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    probe_timeout: Annotated[float, Field(gt=0, le=600)] = 5.0
+    drain_timeout: Annotated[float, Field(ge=0, le=86400)] = 60.0
     dry_run: bool = False
-    launcher: str = "auto"  # auto | process | systemd
-    handover: str = "auto"  # auto | overlap | sequential: start the new engine before the old one leaves?
-    unit: str = "pagekeeper-engine.service"
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 9400  # 0 = any free port (reported in status)
-    runtime_dir: str | None = None
-    history_size: int = 1000
+    launcher: Literal["auto", "process", "systemd"] = "auto"
+    handover: Literal["auto", "overlap", "sequential"] = "auto"  # new engine first, then the old one leaves?
+    unit: Annotated[str, Field(pattern=r"^[A-Za-z0-9:_.@\\-]+\.service$")] = "pagekeeper-engine.service"
+    metrics_host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9400  # 0 = any free port (reported in status)
+    runtime_dir: Annotated[str, Field(min_length=1)] | None = None
+    history_size: Annotated[int, Field(ge=2, le=10_000_000)] | None = None  # None: enough for every window
 
     def policy(self) -> PolicyConfig:
         return PolicyConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PolicyConfig)})
@@ -59,16 +94,21 @@ class SupervisorConfig(PolicyConfig):
     def runtime_path(self) -> Path:
         return Path(self.runtime_dir) if self.runtime_dir else default_runtime_dir()
 
+    def history_needed(self) -> int:
+        """Observations that span the longest window a rule looks back over, at this poll interval."""
+        longest = max(self.event_window, self.hang_seconds, self.fragmentation_window)
+        return math.ceil(longest / self.poll_interval) + 2
+
+    def history_len(self) -> int:
+        return self.history_size if self.history_size is not None else self.history_needed()
+
     def validate(self) -> None:
-        if self.launcher not in ("auto", "process", "systemd"):
-            raise ConfigError(f"[supervisor] launcher must be auto, process or systemd, got {self.launcher!r}")
-        if self.handover not in ("auto", "overlap", "sequential"):
-            raise ConfigError(f"[supervisor] handover must be auto, overlap or sequential, got {self.handover!r}")
-        for name in ("poll_interval", "probe_timeout", "hang_seconds", "event_window", "restart_window"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"[supervisor] {name} must be > 0, got {getattr(self, name)}")
-        if self.max_restarts < 1 or self.events_to_act < 1:
-            raise ConfigError("[supervisor] max_restarts and events_to_act must be >= 1")
+        """What one key's range cannot say: combinations that would blind a rule."""
+        if self.history_size is not None and self.history_size < self.history_needed():
+            raise ConfigError(
+                f"[supervisor] history_size = {self.history_size} keeps {self.history_size * self.poll_interval:.0f} s "
+                f"of polls, shorter than the longest rule window; use at least {self.history_needed()} "
+                "(or leave it out: the default covers every window)")
 
 
 @dataclass
@@ -129,20 +169,31 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str,
     unknown_sections = set(raw) - {"engine", "supervisor"}
     if unknown_sections:
         raise ConfigError(f"{source}: unknown section(s) {sorted(unknown_sections)}; use [engine] and [supervisor]")
+    for section in ("engine", "supervisor"):
+        if not isinstance(raw.get(section, {}), dict):
+            raise ConfigError(f"{source}: [{section}] must be a table of keys")
     engine = {k.replace("-", "_"): v for k, v in raw.get("engine", {}).items()}
     supervisor = {k.replace("-", "_"): v for k, v in raw.get("supervisor", {}).items()}
     for section, values in (overrides or {}).items():
         (engine if section == "engine" else supervisor).update({k: v for k, v in values.items() if v is not None})
 
-    known_engine = EngineConfig.field_names() | set(SERVER_KEYS)
-    bad = sorted(set(engine) - known_engine)
-    if bad:
-        raise ConfigError(f"{source}: unknown [engine] key(s) {bad}")
-    known_sup = {f.name for f in dataclasses.fields(SupervisorConfig)}
-    bad = sorted(set(supervisor) - known_sup)
-    if bad:
-        raise ConfigError(f"{source}: unknown [supervisor] key(s) {bad}")
-    EngineConfig.from_kwargs(**{k: v for k, v in engine.items() if k in EngineConfig.field_names()})  # validate
+    server_part = {k: v for k, v in engine.items() if k in SERVER_KEYS}
+    engine_part = {k: v for k, v in engine.items() if k not in SERVER_KEYS}
+    unknown = sorted(set(engine_part) - EngineConfig.field_names())
+    if unknown:
+        known = ", ".join(sorted(EngineConfig.field_names() | set(SERVER_KEYS)))
+        raise ConfigError(f"{source}: unknown key [engine] {unknown[0]!r}; known keys: {known}")
+    server_part = validate_section(ServerConfig, server_part, f"{source}: [engine]", exclude=INTERNAL_FIELDS)
+    engine_part = validate_section(EngineConfig, engine_part, f"{source}: [engine]")
+    try:
+        EngineConfig.from_kwargs(**engine_part)  # the engine's own ranges and combinations
+    except ConfigError as e:  # its messages name flags; in a file the keys are what a person edits
+        keys = re.sub(r"--([a-z0-9-]+)", lambda m: m.group(1).replace("-", "_"), str(e))
+        raise ConfigError(f"{source}: [engine] {keys}") from None
+    supervisor = validate_section(SupervisorConfig, supervisor, f"{source}: [supervisor]")
     sup = SupervisorConfig(**supervisor)
-    sup.validate()
-    return PagekeeperConfig(engine=engine, supervisor=sup, source=source)
+    try:
+        sup.validate()
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return PagekeeperConfig(engine={**server_part, **engine_part}, supervisor=sup, source=source)

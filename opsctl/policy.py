@@ -43,27 +43,36 @@ fragmentation rules need a condition to hold for a duration.  Every action carri
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Annotated, Any, Sequence
+
+from pydantic import Field  # range metadata on the thresholds only; the policy itself does no I/O
+
+
+Seconds = Annotated[float, Field(gt=0, le=7 * 86400)]
+Fraction = Annotated[float, Field(gt=0, le=1)]
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """Thresholds of every rule (defaults from the seed sidecar); the [supervisor] section sets them."""
+    """Thresholds of every rule (defaults from the seed sidecar); the [supervisor] section sets them.
 
-    cache_usage_threshold: float = 0.95
-    backlog_factor: float = 2.0
-    events_to_act: int = 3
-    event_window: float = 300.0
-    hang_seconds: float = 60.0
-    fragmentation_threshold: float = 0.7
-    fragmentation_window: float = 1800.0
-    low_traffic_requests: int = 2
-    max_restarts: int = 5
-    restart_window: float = 900.0
-    cooldown_seconds: float = 120.0
-    ready_timeout: float = 600.0
-    backlog_wait_seconds: float = 30.0
-    pressure_wait_seconds: float = 5.0
+    The annotations carry each key's range: the config file is validated against them (opsctl/config.py).
+    """
+
+    cache_usage_threshold: Fraction = 0.95
+    backlog_factor: Annotated[float, Field(gt=0)] = 2.0
+    events_to_act: Annotated[int, Field(ge=1, le=1000)] = 3
+    event_window: Seconds = 300.0
+    hang_seconds: Seconds = 60.0
+    fragmentation_threshold: Fraction = 0.7
+    fragmentation_window: Seconds = 1800.0
+    low_traffic_requests: Annotated[int, Field(ge=0)] = 2
+    max_restarts: Annotated[int, Field(ge=1, le=1000)] = 5
+    restart_window: Seconds = 900.0
+    cooldown_seconds: Annotated[float, Field(ge=0, le=86400)] = 120.0
+    ready_timeout: Seconds = 600.0
+    backlog_wait_seconds: Annotated[float, Field(ge=0, le=86400)] = 30.0
+    pressure_wait_seconds: Annotated[float, Field(ge=0, le=86400)] = 5.0
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,7 @@ class Supervisor:
         self.engine = engine
         self.gpu = gpu
         self.process = ProcessProbe()
-        self.history: deque[Observation] = deque(maxlen=self.sup.history_size)
+        self.history: deque[Observation] = deque(maxlen=self.sup.history_len())
         self.state = PolicyState(started_at=time.monotonic())
         self.started_wall = time.time()
         self.engine_started_wall = time.time()

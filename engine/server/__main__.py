@@ -26,7 +26,6 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 
 import structlog
 import uvicorn
@@ -37,27 +36,10 @@ from engine.server.control import ControlSocket
 from engine.server.handover import (RESTARTING_MESSAGE, HandoverDrain, HttpTracker, InflightFile,
                                      keepalive_safe_protocol)
 from engine.server.notify import get_notifier
+from engine.server.settings import ServerConfig
 from engine.server.sockets import bind, inherited_socket
 
 log = structlog.get_logger("pagekeeper.server")
-
-
-@dataclass
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    admin_key: str | None = None
-    disable_log_requests: bool = False
-    max_waiting: int | None = None
-    health_stall_seconds: float = 30.0
-    drain_timeout: float = 60.0
-    enable_debug_hooks: bool = False
-    log_level: str = "info"
-    listen_fd: int | None = None
-    control_socket: str | None = None
-    inflight_file: str | None = None
-    config: str | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,12 +90,11 @@ def config_file_args(argv: list[str]) -> list[str]:
 def parse_args(argv: list[str] | None) -> tuple[ServerConfig, EngineConfig]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(config_file_args(argv) + argv)
-    server = ServerConfig(**{k: getattr(args, k) for k in ServerConfig.__dataclass_fields__})
-    if server.max_waiting is not None and server.max_waiting < 1:
-        raise ConfigError(f"--max-waiting must be >= 1, got {server.max_waiting}")
-    if server.health_stall_seconds <= 0:
-        raise ConfigError(f"--health-stall-seconds must be > 0, got {server.health_stall_seconds}")
-    return server, EngineConfig.from_cli_args(args)
+    from opsctl.config import validate_section  # one schema for flags and the config file
+
+    values = {k: getattr(args, k) for k in ServerConfig.__dataclass_fields__}
+    validate_section(ServerConfig, values, "flags", flag_style=True)
+    return ServerConfig(**values), EngineConfig.from_cli_args(args)
 
 
 def log_inapplicable_flags(engine_config: EngineConfig, device: str) -> None:
