@@ -11,19 +11,18 @@ built-in defaults serve the embedded model on 127.0.0.1:8000.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
 import tomllib
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_type_hints
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import Field
 
 from engine.config import ConfigError, EngineConfig
+from engine.schema import validate_section
 from engine.server.settings import INTERNAL_FIELDS, ServerConfig
 from opsctl.policy import PolicyConfig
 
@@ -33,35 +32,6 @@ DEFAULT_CONFIG_PATH = Path("/etc/pagekeeper/pagekeeper.toml")
 SERVER_KEYS = {f.name: f.default for f in dataclasses.fields(ServerConfig) if f.name not in INTERNAL_FIELDS}
 
 
-@lru_cache(maxsize=None)
-def _schema(cls: type, exclude: tuple[str, ...] = ()) -> type[BaseModel]:
-    """A strict pydantic model of a dataclass's fields (types and the ranges in their Annotated metadata)."""
-    hints = get_type_hints(cls, include_extras=True)
-    fields = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(cls) if f.name not in exclude}
-    return create_model(f"{cls.__name__}Schema", __config__=ConfigDict(extra="forbid", strict=True), **fields)
-
-
-def _shown(value: Any) -> str:
-    return json.dumps(value, default=str) if isinstance(value, (str, bool, int, float)) else repr(value)
-
-
-def validate_section(cls: type, values: dict[str, Any], where: str, flag_style: bool = False,
-                     exclude: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The values, checked against `cls`'s schema; the first mistake as one ConfigError line."""
-    schema = _schema(cls, exclude)
-    try:
-        model = schema.model_validate(values)
-    except ValidationError as e:
-        err = e.errors()[0]
-        key = str(err["loc"][0]) if err["loc"] else "?"
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        if flag_style:
-            raise ConfigError(f"--{key.replace('_', '-')} {_shown(err.get('input'))}: {msg}") from None
-        if err["type"] == "extra_forbidden":
-            known = ", ".join(sorted(schema.model_fields))
-            raise ConfigError(f"{where}: unknown key {key!r}; known keys: {known}") from None
-        raise ConfigError(f"{where} {key} = {_shown(err.get('input'))}: {msg}") from None
-    return {k: getattr(model, k) for k in values}
 def default_runtime_dir() -> Path:
     env = os.environ.get("PAGEKEEPER_RUNTIME_DIR")
     if env:

@@ -36,6 +36,7 @@ from engine.server.control import ControlSocket
 from engine.server.handover import (RESTARTING_MESSAGE, HandoverDrain, HttpTracker, InflightFile,
                                      keepalive_safe_protocol)
 from engine.server.notify import get_notifier
+from engine.schema import validate_section
 from engine.server.settings import ServerConfig
 from engine.server.sockets import bind, inherited_socket
 
@@ -90,8 +91,6 @@ def config_file_args(argv: list[str]) -> list[str]:
 def parse_args(argv: list[str] | None) -> tuple[ServerConfig, EngineConfig]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(config_file_args(argv) + argv)
-    from opsctl.config import validate_section  # one schema for flags and the config file
-
     values = {k: getattr(args, k) for k in ServerConfig.__dataclass_fields__}
     validate_section(ServerConfig, values, "flags", flag_style=True)
     return ServerConfig(**values), EngineConfig.from_cli_args(args)

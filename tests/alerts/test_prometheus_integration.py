@@ -185,7 +185,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
                    engine={"max_num_seqs": 1, "max_waiting": 100, "enable_prefix_caching": True},
                    # policy rules that would restart this deliberately backed-up engine are switched off
                    supervisor={"metrics_port": supervisor_port, "poll_interval": 0.5, "probe_timeout": 2.0,
-                               "hang_seconds": 60.0, "backlog_factor": 1000.0, "cache_usage_threshold": 2.0})
+                               "hang_seconds": 60.0, "backlog_factor": 1000.0, "cache_usage_threshold": 1.0})
     d.root.mkdir(parents=True, exist_ok=True)
     started = time.time()
     prom = start_prometheus(root / "prometheus", d.port, supervisor_port)
