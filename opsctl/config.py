@@ -28,6 +28,9 @@ from opsctl.policy import PolicyConfig
 
 DEFAULT_CONFIG_PATH = Path("/etc/pagekeeper/pagekeeper.toml")
 
+# Keys never put on a command line, and the environment variables the server reads them from.
+SECRET_ENV = {"api_key": "PAGEKEEPER_API_KEY", "admin_key": "PAGEKEEPER_ADMIN_KEY"}
+
 # Server flags of `python -m engine.server` that are not engine flags, with their defaults.
 SERVER_KEYS = {f.name: f.default for f in dataclasses.fields(ServerConfig) if f.name not in INTERNAL_FIELDS}
 
@@ -103,10 +106,11 @@ class PagekeeperConfig:
         return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
     def engine_args(self) -> list[str]:
-        """The [engine] section as `python -m engine.server` flags (booleans as --x / --no-x)."""
+        """The [engine] section as `python -m engine.server` flags (booleans as --x / --no-x), secrets excluded:
+        any local user can read a command line (`ps`), so keys travel in the environment (`engine_env`)."""
         args: list[str] = []
         for key, value in self.engine.items():
-            if value is None:
+            if value is None or key in SECRET_ENV:
                 continue
             flag = "--" + key.replace("_", "-")
             if isinstance(value, bool):
@@ -118,6 +122,10 @@ class PagekeeperConfig:
             else:
                 args.extend([flag, str(value)])
         return args
+
+    def engine_env(self) -> dict[str, str]:
+        """The secrets of the [engine] section as the environment variables the server reads."""
+        return {env: str(self.engine[key]) for key, env in SECRET_ENV.items() if self.engine.get(key)}
 
     def as_dict(self) -> dict[str, Any]:
         return {"engine": dict(self.engine), "supervisor": dataclasses.asdict(self.supervisor)}

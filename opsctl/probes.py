@@ -45,9 +45,11 @@ class EngineReading:
 
 
 class EngineProbe:
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, admin_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.client = httpx.Client(timeout=timeout)
+        # /drain needs the admin key once the engine has an API key (loopback alone is not trusted then)
+        self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
 
     def read(self) -> EngineReading:
         health, detail = self._health()
@@ -85,12 +87,13 @@ class EngineProbe:
 
     def drain(self, timeout: float) -> dict[str, Any]:
         """A load balancer's drain: the engine answers 503 to new requests until resumed."""
-        r = self.client.post(self.url + "/drain", params={"timeout": timeout}, timeout=timeout + 10)
+        r = self.client.post(self.url + "/drain", params={"timeout": timeout}, timeout=timeout + 10,
+                             headers=self.admin_headers)
         r.raise_for_status()
         return r.json()
 
     def resume(self) -> dict[str, Any]:
-        r = self.client.delete(self.url + "/drain")
+        r = self.client.delete(self.url + "/drain", headers=self.admin_headers)
         r.raise_for_status()
         return r.json()
 

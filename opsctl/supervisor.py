@@ -506,7 +506,7 @@ def build_launcher(cfg: PagekeeperConfig, runtime: Path, gpu: GpuProbe) -> Launc
     if choice == "systemd":
         return SystemdLauncher(cfg.supervisor.unit)
     return ProcessLauncher(cfg.engine_args(), cfg.host, cfg.port, runtime, runtime / ENGINE_LOG_NAME,
-                           overlap=handover_overlaps(cfg, gpu))
+                           overlap=handover_overlaps(cfg, gpu), env=cfg.engine_env())
 
 
 def hold_lock(runtime: Path) -> Any:
@@ -545,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gpu = gpu_probe()
         launcher = build_launcher(cfg, runtime, gpu)
-        supervisor = Supervisor(cfg, launcher, EngineProbe(cfg.engine_url, cfg.supervisor.probe_timeout), gpu)
+        probe = EngineProbe(cfg.engine_url, cfg.supervisor.probe_timeout, admin_key=cfg.engine.get("admin_key"))
+        supervisor = Supervisor(cfg, launcher, probe, gpu)
         supervisor.serve_metrics()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -12,12 +12,15 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import structlog
 from fastapi import Request
 
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
 from engine.server.async_engine import AsyncEngine, EngineDraining, EngineOverloaded
 from engine.server.errors import OpenAIError
+
+log = structlog.get_logger("pagekeeper.server")
 
 
 @dataclass
@@ -104,11 +107,25 @@ def is_loopback(request: Request) -> bool:
 
 
 async def require_admin(request: Request) -> None:
-    """Admin routes: loopback clients, or anyone with the admin key."""
-    if is_loopback(request):
-        return
-    key = get_state(request).admin_key
+    """Admin routes: anyone with the admin key; loopback clients too, unless an API key is set.
+
+    With an API key the operator has said that not every local process is trusted, so a drain from
+    loopback needs the admin key as well (restarts do not use /drain: the supervisor talks to its engine
+    over a private unix socket).  Every drain or resume is logged with who asked.
+    """
+    state = get_state(request)
+    key = state.admin_key
+    client = request.client.host if request.client else "?"
     if key and _matches(_bearer(request), key):
+        log.info("admin_request", path=request.url.path, method=request.method, client=client, auth="admin_key")
         return
+    if is_loopback(request) and not state.api_key:
+        log.info("admin_request", path=request.url.path, method=request.method, client=client, auth="loopback")
+        return
+    log.warning("admin_request_refused", path=request.url.path, method=request.method, client=client)
+    if state.api_key:
+        raise OpenAIError(401, "with --api-key set, admin endpoints need 'Authorization: Bearer <admin key>' "
+                               "(--admin-key / PAGEKEEPER_ADMIN_KEY), from loopback too", code="invalid_admin_key",
+                          headers={"WWW-Authenticate": "Bearer"})
     raise OpenAIError(403, "admin endpoints accept loopback clients or 'Authorization: Bearer <admin key>' "
                            "(--admin-key / PAGEKEEPER_ADMIN_KEY)", code="forbidden")

@@ -1,0 +1,58 @@
+"""Secrets stay off command lines, and an API key makes the admin endpoints need the admin key.
+
+Any local user can read every process's command line (`ps`, /proc/PID/cmdline); the supervisor hands
+the engine its keys through the environment, which only the same user (or root) can read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-test-7f3a9c1e5b2d"
+ADMIN_KEY = "adm-test-4e8b0d6f2a1c"
+
+
+def test_keys_never_reach_a_command_line_and_drain_needs_the_admin_key(deploy):
+    d = deploy(engine={"api_key": API_KEY, "admin_key": ADMIN_KEY})
+    r = d.opsctl("start")
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = d.status()
+    engine_pid, supervisor_pid = st["engine"]["pid"], st["supervisor"]["pid"]
+
+    leaks = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        if API_KEY in line or ADMIN_KEY in line:
+            leaks.append((proc.info["pid"], line[:200]))
+    print(f"processes scanned: {len(psutil.pids())}; command lines holding a key: {len(leaks)}")
+    assert not leaks
+    assert "--api-key" not in Path(f"/proc/{engine_pid}/cmdline").read_bytes().decode(errors="replace")
+    assert psutil.pid_exists(supervisor_pid)
+
+    # the keys still work: the engine got them through its environment
+    body = {"model": "pagekeeper-default", "prompt": "Now is", "max_tokens": 4}
+    assert httpx.post(d.url + "/v1/completions", json=body).status_code == 401
+    ok = httpx.post(d.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert ok.status_code == 200
+
+    # loopback alone no longer drains an engine that has an API key
+    for headers in ({}, {"Authorization": f"Bearer {API_KEY}"}):
+        refused = httpx.post(d.url + "/drain", params={"timeout": 1}, headers=headers)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_admin_key"
+    assert httpx.get(d.url + "/health").json() == {"status": "ok"}  # nothing changed
+    # opsctl's drain and resume carry the admin key from the config
+    drained = d.opsctl("drain", "--timeout", "2")
+    assert drained.returncode == 0 and json.loads(drained.stdout)["drained"] is True
+    assert httpx.get(d.url + "/health").json() == {"status": "draining"}
+    assert d.opsctl("resume").returncode == 0
+    assert httpx.get(d.url + "/health").json() == {"status": "ok"}
+    log = d.log("engine.log")
+    assert '"admin_request_refused"' in log and '"auth": "admin_key"' in log  # who asked, logged
+    assert API_KEY not in log and ADMIN_KEY not in log
