@@ -68,12 +68,31 @@ def _port_free(host: str, port: int) -> bool:
             return False
 
 
+def _checkpoint(econf: EngineConfig, report) -> bool:  # type: ignore[no-untyped-def]
+    """Every safetensors file readable, every weight present with its shape (headers only, no data)."""
+    from engine.model.loader import check_checkpoint, inspect_model
+
+    try:
+        tensors = check_checkpoint(inspect_model(econf))
+    except ConfigError as e:
+        report(False, "checkpoint", str(e))
+        return False
+    report(True, "checkpoint", f"{tensors} tensors, every weight present with the expected shape")
+    return True
+
+
 def _memory_plan(cfg: PagekeeperConfig, gpu, report) -> bool:  # type: ignore[no-untyped-def]
     from engine.memory.estimate import estimate
 
     engine_kwargs = {k: v for k, v in cfg.engine.items() if k in EngineConfig.field_names()}
     try:
         econf = EngineConfig.from_kwargs(**engine_kwargs)
+    except ConfigError as e:
+        report(False, "model", str(e))
+        return False
+    if econf.load_format != "dummy" and not _checkpoint(econf, report):
+        return False
+    try:
         readings = gpu.read() if gpu.available else []
         g = readings[0] if readings else None
         plan = estimate(econf, g.memory_total_bytes if g else None, g.memory_used_bytes if g else 0)

@@ -9,11 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors import safe_open
 
 from engine.config import EngineConfig
 from engine.kv.kv_cache_manager import blocks_for_tokens
-from engine.model.weights import checkpoint_files
+from engine.model.weights import iter_checkpoint
 
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1,
                 "F8_E4M3": 1, "F8_E5M2": 1}
@@ -48,13 +47,8 @@ class MemoryEstimate:
 def checkpoint_parameters(model_dir: Path) -> int:
     """Number of parameters, from the safetensors headers only."""
     total = 0
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                n = 1
-                for d in f.get_slice(name).get_shape():
-                    n *= d
-                total += n
+    for _name, tensor in iter_checkpoint(model_dir, meta=True):  # a broken file is a ModelLoadError naming it
+        total += tensor.numel()
     return total
 
 

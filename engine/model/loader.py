@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.config import ConfigError, EngineConfig
 from engine.model.registry import ARCHITECTURES, supported
-from engine.model.weights import iter_checkpoint
+from engine.model.weights import ModelLoadError, iter_checkpoint
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -122,21 +122,52 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def load_model(info: ModelInfo, max_model_len: int, device: torch.device, load_format: str = "auto") -> nn.Module:
-    """Build the model without initialising weights (meta device), then fill it from the checkpoint
-    (or, with load_format="dummy", with random weights: benchmarks of a shape need no download)."""
+def _build_on_meta(info: ModelInfo, max_model_len: int, device: torch.device) -> nn.Module:
     cls = ARCHITECTURES[info.architecture]
     try:
         with torch.device("meta"), _default_dtype(info.dtype):
-            model = cls(info.hf_config, info.architecture, max_model_len, device)
+            return cls(info.hf_config, info.architecture, max_model_len, device)
     except ValueError as e:
         raise ConfigError(f"--model {info.path}: {e}") from e
-    model = model.to_empty(device=device)
+
+
+def load_model(info: ModelInfo, max_model_len: int, device: torch.device, load_format: str = "auto") -> nn.Module:
+    """Build the model without initialising weights (meta device), then fill it from the checkpoint
+    (or, with load_format="dummy", with random weights: benchmarks of a shape need no download)."""
+    model = _build_on_meta(info, max_model_len, device).to_empty(device=device)
     if load_format == "dummy":
         _random_weights(model)
     else:
-        model.load_weights(iter_checkpoint(info.path))
+        try:
+            model.load_weights(iter_checkpoint(info.path))
+        except ModelLoadError as e:
+            raise ModelLoadError(_in_model(info, e)) from None
     return model.eval()
+
+
+def _in_model(info: ModelInfo, e: ModelLoadError) -> str:
+    text = str(e)
+    return text if text.startswith(str(info.path)) else f"--model {info.path}: {text}"
+
+
+def check_checkpoint(info: ModelInfo) -> int:
+    """Every file readable and every weight present with its shape, without reading the data (for
+    `opsctl doctor`); returns the number of tensors, raises ModelLoadError naming what is wrong."""
+    model = _build_on_meta(info, int(getattr(info.hf_config, "max_position_embeddings", 2048) or 2048),
+                           torch.device("cpu"))
+    count = 0
+
+    def counted():  # type: ignore[no-untyped-def]
+        nonlocal count
+        for item in iter_checkpoint(info.path, meta=True):
+            count += 1
+            yield item
+
+    try:
+        model.load_weights(counted())
+    except ModelLoadError as e:
+        raise ModelLoadError(_in_model(info, e)) from None
+    return count
 
 
 @torch.no_grad()

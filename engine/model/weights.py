@@ -12,14 +12,17 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from engine.config import ConfigError
 from engine.model.layers.linear import MergedLinear
 
 
-class ModelLoadError(RuntimeError):
-    """The checkpoint cannot be loaded as it is; the message says what is wrong with it."""
+class ModelLoadError(ConfigError):
+    """The checkpoint cannot be loaded as it is; the message names the file and what is wrong with it.
+
+    A ConfigError: a person must replace or fix the checkpoint (exit 2, never retried)."""
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -40,11 +43,19 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(model_dir: Path, meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint; with `meta`, shapes only (headers are read, no data)."""
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if meta:
+                        yield name, torch.empty(f.get_slice(name).get_shape(), device="meta")
+                    else:
+                        yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{path}: not a readable safetensors file ({e}); it is corrupt or truncated: "
+                                 "download or convert it again") from None
 
 
 def load_named_weights(
