@@ -39,7 +39,9 @@ from engine.config import ConfigError
 from opsctl import control
 from opsctl.config import PagekeeperConfig, load_config
 from opsctl.launcher import recorded_engine, stop_unsupervised
-from opsctl.supervisor import (EXIT_ALREADY_RUNNING, PID_NAME, SUPERVISOR_LOG_NAME, read_last_failure)
+from opsctl.runtime import open_private, prepare_runtime_dir
+from opsctl.supervisor import (ENGINE_LOG_NAME, EXIT_ALREADY_RUNNING, PID_NAME, SUPERVISOR_LOG_NAME,
+                               read_last_failure)
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -228,7 +230,12 @@ def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeo
             st = _wait_until_serving(ctx, None, timeout or cfg.supervisor.ready_timeout, "already starting")
         click.echo(f"already running: serving at {where}")
         return
-    runtime.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        prepare_runtime_dir(runtime)
+        open_private(runtime / ENGINE_LOG_NAME).close()  # both logs are checked before anything starts
+        log = open_private(runtime / SUPERVISOR_LOG_NAME)
+    except ConfigError as e:
+        _fail(str(e), EXIT_USAGE)
     args = [sys.executable, "-m", "opsctl.supervisor", "--runtime-dir", str(runtime)]
     if ctx.config_path:
         args += ["--config", ctx.config_path]
@@ -239,9 +246,10 @@ def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeo
     if foreground:
         from opsctl.supervisor import main as supervisor_main
 
+        log.close()
         sys.exit(supervisor_main(args[3:]))
     adopting = recorded_engine(runtime) is not None
-    with open(runtime / SUPERVISOR_LOG_NAME, "ab") as log:
+    with log:
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     st = _wait_until_serving(ctx, proc, timeout or cfg.supervisor.ready_timeout, "starting")

@@ -39,6 +39,7 @@ import structlog
 from engine.server import control
 from engine.server.handover import InflightFile
 from engine.server.sockets import bind
+from opsctl.runtime import open_private, write_private
 
 log = structlog.get_logger("pagekeeper.supervisor")
 
@@ -251,7 +252,7 @@ class ProcessLauncher:
         cmd = [sys.executable, "-m", "engine.server", *self.engine_args, "--listen-fd", str(fd),
                "--control-socket", str(control_path), "--inflight-file", str(inflight_path)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
-        with open(self.log_file, "ab") as logf:
+        with open_private(self.log_file) as logf:
             logf.write(f"\n--- engine start {time.strftime('%Y-%m-%dT%H:%M:%S')} ---\n".encode())
             logf.flush()
             popen = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -264,9 +265,7 @@ class ProcessLauncher:
         if self.engine is None:
             path.unlink(missing_ok=True)
             return
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.engine.as_json()))
-        tmp.replace(path)
+        write_private(path, json.dumps(self.engine.as_json()))
 
     def start(self) -> None:
         if self.alive():

@@ -43,6 +43,7 @@ from opsctl.config import PagekeeperConfig, load_config
 from opsctl.launcher import Launcher, ProcessLauncher, RestartFailed, SystemdLauncher, systemd_available
 from opsctl.policy import Action, Observation, PolicyState, decide
 from opsctl.probes import EngineProbe, GpuProbe, GpuReading, ProcessProbe, gpu_probe
+from opsctl.runtime import open_private, prepare_runtime_dir, write_private
 
 log = structlog.get_logger("pagekeeper.supervisor")
 
@@ -431,7 +432,7 @@ class Supervisor:
 
 
 def write_last_failure(runtime: Path, detail: str) -> None:
-    (runtime / LAST_FAILURE_NAME).write_text(json.dumps({"time": time.time(), "reason": detail}))
+    write_private(runtime / LAST_FAILURE_NAME, json.dumps({"time": time.time(), "reason": detail}))
 
 
 def read_last_failure(runtime: Path) -> dict[str, Any] | None:
@@ -532,8 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, {"supervisor": {"runtime_dir": args.runtime_dir,
                                                        "dry_run": True if args.dry_run else None,
                                                        "launcher": args.launcher}})
-        runtime = cfg.supervisor.runtime_path()
-        runtime.mkdir(parents=True, exist_ok=True, mode=0o700)
+        runtime = prepare_runtime_dir(cfg.supervisor.runtime_path())
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -543,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ALREADY_RUNNING
     (runtime / LAST_FAILURE_NAME).unlink(missing_ok=True)
     try:
+        open_private(runtime / ENGINE_LOG_NAME).close()  # a symlinked log is refused now, not at the first start
         gpu = gpu_probe()
         launcher = build_launcher(cfg, runtime, gpu)
         probe = EngineProbe(cfg.engine_url, cfg.supervisor.probe_timeout, admin_key=cfg.engine.get("admin_key"))
@@ -553,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         write_last_failure(runtime, str(e))
         return 2
     control = serve_control(supervisor, runtime / SOCKET_NAME)
-    (runtime / PID_NAME).write_text(str(os.getpid()))
+    write_private(runtime / PID_NAME, str(os.getpid()))
 
     def on_signal(signum: int, _frame: Any) -> None:
         # queue.put from a signal handler could deadlock on the queue's lock: hand it to a thread.

@@ -79,7 +79,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(admin.router)
     install_error_handlers(app)
-    app.openapi = _openapi_with_model_names(app, sorted(state.model_names))  # type: ignore[method-assign]
+    # the served name only: the checkpoint's path on the server's disk is nobody's business
+    app.openapi = _openapi_with_model_names(app, [state.model_name])  # type: ignore[method-assign]
     if state.log_requests:
         app.add_middleware(RequestLog)
     return app

@@ -387,7 +387,7 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
 @router.get("/v1/models", response_model=p.ModelList)
 async def models(http: Request) -> p.ModelList:
     state = get_state(http)
-    return p.ModelList(data=[p.ModelCard(id=state.model_name, created=state.started_at, root=state.model_root,
+    return p.ModelList(data=[p.ModelCard(id=state.model_name, created=state.started_at, root=state.model_name,
                                          max_model_len=state.engine.max_model_len)])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -21,6 +22,9 @@ def client(shared_server) -> openai.OpenAI:
 def test_models_lists_the_served_model(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
+    # the checkpoint's path on the server's disk is not revealed (neither here nor in the OpenAPI spec)
+    assert str(DEFAULT_MODEL_DIR) not in client.models.list().model_dump_json()
+    assert str(DEFAULT_MODEL_DIR) not in httpx.get(str(client.base_url).replace("/v1/", "/openapi.json")).text
 
 
 def test_completion_with_usage(client):
