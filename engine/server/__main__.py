@@ -33,8 +33,8 @@ import uvicorn
 from engine.config import ConfigError, EngineConfig
 from engine.logs import configure_logging
 from engine.server.control import ControlSocket
-from engine.server.handover import (RESTARTING_MESSAGE, HandoverDrain, HttpTracker, InflightFile,
-                                     keepalive_safe_protocol)
+from engine.server.handover import RESTARTING_MESSAGE, HandoverDrain, HttpTracker, InflightFile
+from engine.server.limits import AcceptErrorsCondensed, BodyLimit, connection_limit, guarded_protocol
 from engine.server.notify import get_notifier
 from engine.schema import validate_section
 from engine.server.settings import ServerConfig
@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s.add_argument("--listen-fd", type=int, default=None,
                    help="Serve on this inherited listening socket instead of binding (opsctl passes one).")
+    s.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20,
+                   help="Larger request bodies get 413 before they are read (default 32 MiB).")
+    s.add_argument("--max-connections", type=int, default=None,
+                   help="Open connections at most; beyond it the longest-idle one is closed to make room "
+                        "(default: the open-file limit less 100).")
+    s.add_argument("--header-timeout", type=float, default=10.0,
+                   help="Seconds a connection may take to send a complete request head before it is closed.")
     s.add_argument("--control-socket", default=None,
                    help="Serve the supervisor's private control channel on this unix socket (opsctl sets it).")
     s.add_argument("--inflight-file", default=None,
@@ -137,10 +144,12 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig, sock: socket
         enable_debug_hooks=server_config.enable_debug_hooks, log_requests=not server_config.disable_log_requests,
     )
     inflight = InflightFile(server_config.inflight_file) if server_config.inflight_file else None
-    tracker = HttpTracker(build_app(state), inflight)
+    tracker = HttpTracker(BodyLimit(build_app(state), server_config.max_request_body_bytes), inflight)
+    max_connections = server_config.max_connections or connection_limit()
+    protocol = guarded_protocol(max_connections, server_config.header_timeout)
 
     config = uvicorn.Config(tracker, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
-                            lifespan="off", http=keepalive_safe_protocol())
+                            lifespan="off", http=protocol)
     host, port = sock.getsockname()[:2]
     server = DrainOnTermServer(config, async_engine, tracker, server_config.drain_timeout, handover=inherited,
                                serving_status=f"serving {model_name} on {host}:{port}", control=control)
@@ -214,6 +223,7 @@ class DrainOnTermServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        self._loop.set_exception_handler(AcceptErrorsCondensed())
         await super().startup(sockets=sockets)
         if self.started and not self.should_exit:
             get_notifier().ready(self.serving_status)

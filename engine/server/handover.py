@@ -147,28 +147,6 @@ def pending_bytes(transport: Any) -> int:
         return 0
 
 
-def keepalive_safe_protocol() -> type:
-    """uvicorn's HTTP protocol, except that its keep-alive timeout never closes a connection on which a
-    request has already arrived.
-
-    Closing a socket with unread data makes the kernel send a reset: the client sees its request fail
-    although it was sent in time.  That happens whenever the event loop runs late, e.g. an engine resumed
-    after SIGSTOP: the interrupted select() returns no events once its deadline has passed (PEP 475), so
-    the overdue keep-alive timers run before the requests that arrived meanwhile are read.
-    """
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
-    class KeepAliveSafeProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
-        def timeout_keep_alive_handler(self) -> None:
-            if pending_bytes(self.transport) > 0:  # a request is waiting: the loop reads it next
-                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
-                                                                    self.timeout_keep_alive_handler)
-                return
-            super().timeout_keep_alive_handler()
-
-    return KeepAliveSafeProtocol
-
-
 def _idle(conn: Any) -> bool:
     """No request is being read or answered on this connection (uvicorn's h11 and httptools protocols)."""
     cycle = getattr(conn, "cycle", None)

@@ -239,7 +239,12 @@ def _completion_logprobs(state: ServerState, c: CompletionOutput, positions: lis
 async def completions(body: p.CompletionRequest, http: Request) -> Any:
     state = get_state(http)
     _check_model(state, body.model)
-    prompts = _completion_prompts(state, body.prompt)
+    if isinstance(body.prompt, str):
+        state.check_length(body.prompt, "prompt")
+    elif body.prompt and isinstance(body.prompt[0], str):
+        for text in body.prompt:
+            state.check_length(text, "prompt")
+    prompts = await state.off_loop(_completion_prompts, state, body.prompt)
     params = _sampling_params(body, body.max_tokens, body.logprobs)
     request_id = p.new_id("cmpl")
     admitted = _admit(state, request_id, prompts, params)
@@ -327,7 +332,7 @@ def _chat_logprobs(state: ServerState, c: CompletionOutput, positions: list[int]
 async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
     state = get_state(http)
     _check_model(state, body.model)
-    prompt = _Prompt(None, state.apply_chat_template(body.messages, body.add_generation_prompt))
+    prompt = _Prompt(None, await state.off_loop(state.apply_chat_template, body.messages, body.add_generation_prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, logprobs)
     request_id = p.new_id("chatcmpl")
@@ -398,9 +403,9 @@ async def tokenize(body: p.TokenizeRequest, http: Request) -> p.TokenizeResponse
     if (body.prompt is None) == (body.messages is None):
         raise OpenAIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
     if body.messages is not None:
-        ids = state.apply_chat_template(body.messages, True)
+        ids = await state.off_loop(state.apply_chat_template, body.messages, True)
     else:
-        ids = state.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        ids = await state.off_loop(state.encode, body.prompt or "", body.add_special_tokens)
     return p.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.engine.max_model_len)
 
 

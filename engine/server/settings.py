@@ -27,6 +27,9 @@ class ServerConfig:
     drain_timeout: Annotated[float, Field(ge=0, le=86400)] = 60.0
     enable_debug_hooks: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    max_request_body_bytes: Annotated[int, Field(ge=1024)] = 32 * 2**20
+    max_connections: Annotated[int, Field(ge=8)] | None = None  # None: the open-file limit less a reserve
+    header_timeout: Annotated[float, Field(gt=0, le=3600)] = 10.0
     listen_fd: int | None = None
     control_socket: str | None = None
     inflight_file: str | None = None

@@ -6,8 +6,10 @@ outputs in the engine thread; these helpers are the one place handlers touch the
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -21,6 +23,8 @@ from engine.server.async_engine import AsyncEngine, EngineDraining, EngineOverlo
 from engine.server.errors import OpenAIError
 
 log = structlog.get_logger("pagekeeper.server")
+
+CHARS_PER_TOKEN_BOUND = 32
 
 
 @dataclass
@@ -40,12 +44,28 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.tokenizer = self.engine.tokenizer
+        # No token of a real vocabulary spans this many characters: a longer prompt cannot fit max_model_len,
+        # and is refused before minutes of tokenizing.
+        self.max_prompt_chars = self.engine.max_model_len * CHARS_PER_TOKEN_BOUND
+        # One thread tokenizes, off the event loop (health checks and streams go on meanwhile) and one call at
+        # a time (a fast tokenizer's settings are not safe to change from two threads at once).
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.vocab_size = int(self.engine.core.model_info.hf_config.vocab_size)
         self.model_names = {self.model_name, self.model_root}
         self.decode_token = lru_cache(maxsize=65536)(self._decode_one)
 
+    def check_length(self, text: str, param: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise OpenAIError(400, f"{param} has {len(text)} characters; at most {self.max_prompt_chars} can fit "
+                                   f"max_model_len {self.engine.max_model_len}", param=param)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.check_length(text, "prompt")
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    async def off_loop(self, fn: Any, *args: Any) -> Any:
+        """Run a tokenizer call on the tokenizing thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -57,6 +77,8 @@ class ServerState:
         if not getattr(self.tokenizer, "chat_template", None):
             raise OpenAIError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions",
                               param="messages")
+        for m in messages:
+            self.check_length(m.text(), "messages")
         try:
             text = self.tokenizer.apply_chat_template(
                 [{"role": m.role, "content": m.text()} for m in messages],
