@@ -39,6 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.config import ConfigError
 from engine.logs import configure_logging
+from engine.server.settings import read_secret
 from opsctl.config import PagekeeperConfig, load_config
 from opsctl.launcher import Launcher, ProcessLauncher, RestartFailed, SystemdLauncher, systemd_available
 from opsctl.policy import Action, Observation, PolicyState, decide
@@ -546,7 +547,10 @@ def main(argv: list[str] | None = None) -> int:
         open_private(runtime / ENGINE_LOG_NAME).close()  # a symlinked log is refused now, not at the first start
         gpu = gpu_probe()
         launcher = build_launcher(cfg, runtime, gpu)
-        probe = EngineProbe(cfg.engine_url, cfg.supervisor.probe_timeout, admin_key=cfg.engine.get("admin_key"))
+        admin_key = cfg.engine.get("admin_key")
+        if cfg.engine.get("admin_key_file"):
+            admin_key = read_secret(cfg.engine["admin_key_file"], "[engine] admin_key_file")
+        probe = EngineProbe(cfg.engine_url, cfg.supervisor.probe_timeout, admin_key=admin_key)
         supervisor = Supervisor(cfg, launcher, probe, gpu)
         supervisor.serve_metrics()
     except ConfigError as e:

@@ -106,8 +106,13 @@ def load_tokenizer(config: EngineConfig) -> Any:
     from transformers import AutoTokenizer
 
     source = config.tokenizer or config.model_path()
+    if not Path(source).expanduser().is_dir():
+        # A hub name would mean a download: refused at once instead of minutes of network retries.
+        raise ConfigError(f"--tokenizer {source}: no such directory; pagekeeper loads tokenizers from local "
+                          "directories only (download it first, then pass its path)")
     try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)
+        return AutoTokenizer.from_pretrained(str(Path(source).expanduser()), trust_remote_code=config.trust_remote_code,
+                                             local_files_only=True)
     except (OSError, ValueError) as e:
         raise ConfigError(f"tokenizer at {source} could not be loaded: {e}; pass --tokenizer DIR") from e
 

@@ -37,7 +37,7 @@ from engine.server.handover import RESTARTING_MESSAGE, HandoverDrain, HttpTracke
 from engine.server.limits import AcceptErrorsCondensed, BodyLimit, connection_limit, guarded_protocol
 from engine.server.notify import get_notifier
 from engine.schema import validate_section
-from engine.server.settings import ServerConfig
+from engine.server.settings import ServerConfig, resolve_key_files
 from engine.server.sockets import bind, inherited_socket
 
 log = structlog.get_logger("pagekeeper.server")
@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Require 'Authorization: Bearer KEY' on /v1/* and /tokenize (env PAGEKEEPER_API_KEY).")
     s.add_argument("--admin-key", default=os.environ.get("PAGEKEEPER_ADMIN_KEY"),
                    help="Key for /drain from non-loopback clients (env PAGEKEEPER_ADMIN_KEY).")
+    s.add_argument("--api-key-file", default=None,
+                   help="Read the API key from this file (mode 0600): keys on a command line are visible to any "
+                        "local user.")
+    s.add_argument("--admin-key-file", default=None, help="Read the admin key from this file (mode 0600).")
     s.add_argument("--disable-log-requests", action="store_true", help="Do not log each HTTP request.")
     s.add_argument("--max-waiting", type=int, default=None,
                    help="Most requests waiting to be scheduled; beyond it, 429 with Retry-After.")
@@ -100,7 +104,7 @@ def parse_args(argv: list[str] | None) -> tuple[ServerConfig, EngineConfig]:
     args = build_parser().parse_args(config_file_args(argv) + argv)
     values = {k: getattr(args, k) for k in ServerConfig.__dataclass_fields__}
     validate_section(ServerConfig, values, "flags", flag_style=True)
-    return ServerConfig(**values), EngineConfig.from_cli_args(args)
+    return resolve_key_files(ServerConfig(**values)), EngineConfig.from_cli_args(args)
 
 
 def log_inapplicable_flags(engine_config: EngineConfig, device: str) -> None:

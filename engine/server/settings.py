@@ -6,10 +6,14 @@ section of the TOML config file (opsctl/config.py) refuse the same mistakes with
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import Field
+
+from engine.config import ConfigError
 
 # Flags opsctl sets for the engines it starts; not settings a config file may hold.
 INTERNAL_FIELDS = ("listen_fd", "control_socket", "inflight_file", "config")
@@ -21,6 +25,8 @@ class ServerConfig:
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     api_key: str | None = None
     admin_key: str | None = None
+    api_key_file: Annotated[str, Field(min_length=1)] | None = None
+    admin_key_file: Annotated[str, Field(min_length=1)] | None = None
     disable_log_requests: bool = False
     max_waiting: Annotated[int, Field(ge=1)] | None = None
     health_stall_seconds: Annotated[float, Field(gt=0, le=86400)] = 30.0
@@ -34,3 +40,36 @@ class ServerConfig:
     control_socket: str | None = None
     inflight_file: str | None = None
     config: str | None = None
+
+
+def read_secret(path: str, flag: str) -> str:
+    """A key from a file only its owner can read (0600 or 0400), owned by this user or root."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: {e.strerror}") from None
+    with os.fdopen(fd) as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid not in (os.geteuid(), 0):
+            raise ConfigError(f"{flag} {path}: not a regular file of yours or root's")
+        if info.st_mode & 0o077:
+            raise ConfigError(f"{flag} {path} has mode {stat.S_IMODE(info.st_mode):04o}: others can read the key; "
+                              f"`chmod 600 {path}`")
+        key = f.read().strip()
+    if not key:
+        raise ConfigError(f"{flag} {path} is empty")
+    return key
+
+
+def resolve_key_files(server: ServerConfig) -> ServerConfig:
+    """Read --api-key-file / --admin-key-file into the keys (a key given both ways is a mistake)."""
+    for key, file_key, flag in (("api_key", "api_key_file", "--api-key-file"),
+                                ("admin_key", "admin_key_file", "--admin-key-file")):
+        path = getattr(server, file_key)
+        if path is None:
+            continue
+        if getattr(server, key) is not None:
+            raise ConfigError(f"{flag} and --{key.replace('_', '-')} (or its environment variable) both give "
+                              "the key; keep one")
+        setattr(server, key, read_secret(path, flag))
+    return server

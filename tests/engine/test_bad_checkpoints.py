@@ -56,3 +56,15 @@ def test_doctor_passes_a_sound_checkpoint(checkpoint, tmp_path):
     doctor = subprocess.run([sys.executable, "-m", "opsctl.cli", "--config", str(cfg), "doctor"],
                             capture_output=True, text=True, timeout=120, cwd=str(REPO))
     assert "[ok  ] checkpoint" in doctor.stdout, doctor.stdout + doctor.stderr
+
+
+def test_a_tokenizer_that_is_not_a_directory_fails_at_once(tmp_path):
+    import time
+
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "engine.server", "--tokenizer", "meta-llama/Llama-2-7b-hf",
+                        "--port", str(free_port())], capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    took = time.monotonic() - start
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    print(f"--tokenizer NAME: exit {r.returncode} after {took:.1f} s: {lines}")
+    assert r.returncode == 2 and len(lines) == 1 and "no such directory" in lines[0] and took < 30

@@ -56,3 +56,25 @@ def test_keys_never_reach_a_command_line_and_drain_needs_the_admin_key(deploy):
     log = d.log("engine.log")
     assert '"admin_request_refused"' in log and '"auth": "admin_key"' in log  # who asked, logged
     assert API_KEY not in log and ADMIN_KEY not in log
+
+
+def test_keys_from_files_that_only_their_owner_can_read(deploy, tmp_path):
+    api, admin = tmp_path / "api.key", tmp_path / "admin.key"
+    api.write_text(API_KEY + "\n")
+    admin.write_text(ADMIN_KEY + "\n")
+    api.chmod(0o644)
+    admin.chmod(0o600)
+    d = deploy(engine={"api_key_file": str(api), "admin_key_file": str(admin)})
+    r = d.opsctl("start")
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "chmod 600" in errors[0], r.stderr  # a readable key file
+    api.chmod(0o600)
+    r = d.opsctl("start")
+    assert r.returncode == 0, r.stdout + r.stderr
+    body = {"model": "pagekeeper-default", "prompt": "Now is", "max_tokens": 4}
+    assert httpx.post(d.url + "/v1/completions", json=body).status_code == 401
+    assert httpx.post(d.url + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    assert d.opsctl("drain", "--timeout", "2").returncode == 0  # the supervisor read the admin key file
+    assert d.opsctl("resume").returncode == 0
+    assert not [p for p in psutil.process_iter(["cmdline"]) if API_KEY in " ".join(p.info["cmdline"] or [])]

@@ -195,5 +195,9 @@ def test_systemd_launcher_restarts_the_service_never_the_socket(tmp_path, monkey
     launcher.restart()
     launcher.start()
     launcher.stop(5)
+    # --no-drain: SIGINT to the engine (it answers in-flight requests 503 at once), then the restart
+    launcher.restart(drain=False)
     assert log.read_text().splitlines() == [f"restart {ENGINE_UNIT}", f"start {ENGINE_UNIT}",
-                                            f"stop {SOCKET_UNIT} {ENGINE_UNIT}"]
+                                            f"stop {SOCKET_UNIT} {ENGINE_UNIT}",
+                                            f"kill --kill-whom=main --signal=SIGINT {ENGINE_UNIT}",
+                                            f"restart {ENGINE_UNIT}"]
