@@ -76,7 +76,11 @@ class SupervisorConfig(PolicyConfig):
         return self.history_size if self.history_size is not None else self.history_needed()
 
     def validate(self) -> None:
-        """What one key's range cannot say: combinations that would blind a rule."""
+        """What one key's range cannot say: combinations that would blind a rule or be ignored."""
+        if self.launcher == "systemd" and self.handover == "overlap":
+            raise ConfigError("[supervisor] handover = \"overlap\" needs the process launcher: systemd runs one "
+                              "engine unit at a time (its socket unit queues connections meanwhile); use "
+                              "handover = \"auto\" or launcher = \"process\"")
         if self.history_size is not None and self.history_size < self.history_needed():
             raise ConfigError(
                 f"[supervisor] history_size = {self.history_size} keeps {self.history_size * self.poll_interval:.0f} s "

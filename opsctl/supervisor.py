@@ -349,6 +349,9 @@ class Supervisor:
         return cmd.reply
 
     def _run_command(self, cmd: _Command) -> dict[str, Any]:
+        if cmd.args.get("drain_timeout") is not None and isinstance(self.launcher, SystemdLauncher):
+            return {"ok": False, "error": "under systemd the engine drains for its own [engine] drain_timeout "
+                                          "(bounded by TimeoutStopSec=); --drain-timeout cannot change it per command"}
         timeout = float(cmd.args.get("drain_timeout") or self.sup.drain_timeout)
         if cmd.name == "drain":  # a load balancer's drain: the engine answers 503 until resumed
             with self.lock:
@@ -506,6 +509,10 @@ def build_launcher(cfg: PagekeeperConfig, runtime: Path, gpu: GpuProbe) -> Launc
     if choice == "auto":
         choice = "systemd" if systemd_available(cfg.supervisor.unit) else "process"
     if choice == "systemd":
+        if cfg.supervisor.handover == "overlap":
+            raise ConfigError("[supervisor] handover = \"overlap\" needs the process launcher: systemd runs one "
+                              "engine unit at a time (its socket unit queues connections meanwhile); use "
+                              "handover = \"auto\" or launcher = \"process\"")
         return SystemdLauncher(cfg.supervisor.unit)
     return ProcessLauncher(cfg.engine_args(), cfg.host, cfg.port, runtime, runtime / ENGINE_LOG_NAME,
                            overlap=handover_overlaps(cfg, gpu), env=cfg.engine_env())

@@ -84,6 +84,15 @@ def test_a_bad_value_is_one_line_naming_the_key_and_starts_nothing(tmp_path, sec
     assert not _listening(port)
 
 
+def test_overlap_under_systemd_is_refused_not_ignored(tmp_path):
+    cfg = tmp_path / "s.toml"
+    cfg.write_text(f'[engine]\nport = {free_port()}\n[supervisor]\nlauncher = "systemd"\nhandover = "overlap"\n'
+                   f'metrics_port = 0\nruntime_dir = "{tmp_path / "run"}"\n')
+    r = subprocess.run([sys.executable, "-m", "opsctl.cli", "--config", str(cfg), "start"], capture_output=True,
+                       text=True, timeout=60, cwd=str(REPO))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "handover" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("key,value", [("max_waiting", "0"), ("port", '"abc"'), ("dry_run", "true")])
 def test_the_engine_server_reads_the_same_schema(tmp_path, key, value):
     cfg = tmp_path / "bad.toml"
