@@ -147,7 +147,7 @@ def pending_bytes(transport: Any) -> int:
         return 0
 
 
-def _idle(conn: Any) -> bool:
+def is_idle(conn: Any) -> bool:
     """No request is being read or answered on this connection (uvicorn's h11 and httptools protocols)."""
     cycle = getattr(conn, "cycle", None)
     return cycle is None or bool(getattr(cycle, "response_complete", False))
@@ -169,7 +169,7 @@ class HandoverDrain:
         self.tracker.closing = True
         for conn in list(self.connections):
             cycle = getattr(conn, "cycle", None)
-            if cycle is not None and not _idle(conn):
+            if cycle is not None and not is_idle(conn):
                 cycle.keep_alive = False  # close once this response is complete
 
     async def wait(self, timeout: float, busy: Callable[[], bool]) -> bool:
@@ -179,7 +179,7 @@ class HandoverDrain:
         while True:
             now = time.monotonic()
             for conn in list(self.connections):
-                if not _idle(conn):
+                if not is_idle(conn):
                     idle_since.pop(conn, None)
                     continue
                 since, cycle = idle_since.setdefault(conn, (now, getattr(conn, "cycle", None)))

@@ -13,7 +13,7 @@ import json
 import resource
 from typing import Any, Awaitable, Callable
 
-from engine.server.handover import pending_bytes
+from engine.server.handover import is_idle, pending_bytes
 
 def connection_limit() -> int:
     """The default --max-connections: a quarter of the open-file limit (at least 100) is kept for everything
@@ -99,11 +99,6 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-def _busy(conn: Any) -> bool:
-    cycle = getattr(conn, "cycle", None)
-    return cycle is not None and not getattr(cycle, "response_complete", True)
-
-
 def guarded_protocol(max_connections: int, header_timeout: float) -> type:
     """uvicorn's HTTP protocol with the limits above, and a keep-alive timeout that never resets a request.
 
@@ -138,7 +133,7 @@ def guarded_protocol(max_connections: int, header_timeout: float) -> type:
             self.loop.call_later(header_timeout, self._header_deadline, cycle)
 
         def _header_deadline(self, cycle_then: Any) -> None:
-            if self.transport.is_closing() or self.cycle is not cycle_then or _busy(self):
+            if self.transport.is_closing() or self.cycle is not cycle_then or not is_idle(self):
                 return  # a request head arrived (and maybe its answer) since the timer was armed
             if pending_bytes(self.transport) > 0:
                 self._arm_header_timer()  # bytes are waiting to be read: the loop is merely late
@@ -146,7 +141,7 @@ def guarded_protocol(max_connections: int, header_timeout: float) -> type:
             self.transport.close()
 
         def _make_room(self) -> None:
-            idle = [c for c in self.connections if c is not self and not _busy(c)
+            idle = [c for c in self.connections if c is not self and is_idle(c)
                     and not c.transport.is_closing() and pending_bytes(c.transport) == 0]
             if not idle:
                 return  # every connection is working: this one waits its turn like the rest
