@@ -266,7 +266,8 @@ class DrainOnTermServer(uvicorn.Server):
         """Leave the held listening socket to the next engine (connections queue in the kernel)."""
         servers = getattr(self, "servers", [])
         stop_accepting(servers)
-        log.info("stopped_accepting", reason=reason, queued_connections="wait for the next engine")
+        log.info("stopped_accepting", reason=reason, in_flight=self.tracker.in_flight,
+                 queued_connections="wait for the next engine")
         await asyncio.sleep(ACCEPT_GRACE_S)
         for server in servers:
             server.close()  # our copy of the listening socket; the holder keeps it open

@@ -242,11 +242,13 @@ def test_supervisor_under_systemd_drains_then_restarts_the_engine_through_system
     st = json.loads(d.opsctl("status", "--json").stdout)
     assert st["engine"]["state"] == "serving" and st["supervisor"]["launcher"] == "systemd", st
 
-    # a request in flight when the restart is asked for: the drain lets it finish
+    # requests in flight when the restart is asked for: the drain lets them finish (several streams, so that
+    # the batch is still decoding when opsctl's SIGTERM arrives even on a fast machine)
     result: list = []
+    streams = 4
 
     def stream() -> None:
-        body = {"model": MODEL, "prompt": "Errors should", "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+        body = {"model": MODEL, "prompt": "Errors should", "max_tokens": 230, "ignore_eos": True, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", d.url + "/v1/completions", json=body, timeout=120) as r:
             usage = None
@@ -255,26 +257,32 @@ def test_supervisor_under_systemd_drains_then_restarts_the_engine_through_system
                     usage = json.loads(line[6:]).get("usage") or usage
             result.append((r.status_code, usage and usage["completion_tokens"]))
 
-    streamer = threading.Thread(target=stream)
-    streamer.start()
+    streamers = [threading.Thread(target=stream) for _ in range(streams)]
+    for t in streamers:
+        t.start()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if f'vllm_num_requests_running{{model_name="{MODEL}"}} 1.0' in httpx.get(d.url + "/metrics").text:
+        if f'vllm_num_requests_running{{model_name="{MODEL}"}} {float(streams)}' in httpx.get(d.url + "/metrics").text:
             break
         time.sleep(0.05)
     r = d.opsctl("restart")
-    streamer.join(120)
+    for t in streamers:
+        t.join(120)
     assert r.returncode == 0 and "restarted: serving" in r.stdout, r.stdout + r.stderr
-    assert result == [(200, 200)]  # the in-flight request finished before the engine was restarted
+    assert result == [(200, 230)] * streams  # the in-flight requests finished before the engine was restarted
     second, _ = d.wait_serving(60)
     assert second != first
     assert d.show(SOCKET, "ActiveEnterTimestampMonotonic") == socket_since  # the service, never the socket
 
     # no 503 drain: systemctl restart's SIGTERM made the engine hand over with the stream in flight
+    stopped_accepting = d.events(ENGINE, "stopped_accepting")
     started = d.events(ENGINE, "handover_started")
     finished = d.events(ENGINE, "handover_finished")
     restarts = d.events(SUPERVISOR, "engine_restart")
-    assert started and started[-1]["in_flight"] >= 1, started
+    print(f"in flight when SIGTERM arrived: {stopped_accepting and stopped_accepting[-1]['in_flight']}, "
+          f"when the handover began: {started and started[-1]['in_flight']}, streams finished: {len(result)}")
+    assert stopped_accepting and stopped_accepting[-1]["in_flight"] >= 1, stopped_accepting
+    assert started, started
     assert finished and finished[-1]["handed_over"] is True, finished
     assert restarts and restarts[-1]["reason"] == "manual"
     assert restarts[-1]["timestamp"] <= started[-1]["timestamp"]
