@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -38,10 +39,11 @@ import click
 from engine.config import ConfigError
 from opsctl import control
 from opsctl.config import PagekeeperConfig, load_config
+from opsctl.instances import INSTANCE_PATTERN, port_clash, running_instances
 from opsctl.launcher import recorded_engine, stop_unsupervised
 from opsctl.runtime import open_private, prepare_runtime_dir
 from opsctl.supervisor import (ENGINE_LOG_NAME, EXIT_ALREADY_RUNNING, PID_NAME, SUPERVISOR_LOG_NAME,
-                               read_last_failure)
+                               instance_record, read_last_failure)
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -66,9 +68,10 @@ def _version() -> str:
 
 
 class Ctx:
-    def __init__(self, config_path: str | None, runtime_dir: str | None) -> None:
+    def __init__(self, config_path: str | None, runtime_dir: str | None, instance: str | None = None) -> None:
         self.config_path = config_path
         self.runtime_dir = runtime_dir
+        self.instance = instance
         self._config: PagekeeperConfig | None = None
 
     def config(self, **supervisor_overrides: Any) -> PagekeeperConfig:
@@ -76,6 +79,7 @@ class Ctx:
             return self._config
         try:
             cfg = load_config(self.config_path, {"supervisor": {"runtime_dir": self.runtime_dir,
+                                                                "instance": self.instance,
                                                                 **supervisor_overrides}})
         except ConfigError as e:
             _fail(str(e), EXIT_USAGE)
@@ -102,18 +106,32 @@ def _send(ctx: Ctx, cmd: str, args: dict[str, Any] | None = None, timeout: float
     return reply
 
 
+_INSTANCE = click.option("--instance", "sub_instance", default=None, callback=lambda c, p, v: _check_instance(v),
+                         help="Instance name (as before the subcommand).")
+
+
+def _check_instance(value: str | None) -> str | None:
+    if value is not None and not re.fullmatch(INSTANCE_PATTERN, value):
+        raise click.BadParameter(f"{value!r}: use 1 to 32 of a-z, 0-9, '-' and '_', starting with a letter or digit")
+    return value
+
+
 def _location_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """`--config`/`--runtime-dir` after the subcommand too (`opsctl start --config F`)."""
+    """`--config`/`--runtime-dir`/`--instance` after the subcommand too (`opsctl start --config F`)."""
 
     @click.option("--config", "sub_config", default=None, help="TOML config file (as before the subcommand).")
     @click.option("--runtime-dir", "sub_runtime", default=None, help="Runtime dir (as before the subcommand).")
+    @_INSTANCE
     @functools.wraps(f)
-    def wrapper(*args: Any, sub_config: str | None, sub_runtime: str | None, **kwargs: Any) -> Any:
+    def wrapper(*args: Any, sub_config: str | None, sub_runtime: str | None, sub_instance: str | None,
+                **kwargs: Any) -> Any:
         ctx: Ctx = click.get_current_context().obj
         if sub_config:
             ctx.config_path, ctx._config = sub_config, None
         if sub_runtime:
             ctx.runtime_dir, ctx._config = sub_runtime, None
+        if sub_instance:
+            ctx.instance, ctx._config = sub_instance, None
         return f(*args, **kwargs)
 
     return wrapper
@@ -124,9 +142,12 @@ def _location_options(f: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--config", "config_path", envvar="PAGEKEEPER_CONFIG", default=None,
               help="TOML config file (default /etc/pagekeeper/pagekeeper.toml, else built-in defaults).")
 @click.option("--runtime-dir", envvar="PAGEKEEPER_RUNTIME_DIR", default=None,
-              help="Where the control socket, pid file and logs live.")
+              help="Where the control socket, pid file and logs live (default: from the instance name).")
+@click.option("--instance", envvar="PAGEKEEPER_INSTANCE", default=None, callback=lambda c, p, v: _check_instance(v),
+              help="Run several deployments on one host: the name scopes the runtime dir, the systemd units "
+                   "(pagekeeper-engine@NAME) and the default config file (/etc/pagekeeper/NAME.toml).")
 @click.pass_context
-def main(click_ctx: click.Context, config_path: str | None, runtime_dir: str | None) -> None:
+def main(click_ctx: click.Context, config_path: str | None, runtime_dir: str | None, instance: str | None) -> None:
     """Operate the pagekeeper inference engine.
 
     \b
@@ -135,7 +156,7 @@ def main(click_ctx: click.Context, config_path: str | None, runtime_dir: str | N
     4 starting, restarting or stopping; 5 draining; 6 gave up or failed;
     7 an engine serves without a supervisor; 8 unhealthy (exited, stalled).
     """
-    click_ctx.obj = Ctx(config_path, runtime_dir)
+    click_ctx.obj = Ctx(config_path, runtime_dir, instance)
 
 
 def _status_or_none(runtime: Path) -> dict[str, Any] | None:
@@ -221,6 +242,11 @@ def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeo
     if st is not None:
         state = st["engine"]["state"]
         where = f"{st['engine']['url']} (supervisor pid {st['supervisor']['pid']})"
+        running_config = st["supervisor"].get("config")
+        if running_config != cfg.source:
+            _fail(f"instance {cfg.supervisor.instance!r} already runs from {running_config} at {where}; "
+                  f"to run {cfg.source} beside it, give it its own instance name "
+                  f"(`opsctl --instance NAME start`, or [supervisor] instance)", EXIT_USAGE)
         if state in ("gave_up", "failed"):
             _fail(f"already running but the supervisor gave up at {where}: {one_line(st['crash_loop']['reason'])}; "
                   f"`opsctl restart` retries, `opsctl stop` stops", EXIT_GAVE_UP)
@@ -232,6 +258,10 @@ def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeo
         return
     try:
         prepare_runtime_dir(runtime)
+        clash = port_clash(instance_record(cfg, runtime, cfg.supervisor.metrics_port, os.getpid()),
+                           running_instances(runtime))
+        if clash:
+            raise ConfigError(clash)
         open_private(runtime / ENGINE_LOG_NAME).close()  # both logs are checked before anything starts
         log = open_private(runtime / SUPERVISOR_LOG_NAME)
     except ConfigError as e:
@@ -243,6 +273,8 @@ def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeo
         args.append("--dry-run")
     if launcher:
         args += ["--launcher", launcher]
+    if ctx.instance:
+        args += ["--instance", ctx.instance]
     if foreground:
         from opsctl.supervisor import main as supervisor_main
 
@@ -440,7 +472,8 @@ def _status_lines(st: dict[str, Any]) -> list[str]:
     lines.append(f"restarts    {int(r['total'])}  crash loop: {guard}")
     if e.get("last_exit") and not c["gave_up"]:
         lines.append(f"last exit   {one_line(e['last_exit'])}")
-    lines.append(f"supervisor  pid {s['pid']}  launcher {s['launcher']}  handover {s.get('handover', '?')}"
+    instance = f"  instance {s['instance']}" if s.get("instance") not in (None, "default") else ""
+    lines.append(f"supervisor  pid {s['pid']}{instance}  launcher {s['launcher']}  handover {s.get('handover', '?')}"
                  f"{'  DRY-RUN' if s['dry_run'] else ''}  metrics {s['metrics_url']}")
     return lines
 
@@ -456,7 +489,7 @@ def logs(ctx: Ctx, follow: bool, which: str | None, lines: int) -> None:
     cfg = ctx.config()
     runtime = cfg.supervisor.runtime_path()
     if which != "supervisor" and cfg.supervisor.launcher == "systemd":
-        os.execvp("journalctl", ["journalctl", "-u", cfg.supervisor.unit, "-n", str(lines)] + (["-f"] if follow else []))
+        os.execvp("journalctl", ["journalctl", "-u", cfg.supervisor.engine_unit(), "-n", str(lines)] + (["-f"] if follow else []))
     path = runtime / (SUPERVISOR_LOG_NAME if which == "supervisor" else "engine.log")
     if not path.exists():
         _fail(f"no log at {path} yet")
@@ -496,7 +529,8 @@ def install(ctx: Ctx, prefix: str, dry_run: bool, python: str | None) -> None:
     from opsctl.install import InstallError, install as do_install
 
     try:
-        do_install(prefix, dry_run=dry_run, config_source=ctx.config_path, python=python, echo=click.echo)
+        do_install(prefix, dry_run=dry_run, config_source=ctx.config_path, python=python, echo=click.echo,
+                   instance=ctx.instance)
     except InstallError as e:
         _fail(str(e), EXIT_USAGE)
 
@@ -511,7 +545,7 @@ def uninstall(ctx: Ctx, prefix: str, dry_run: bool, purge: bool) -> None:
     from opsctl.install import InstallError, uninstall as do_uninstall
 
     try:
-        do_uninstall(prefix, dry_run=dry_run, purge=purge, echo=click.echo)
+        do_uninstall(prefix, dry_run=dry_run, purge=purge, echo=click.echo, instance=ctx.instance)
     except InstallError as e:
         _fail(str(e), EXIT_USAGE)
 

@@ -24,25 +24,16 @@ from pydantic import Field
 from engine.config import ConfigError, EngineConfig
 from engine.schema import validate_section
 from engine.server.settings import INTERNAL_FIELDS, ServerConfig
+from opsctl.instances import DEFAULT_INSTANCE, INSTANCE_PATTERN, config_path_for, engine_unit_for, runtime_dir_for
 from opsctl.policy import PolicyConfig
 
-DEFAULT_CONFIG_PATH = Path("/etc/pagekeeper/pagekeeper.toml")
+DEFAULT_CONFIG_PATH = config_path_for(DEFAULT_INSTANCE)
 
 # Keys never put on a command line, and the environment variables the server reads them from.
 SECRET_ENV = {"api_key": "PAGEKEEPER_API_KEY", "admin_key": "PAGEKEEPER_ADMIN_KEY"}
 
 # Server flags of `python -m engine.server` that are not engine flags, with their defaults.
 SERVER_KEYS = {f.name: f.default for f in dataclasses.fields(ServerConfig) if f.name not in INTERNAL_FIELDS}
-
-
-def default_runtime_dir() -> Path:
-    env = os.environ.get("PAGEKEEPER_RUNTIME_DIR")
-    if env:
-        return Path(env)
-    if os.geteuid() == 0:
-        return Path("/run/pagekeeper")
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    return Path(xdg) / "pagekeeper" if xdg else Path(f"/tmp/pagekeeper-{os.geteuid()}")
 
 
 @dataclass(frozen=True)
@@ -55,17 +46,24 @@ class SupervisorConfig(PolicyConfig):
     dry_run: bool = False
     launcher: Literal["auto", "process", "systemd"] = "auto"
     handover: Literal["auto", "overlap", "sequential"] = "auto"  # new engine first, then the old one leaves?
-    unit: Annotated[str, Field(pattern=r"^[A-Za-z0-9:_.@\\-]+\.service$")] = "pagekeeper-engine.service"
+    instance: Annotated[str, Field(pattern=INSTANCE_PATTERN)] = DEFAULT_INSTANCE
+    unit: Annotated[str, Field(pattern=r"^[A-Za-z0-9:_.@\\-]+\.service$")] | None = None  # None: from the instance
     metrics_host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9400  # 0 = any free port (reported in status)
     runtime_dir: Annotated[str, Field(min_length=1)] | None = None
     history_size: Annotated[int, Field(ge=2, le=10_000_000)] | None = None  # None: enough for every window
+    # Process launcher: engine.log and supervisor.log are rotated (copy, then truncate) past this size.
+    log_max_bytes: Annotated[int, Field(ge=4096, le=2**40)] = 100 * 2**20
+    log_backups: Annotated[int, Field(ge=0, le=100)] = 3
 
     def policy(self) -> PolicyConfig:
         return PolicyConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PolicyConfig)})
 
     def runtime_path(self) -> Path:
-        return Path(self.runtime_dir) if self.runtime_dir else default_runtime_dir()
+        return Path(self.runtime_dir) if self.runtime_dir else runtime_dir_for(self.instance)
+
+    def engine_unit(self) -> str:
+        return self.unit or engine_unit_for(self.instance)
 
     def history_needed(self) -> int:
         """Observations that span the longest window a rule looks back over, at this poll interval."""
@@ -139,13 +137,14 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str,
     """Read the file (explicit path must exist; the default path may be absent) and apply overrides."""
     raw: dict[str, Any] = {}
     source = "built-in defaults"
-    candidate = Path(path) if path else DEFAULT_CONFIG_PATH
+    instance = (overrides or {}).get("supervisor", {}).get("instance")
+    candidate = Path(path) if path else config_path_for(instance or DEFAULT_INSTANCE)
     if candidate.exists():
         try:
             raw = tomllib.loads(candidate.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{candidate}: not valid TOML: {e}") from e
-        source = str(candidate)
+        source = str(candidate.resolve())  # one file, however it was named (start compares them)
     elif path:
         raise ConfigError(f"--config {candidate}: no such file")
     unknown_sections = set(raw) - {"engine", "supervisor"}

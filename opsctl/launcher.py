@@ -422,8 +422,17 @@ class SystemdLauncher:
     def _ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(["systemctl", *args], capture_output=True, text=True, check=check, timeout=600)
 
+    def _ctl_acting(self, *args: str) -> None:
+        """start/restart: a unit that fails to start is the engine failing (the policy sees it exited and
+        the crash-loop guard counts it), never an exception that takes the supervisor down."""
+        r = self._ctl(*args, check=False)
+        if r.returncode != 0:
+            detail = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[0]
+            self._last_exit = f"systemctl {' '.join(args)} failed: {detail}"
+            log.warning("systemctl_failed", command=list(args), returncode=r.returncode, stderr=r.stderr.strip()[:500])
+
     def start(self) -> None:
-        self._ctl("start", self.unit)
+        self._ctl_acting("start", self.unit)
 
     @property
     def socket_unit(self) -> str:
@@ -442,7 +451,7 @@ class SystemdLauncher:
         on SIGTERM within its own --drain-timeout (TimeoutStopSec= bounds it); no drain is SIGINT first."""
         if not drain:
             self._ctl("kill", "--kill-whom=main", "--signal=SIGINT", self.unit, check=False)
-        self._ctl("restart", self.unit)
+        self._ctl_acting("restart", self.unit)
         return Retired()
 
     def pid(self) -> int | None:

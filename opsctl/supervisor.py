@@ -40,7 +40,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from engine.config import ConfigError
 from engine.logs import configure_logging
 from engine.server.settings import read_secret
-from opsctl.config import PagekeeperConfig, load_config
+from opsctl.config import SECRET_ENV, PagekeeperConfig, load_config
+from opsctl.instances import INSTANCE_FILE_NAME, InstanceRecord, port_clash, running_instances, write_record
+from opsctl.logrotate import rotate_if_large
 from opsctl.launcher import Launcher, ProcessLauncher, RestartFailed, SystemdLauncher, systemd_available
 from opsctl.policy import Action, Observation, PolicyState, decide
 from opsctl.probes import EngineProbe, GpuProbe, GpuReading, ProcessProbe, gpu_probe
@@ -110,6 +112,8 @@ class SupervisorMetrics:
         self.lost = Counter("pagekeeper_supervisor_requests_lost", "Requests in flight that got no answer: the "
                             "engine died (engine_exited), was killed after its drain timeout (killed), or was "
                             "restarted with --no-drain (no_drain: answered with a clean 503)", ["reason"], registry=r)
+        self.log_rotations = Counter("pagekeeper_supervisor_log_rotations", "Size-based rotations of the process "
+                                     "launcher's logs ([supervisor] log_max_bytes)", ["log"], registry=r)
         self.info = Gauge("pagekeeper_supervisor_info", "The engine this supervisor runs (always 1)",
                           ["model_name", "engine_url", "launcher"], registry=r)
         # Every series exists from the start, so increase() sees the first restart of each kind.
@@ -119,6 +123,8 @@ class SupervisorMetrics:
             self.restarts.labels(reason)
         for reason in LOST_REASONS:
             self.lost.labels(reason)
+        for name in (ENGINE_LOG_NAME, SUPERVISOR_LOG_NAME):
+            self.log_rotations.labels(name)
         r.register(_GpuCollector(supervisor))
 
 
@@ -244,9 +250,24 @@ class Supervisor:
             log.info("engine_ready", seconds_since_start=round(obs.t - self.state.started_at, 2))
         action = decide(list(self.history), self.state, self.policy_cfg, time.monotonic())
         self._record(action)
+        self._rotate_logs()
         if action.acts and not self.sup.dry_run:
             self._execute(action)
         return action
+
+    def _rotate_logs(self) -> None:
+        """Keep the process launcher's log files under [supervisor] log_max_bytes (journald does it under systemd)."""
+        paths = [self.launcher.log_path(), self.sup.runtime_path() / SUPERVISOR_LOG_NAME]
+        for path in paths:
+            if path is None:
+                continue
+            try:
+                if rotate_if_large(path, self.sup.log_max_bytes, self.sup.log_backups):
+                    self.metrics.log_rotations.labels(path.name).inc()
+                    log.info("log_rotated", log=str(path), max_bytes=self.sup.log_max_bytes,
+                             backups=self.sup.log_backups)
+            except (OSError, ConfigError) as e:  # a full disk must not take the supervisor down
+                log.warning("log_rotation_failed", log=str(path), error=str(e))
 
     def _record(self, action: Action) -> None:
         previous = self.last_decision
@@ -429,7 +450,8 @@ class Supervisor:
                 "supervisor": {"pid": os.getpid(), "launcher": self.launcher.name, "dry_run": self.sup.dry_run,
                                "uptime_s": round(time.time() - self.started_wall, 1),
                                "metrics_url": f"http://{self.sup.metrics_host}:{self.metrics_port}/metrics",
-                               "config": self.cfg.source, "poll_interval_s": self.sup.poll_interval,
+                               "config": self.cfg.source, "instance": self.sup.instance,
+                               "runtime_dir": str(self.sup.runtime_path()), "poll_interval_s": self.sup.poll_interval,
                                "handover": "overlap" if self._overlap() else "sequential"},
                 "engine_log": str(self.launcher.log_path()) if self.launcher.log_path() else None,
             }
@@ -507,15 +529,29 @@ def handover_overlaps(cfg: PagekeeperConfig, gpu: GpuProbe) -> bool:
 def build_launcher(cfg: PagekeeperConfig, runtime: Path, gpu: GpuProbe) -> Launcher:
     choice = cfg.supervisor.launcher
     if choice == "auto":
-        choice = "systemd" if systemd_available(cfg.supervisor.unit) else "process"
+        choice = "systemd" if systemd_available(cfg.supervisor.engine_unit()) else "process"
     if choice == "systemd":
         if cfg.supervisor.handover == "overlap":
             raise ConfigError("[supervisor] handover = \"overlap\" needs the process launcher: systemd runs one "
                               "engine unit at a time (its socket unit queues connections meanwhile); use "
                               "handover = \"auto\" or launcher = \"process\"")
-        return SystemdLauncher(cfg.supervisor.unit)
+        return SystemdLauncher(cfg.supervisor.engine_unit())
     return ProcessLauncher(cfg.engine_args(), cfg.host, cfg.port, runtime, runtime / ENGINE_LOG_NAME,
                            overlap=handover_overlaps(cfg, gpu), env=cfg.engine_env())
+
+
+def instance_record(cfg: PagekeeperConfig, runtime: Path, metrics_port: int, pid: int | None = None) -> InstanceRecord:
+    """What this instance claims (ports), as other instances' starts read it from `instance.json`."""
+    return InstanceRecord(instance=cfg.supervisor.instance, config=cfg.source, supervisor_pid=pid or os.getpid(),
+                          runtime_dir=str(runtime), host=cfg.host, port=cfg.port,
+                          metrics_host=cfg.supervisor.metrics_host, metrics_port=metrics_port)
+
+
+def _admin_key(cfg: PagekeeperConfig) -> str | None:
+    """The admin key the engine was given, read the way the engine reads it (file, config, environment)."""
+    if cfg.engine.get("admin_key_file"):
+        return read_secret(cfg.engine["admin_key_file"], "[engine] admin_key_file")
+    return cfg.engine.get("admin_key") or os.environ.get(SECRET_ENV["admin_key"]) or None
 
 
 def hold_lock(runtime: Path) -> Any:
@@ -535,12 +571,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runtime-dir", default=None)
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--launcher", choices=("auto", "process", "systemd"), default=None)
+    parser.add_argument("--instance", default=None)
     args = parser.parse_args(argv)
     configure_logging()
     try:
         cfg = load_config(args.config, {"supervisor": {"runtime_dir": args.runtime_dir,
                                                        "dry_run": True if args.dry_run else None,
-                                                       "launcher": args.launcher}})
+                                                       "launcher": args.launcher, "instance": args.instance}})
         runtime = prepare_runtime_dir(cfg.supervisor.runtime_path())
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -551,15 +588,17 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ALREADY_RUNNING
     (runtime / LAST_FAILURE_NAME).unlink(missing_ok=True)
     try:
+        claim = instance_record(cfg, runtime, cfg.supervisor.metrics_port)
+        clash = port_clash(claim, running_instances(runtime))
+        if clash:
+            raise ConfigError(clash)
         open_private(runtime / ENGINE_LOG_NAME).close()  # a symlinked log is refused now, not at the first start
         gpu = gpu_probe()
         launcher = build_launcher(cfg, runtime, gpu)
-        admin_key = cfg.engine.get("admin_key")
-        if cfg.engine.get("admin_key_file"):
-            admin_key = read_secret(cfg.engine["admin_key_file"], "[engine] admin_key_file")
-        probe = EngineProbe(cfg.engine_url, cfg.supervisor.probe_timeout, admin_key=admin_key)
+        probe = EngineProbe(cfg.engine_url, cfg.supervisor.probe_timeout, admin_key=_admin_key(cfg))
         supervisor = Supervisor(cfg, launcher, probe, gpu)
         supervisor.serve_metrics()
+        write_record(runtime, instance_record(cfg, runtime, supervisor.metrics_port or 0))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         write_last_failure(runtime, str(e))
@@ -583,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         code = supervisor.run()
     finally:
         control.shutdown()
-        for name in (SOCKET_NAME, PID_NAME):
+        for name in (SOCKET_NAME, PID_NAME, INSTANCE_FILE_NAME):
             (runtime / name).unlink(missing_ok=True)
         # A stop command stopped the engine already (unless it runs as a systemd unit of its own); a crash of
         # this daemon leaves it serving for the next supervisor to adopt.

@@ -65,18 +65,24 @@ class ControlSocket:
                 except Exception as e:  # one bad client never stops the channel
                     log.warning("control_request_failed", error=str(e))
 
-    def _peer_allowed(self, conn: socket.socket) -> bool:
+    @staticmethod
+    def _peer(conn: socket.socket) -> tuple[int, int]:
+        """(pid, uid) of the process at the other end, from the kernel, not from what it says."""
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        _pid, uid, _gid = struct.unpack("3i", creds)
-        return uid in (os.geteuid(), 0)
+        pid, uid, _gid = struct.unpack("3i", creds)
+        return pid, uid
 
     def _handle(self, conn: socket.socket) -> None:
-        if not self._peer_allowed(conn):
+        pid, uid = self._peer(conn)
+        if uid not in (os.geteuid(), 0):
+            log.warning("control_request_refused", peer_pid=pid, peer_uid=uid)
             conn.sendall(b'{"ok": false, "error": "not your engine"}\n')
             return
         line = conn.makefile("rb").readline()
         request = json.loads(line or b"{}")
         cmd = str(request.get("cmd", ""))
+        if cmd != "state":  # every command that changes something is logged with who asked
+            log.info("control_request", command=cmd, peer_pid=pid, peer_uid=uid, peer=_process_name(pid))
         if cmd == "state":
             reply = {"ok": True, "pid": os.getpid(), "state": self.state, "in_flight": self._in_flight()}
         elif cmd == "listen_fd":
@@ -92,6 +98,15 @@ class ControlSocket:
         else:
             reply = {"ok": False, "error": f"unknown command {cmd!r}"}
         conn.sendall(json.dumps(reply).encode() + b"\n")
+
+
+def _process_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        return " ".join(a.decode(errors="replace") for a in argv[:3] if a)[:120]
+    except OSError:
+        return "?"
 
 
 def request(path: str | os.PathLike[str], cmd: str, timeout: float = 5.0, **args: Any) -> dict[str, Any]:

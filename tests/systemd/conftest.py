@@ -36,6 +36,7 @@ class Deployment:
 
     box: Box
     port: int
+    instance_ports: dict[str, int] | None = None  # named instances installed beside the default one
 
     @property
     def url(self) -> str:
@@ -100,17 +101,28 @@ def deploy(box_support, tmp_path: Path, request: pytest.FixtureRequest):
     boxes: list[Box] = []
 
     def make(engine: dict[str, Any] | None = None, supervisor: dict[str, Any] | None = None,
-             dropins: dict[str, str] | None = None, installed: bool = True) -> Deployment:
+             dropins: dict[str, str] | None = None, installed: bool = True,
+             instances: dict[str, dict[str, Any]] | None = None, env_file: str | None = None) -> Deployment:
         port = free_port()
         stage = tmp_path / f"install{len(boxes)}"
         (stage / "etc/pagekeeper").mkdir(parents=True)
         write_config(stage / "etc/pagekeeper/pagekeeper.toml", {"port": port, **(engine or {})},
                      {"launcher": "systemd", "metrics_port": 0, **(supervisor or {})})
+        instance_ports = {}
+        for name, instance_engine in (instances or {}).items():
+            instance_ports[name] = free_port()
+            write_config(stage / f"{name}.toml", {"port": instance_ports[name], **instance_engine},
+                         {"launcher": "systemd", "metrics_port": 0, **(supervisor or {})})
         if installed:
-            r = subprocess.run([sys.executable, "-m", "opsctl.cli", "install", "--prefix", str(stage)],
-                               cwd=str(REPO), capture_output=True, text=True, timeout=120,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
-            assert r.returncode == 0, r.stdout + r.stderr
+            for args in [["install"]] + [["--instance", name, "--config", str(stage / f"{name}.toml"), "install"]
+                                         for name in instance_ports]:
+                r = subprocess.run([sys.executable, "-m", "opsctl.cli", *args, "--prefix", str(stage)],
+                                   cwd=str(REPO), capture_output=True, text=True, timeout=120,
+                                   env={**os.environ, "PYTHONPATH": str(REPO)})
+                assert r.returncode == 0, r.stdout + r.stderr
+            if env_file is not None:  # appended to every instance's environment file (keys, for example)
+                for env in (stage / "etc/pagekeeper").glob("*.env"):
+                    env.write_text(env.read_text() + env_file)
         else:  # only the config: the test runs `opsctl install` inside the box
             (stage / "etc/pagekeeper/pagekeeper.toml").rename(stage / "pagekeeper-test.toml")
         units = {f"{ENGINE}.d/{name}.conf": text for name, text in (dropins or {}).items()}
@@ -118,7 +130,7 @@ def deploy(box_support, tmp_path: Path, request: pytest.FixtureRequest):
         boxes.append(box)
         box.start()
         print(f"box booted in {box.boot_seconds:.2f} s (PID 1 = host pid {box.pid}), engine port {port}")
-        return Deployment(box, port)
+        return Deployment(box, port, instance_ports)
 
     yield make
     failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed

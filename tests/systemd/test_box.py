@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
 import sys
 import tempfile
 import threading
@@ -329,3 +330,77 @@ def test_opsctl_install_and_uninstall_on_a_running_systemd(deploy):
         raise AssertionError("something still listens on the engine's port")
     except httpx.ConnectError:
         pass
+
+
+def test_two_instances_under_systemd_with_keys_that_no_command_line_shows(deploy):
+    """The default instance and instance "b" from template units, side by side in one box, each with an API
+    key and an admin key in its 0600 environment file: `ps` shows neither key, /drain without the admin key
+    is refused, and restarting or stopping one instance leaves the other serving."""
+    api_key, admin_key = "sk-box-api-7f3a91", "sk-box-admin-c24e08"
+    d = deploy(instances={"b": {}}, supervisor={"poll_interval": 0.5, "cooldown_seconds": 1.0},
+               env_file=f"PAGEKEEPER_API_KEY={api_key}\nPAGEKEEPER_ADMIN_KEY={admin_key}\n")
+    b_port = d.instance_ports["b"]
+    b_url = f"http://127.0.0.1:{b_port}"
+    assert d.box.run("stat", "-c", "%a", "/etc/pagekeeper/b.env").stdout.strip() == "600"
+    units = {"default": (SUPERVISOR, ENGINE), "b": ("pagekeeper-supervisor@b.service", "pagekeeper-engine@b.service")}
+    for supervisor, _ in units.values():
+        assert d.box.ctl("start", supervisor).returncode == 0
+    d.wait_serving(120)
+    auth = {"Authorization": f"Bearer {api_key}"}
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(b_url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, d.box.run("journalctl", "--no-pager", "-o", "cat", "-u", "pagekeeper-engine@b.service").stdout[:6000]
+        time.sleep(0.2)
+
+    def opsctl(instance: str, *args: str) -> subprocess.CompletedProcess:
+        return d.box.run(sys.executable, "-m", "opsctl.cli", "--instance", instance, *args,
+                         env={"PYTHONPATH": str(REPO)}, timeout=180)
+
+    for instance, (supervisor, engine) in units.items():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and opsctl(instance, "status").returncode != 0:
+            time.sleep(0.3)
+        st = json.loads(opsctl(instance, "status", "--json").stdout)
+        assert st["engine"]["state"] == "serving" and st["supervisor"]["instance"] == instance, st
+        assert st["supervisor"]["runtime_dir"] == ("/run/pagekeeper" if instance == "default" else "/run/pagekeeper@b")
+        assert d.box.show(engine, "ActiveState")["ActiveState"] == "active"
+
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    for url in (d.url, b_url):
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 401
+        assert httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=60).status_code == 200
+        assert httpx.post(url + "/drain", params={"timeout": 0}, timeout=10).status_code == 401  # loopback too
+        assert httpx.post(url + "/drain", params={"timeout": 0}, headers=auth, timeout=10).status_code == 401
+        assert httpx.get(url + "/health", timeout=5).status_code == 200  # nothing was drained
+
+    ps = d.box.run("ps", "-eo", "pid,args", "--no-headers").stdout
+    procs = [ln for ln in ps.splitlines() if "engine.server" in ln or "opsctl.supervisor" in ln]
+    print(f"{len(procs)} pagekeeper processes in the box:\n" + "\n".join(procs))
+    assert len(procs) == 4, ps
+    assert api_key not in ps and admin_key not in ps
+    environ = d.box.run("sh", "-c", "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '").stdout
+    assert api_key not in environ and admin_key not in environ
+
+    # `opsctl drain` works with keys set: the supervisor has the admin key from the 0600 environment file
+    r = opsctl("b", "drain", "--timeout", "5")
+    assert r.returncode == 0 and json.loads(r.stdout)["drained"] is True, r.stdout + r.stderr
+    assert opsctl("b", "status").returncode == 5
+    assert opsctl("b", "resume").returncode == 0 and opsctl("b", "status").returncode == 0
+
+    default_pid = d.main_pid()
+    b_pid = int(d.box.show("pagekeeper-engine@b.service", "MainPID")["MainPID"])
+    r = opsctl("b", "restart")
+    assert r.returncode == 0, r.stdout + r.stderr
+    new_b = int(d.box.show("pagekeeper-engine@b.service", "MainPID")["MainPID"])
+    assert new_b not in (0, b_pid) and d.main_pid() == default_pid
+    assert httpx.post(b_url + "/v1/completions", json=body, headers=auth, timeout=60).status_code == 200
+    r = opsctl("b", "stop")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert d.box.show("pagekeeper-engine@b.service", "ActiveState")["ActiveState"] != "active"
+    assert d.main_pid() == default_pid and httpx.get(d.url + "/health", timeout=5).status_code == 200
+    assert opsctl("default", "status").returncode == 0

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from opsctl.install import (DEFAULT_CONFIG, ENGINE_UNIT, SOCKET_UNIT, SUPERVISOR_UNIT, UNITS, Layout, get_key,
-                            render_units)
+from opsctl.install import (DEFAULT_CONFIG, DROPIN_NAME, ENGINE_UNIT, SOCKET_UNIT, SUPERVISOR_UNIT, TEMPLATE_NAMES,
+                            UNITS, Layout, get_key, render_units)
 from opsctl.config import load_config
 from opsctl.launcher import SystemdLauncher
 from tests.server.harness import REPO
@@ -129,8 +129,8 @@ def test_install_renders_the_interpreter_listen_address_and_stop_timeout(tmp_pat
     r = opsctl("install", "--prefix", str(prefix))
     assert r.returncode == 0 and "keep" in r.stdout
     assert get_key((units / SOCKET_UNIT).read_text(), "Socket", "ListenStream") == "0.0.0.0:8123"
-    for path in (units / ENGINE_UNIT, prefix / "etc/pagekeeper/engine.env"):
-        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert stat.S_IMODE((units / ENGINE_UNIT).stat().st_mode) == 0o644
+    assert stat.S_IMODE((prefix / "etc/pagekeeper/engine.env").stat().st_mode) == 0o600  # where keys go
 
 
 def test_install_dry_run_writes_nothing_and_shows_the_units(tmp_path):
@@ -201,3 +201,71 @@ def test_systemd_launcher_restarts_the_service_never_the_socket(tmp_path, monkey
                                             f"stop {SOCKET_UNIT} {ENGINE_UNIT}",
                                             f"kill --kill-whom=main --signal=SIGINT {ENGINE_UNIT}",
                                             f"restart {ENGINE_UNIT}"]
+
+
+def _instance_config(tmp_path: Path, name: str, port: int) -> Path:
+    cfg = tmp_path / f"{name}-src.toml"
+    cfg.write_text(f'[engine]\nport = {port}\ndrain_timeout = 20\n[supervisor]\nlauncher = "systemd"\n')
+    return cfg
+
+
+def test_named_instances_install_template_units_and_their_own_drop_ins(tmp_path):
+    prefix = tmp_path / "root"
+    units = prefix / "etc/systemd/system"
+    r = opsctl("--instance", "b", "install", "--prefix", str(prefix))
+    assert r.returncode == 2 and "needs a config of its own" in r.stderr  # the default's ports are taken
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text('[engine]\nport = 8200\n[supervisor]\ninstance = "c"\n')
+    r = opsctl("--instance", "b", "install", "--prefix", str(prefix), config=wrong)
+    assert r.returncode == 2 and "instance = 'c'" in r.stderr, r.stderr
+    for name, port in (("b", 8101), ("c", 8102)):
+        r = opsctl("--instance", name, "install", "--prefix", str(prefix), config=_instance_config(tmp_path, name, port))
+        assert r.returncode == 0, r.stderr
+        assert f"systemctl enable --now pagekeeper-engine@{name}.socket pagekeeper-supervisor@{name}.service" in r.stdout
+    assert sorted(p.name for p in units.iterdir()) == sorted(
+        [*TEMPLATE_NAMES.values(), "pagekeeper-engine@b.service.d", "pagekeeper-engine@b.socket.d",
+         "pagekeeper-supervisor@b.service.d", "pagekeeper-engine@c.service.d", "pagekeeper-engine@c.socket.d",
+         "pagekeeper-supervisor@c.service.d"])
+    engine = (units / "pagekeeper-engine@.service").read_text()
+    assert get_key(engine, "Service", "ExecStart").endswith("-m engine.server --config /etc/pagekeeper/%i.toml")
+    assert get_key(engine, "Service", "EnvironmentFile") == "/etc/pagekeeper/%i.env"
+    assert get_key(engine, "Service", "StateDirectory") == "pagekeeper-%i"
+    assert get_key(engine, "Unit", "Requires") == "pagekeeper-engine@%i.socket"
+    supervisor = (units / "pagekeeper-supervisor@.service").read_text()
+    assert "--runtime-dir /run/pagekeeper@%i --instance %i" in get_key(supervisor, "Service", "ExecStart")
+    assert get_key(supervisor, "Service", "RuntimeDirectory") == "pagekeeper@%i"
+    assert "ListenStream" not in "".join(ln for ln in (units / "pagekeeper-engine@.socket").read_text().splitlines()
+                                         if not ln.startswith("#"))
+    socket_dropin = (units / f"pagekeeper-engine@c.socket.d/{DROPIN_NAME}").read_text()
+    assert socket_dropin.splitlines()[1:] == ["[Socket]", "ListenStream=", "ListenStream=127.0.0.1:8102"]
+    assert "TimeoutStopSec=50" in (units / f"pagekeeper-engine@b.service.d/{DROPIN_NAME}").read_text()
+    assert stat.S_IMODE((prefix / "etc/pagekeeper/b.env").stat().st_mode) == 0o600
+    assert "port = 8101" in (prefix / "etc/pagekeeper/b.toml").read_text()
+
+    # removing one instance keeps the templates the other still uses; the last one takes them along
+    r = opsctl("--instance", "b", "uninstall", "--prefix", str(prefix), "--purge")
+    assert r.returncode == 0, r.stderr
+    assert (units / "pagekeeper-engine@.service").exists() and not (units / "pagekeeper-engine@b.service.d").exists()
+    assert not (prefix / "etc/pagekeeper/b.toml").exists() and (prefix / "etc/pagekeeper/c.toml").exists()
+    assert opsctl("--instance", "c", "uninstall", "--prefix", str(prefix), "--purge").returncode == 0
+    assert sorted(str(p.relative_to(prefix)) for p in prefix.rglob("*") if p.is_file()) == []
+
+
+@needs_analyze
+def test_systemd_analyze_verify_is_silent_for_an_instance_of_each_template(tmp_path):
+    """The templates with their drop-ins, instantiated as `NAME@b.*` (how systemd loads them), verify cleanly."""
+    prefix = tmp_path / "root"
+    r = opsctl("--instance", "b", "install", "--prefix", str(prefix), config=_instance_config(tmp_path, "b", 8101))
+    assert r.returncode == 0, r.stderr
+    units = prefix / "etc/systemd/system"
+    check = tmp_path / "check"
+    check.mkdir()
+    for unit, template in TEMPLATE_NAMES.items():
+        stem, kind = unit.rsplit(".", 1)
+        instance = f"{stem}@b.{kind}"
+        text = (units / template).read_text().replace("%i", "b")
+        (check / instance).write_text(text + "\n" + (units / f"{instance}.d" / DROPIN_NAME).read_text())
+    for path in sorted(check.iterdir()):
+        r = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True, timeout=60,
+                           cwd=str(check))
+        assert r.returncode == 0 and r.stderr == "" and r.stdout == "", f"{path.name}:\n{r.stdout}{r.stderr}"
