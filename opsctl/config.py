@@ -13,27 +13,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError
+from engine.config_file import (SECTIONS, SERVER_KEYS, engine_args, engine_env, read_config_file,
+                                validate_engine_section)
 from engine.schema import validate_section
-from engine.server.settings import INTERNAL_FIELDS, ServerConfig
 from opsctl.instances import DEFAULT_INSTANCE, INSTANCE_PATTERN, config_path_for, engine_unit_for, runtime_dir_for
 from opsctl.policy import PolicyConfig
 
 DEFAULT_CONFIG_PATH = config_path_for(DEFAULT_INSTANCE)
 
-# Keys never put on a command line, and the environment variables the server reads them from.
-SECRET_ENV = {"api_key": "PAGEKEEPER_API_KEY", "admin_key": "PAGEKEEPER_ADMIN_KEY"}
-
-# Server flags of `python -m engine.server` that are not engine flags, with their defaults.
-SERVER_KEYS = {f.name: f.default for f in dataclasses.fields(ServerConfig) if f.name not in INTERNAL_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -108,26 +102,10 @@ class PagekeeperConfig:
         return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
     def engine_args(self) -> list[str]:
-        """The [engine] section as `python -m engine.server` flags (booleans as --x / --no-x), secrets excluded:
-        any local user can read a command line (`ps`), so keys travel in the environment (`engine_env`)."""
-        args: list[str] = []
-        for key, value in self.engine.items():
-            if value is None or key in SECRET_ENV:
-                continue
-            flag = "--" + key.replace("_", "-")
-            if isinstance(value, bool):
-                if key in SERVER_KEYS:  # server booleans are store_true flags
-                    if value:
-                        args.append(flag)
-                else:
-                    args.append(flag if value else "--no-" + key.replace("_", "-"))
-            else:
-                args.extend([flag, str(value)])
-        return args
+        return engine_args(self.engine)
 
     def engine_env(self) -> dict[str, str]:
-        """The secrets of the [engine] section as the environment variables the server reads."""
-        return {env: str(self.engine[key]) for key, env in SECRET_ENV.items() if self.engine.get(key)}
+        return engine_env(self.engine)
 
     def as_dict(self) -> dict[str, Any]:
         return {"engine": dict(self.engine), "supervisor": dataclasses.asdict(self.supervisor)}
@@ -135,46 +113,23 @@ class PagekeeperConfig:
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> PagekeeperConfig:
     """Read the file (explicit path must exist; the default path may be absent) and apply overrides."""
-    raw: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     source = "built-in defaults"
     instance = (overrides or {}).get("supervisor", {}).get("instance")
     candidate = Path(path) if path else config_path_for(instance or DEFAULT_INSTANCE)
     if candidate.exists():
-        try:
-            raw = tomllib.loads(candidate.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{candidate}: not valid TOML: {e}") from e
+        sections = read_config_file(candidate)
         source = str(candidate.resolve())  # one file, however it was named (start compares them)
     elif path:
         raise ConfigError(f"--config {candidate}: no such file")
-    unknown_sections = set(raw) - {"engine", "supervisor"}
-    if unknown_sections:
-        raise ConfigError(f"{source}: unknown section(s) {sorted(unknown_sections)}; use [engine] and [supervisor]")
-    for section in ("engine", "supervisor"):
-        if not isinstance(raw.get(section, {}), dict):
-            raise ConfigError(f"{source}: [{section}] must be a table of keys")
-    engine = {k.replace("-", "_"): v for k, v in raw.get("engine", {}).items()}
-    supervisor = {k.replace("-", "_"): v for k, v in raw.get("supervisor", {}).items()}
+    engine, supervisor = sections["engine"], sections["supervisor"]
     for section, values in (overrides or {}).items():
         (engine if section == "engine" else supervisor).update({k: v for k, v in values.items() if v is not None})
-
-    server_part = {k: v for k, v in engine.items() if k in SERVER_KEYS}
-    engine_part = {k: v for k, v in engine.items() if k not in SERVER_KEYS}
-    unknown = sorted(set(engine_part) - EngineConfig.field_names())
-    if unknown:
-        known = ", ".join(sorted(EngineConfig.field_names() | set(SERVER_KEYS)))
-        raise ConfigError(f"{source}: unknown key [engine] {unknown[0]!r}; known keys: {known}")
-    server_part = validate_section(ServerConfig, server_part, f"{source}: [engine]", exclude=INTERNAL_FIELDS)
-    engine_part = validate_section(EngineConfig, engine_part, f"{source}: [engine]")
-    try:
-        EngineConfig.from_kwargs(**engine_part)  # the engine's own ranges and combinations
-    except ConfigError as e:  # its messages name flags; in a file the keys are what a person edits
-        keys = re.sub(r"--([a-z0-9-]+)", lambda m: m.group(1).replace("-", "_"), str(e))
-        raise ConfigError(f"{source}: [engine] {keys}") from None
+    engine = validate_engine_section(engine, source)
     supervisor = validate_section(SupervisorConfig, supervisor, f"{source}: [supervisor]")
     sup = SupervisorConfig(**supervisor)
     try:
         sup.validate()
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
-    return PagekeeperConfig(engine={**server_part, **engine_part}, supervisor=sup, source=source)
+    return PagekeeperConfig(engine=engine, supervisor=sup, source=source)

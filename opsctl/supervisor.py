@@ -40,7 +40,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from engine.config import ConfigError
 from engine.logs import configure_logging
 from engine.server.settings import read_secret
-from opsctl.config import SECRET_ENV, PagekeeperConfig, load_config
+from engine.config_file import SECRET_ENV
+from opsctl.config import PagekeeperConfig, load_config
 from opsctl.instances import INSTANCE_FILE_NAME, InstanceRecord, port_clash, running_instances, write_record
 from opsctl.logrotate import rotate_if_large
 from opsctl.launcher import Launcher, ProcessLauncher, RestartFailed, SystemdLauncher, systemd_available

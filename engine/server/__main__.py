@@ -27,10 +27,13 @@ import socket
 import sys
 import time
 
+from typing import Any
+
 import structlog
 import uvicorn
 
 from engine.config import ConfigError, EngineConfig
+from engine.config_file import SECRET_ENV, engine_args, load_engine_section
 from engine.logs import configure_logging
 from engine.server.control import ControlSocket
 from engine.server.handover import RESTARTING_MESSAGE, HandoverDrain, HttpTracker, InflightFile
@@ -49,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="Bind address (default loopback only).")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get("PAGEKEEPER_API_KEY"),
+    s.add_argument("--api-key", default=os.environ.get("PAGEKEEPER_API_KEY") or None,
                    help="Require 'Authorization: Bearer KEY' on /v1/* and /tokenize (env PAGEKEEPER_API_KEY).")
-    s.add_argument("--admin-key", default=os.environ.get("PAGEKEEPER_ADMIN_KEY"),
+    s.add_argument("--admin-key", default=os.environ.get("PAGEKEEPER_ADMIN_KEY") or None,
                    help="Key for /drain from non-loopback clients (env PAGEKEEPER_ADMIN_KEY).")
     s.add_argument("--api-key-file", default=None,
                    help="Read the API key from this file (mode 0600): keys on a command line are visible to any "
@@ -87,22 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_file_args(argv: list[str]) -> list[str]:
-    """`--config FILE` → the flags its [engine] section stands for, to be placed before `argv`."""
+def config_file_section(argv: list[str]) -> dict[str, Any]:
+    """The checked [engine] section of `--config FILE` ({} without one)."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     path = pre.parse_known_args(argv)[0].config
-    if not path:
-        return []
-    from opsctl.config import load_config  # one file format for the whole deployment
-
-    return load_config(path).engine_args()
+    return load_engine_section(path) if path else {}
 
 
 def parse_args(argv: list[str] | None) -> tuple[ServerConfig, EngineConfig]:
+    """Flags over the environment over the config file (whose keys are placed before the flags)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(config_file_args(argv) + argv)
+    section = config_file_section(argv)
+    args = build_parser().parse_args(engine_args(section) + argv)
     values = {k: getattr(args, k) for k in ServerConfig.__dataclass_fields__}
+    for key in SECRET_ENV:  # keys never become flags; a file's key applies unless a flag or the environment gave one
+        if values[key] is None and section.get(key):
+            values[key] = section[key]
     validate_section(ServerConfig, values, "flags", flag_style=True)
     return resolve_key_files(ServerConfig(**values)), EngineConfig.from_cli_args(args)
 

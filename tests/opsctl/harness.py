@@ -36,6 +36,8 @@ def write_config(path: Path, engine: dict[str, Any], supervisor: dict[str, Any])
     lines = ["[engine]"] + [f"{k} = {_toml_value(v)}" for k, v in engine.items()]
     lines += ["", "[supervisor]"] + [f"{k} = {_toml_value(v)}" for k, v in supervisor.items()]
     path.write_text("\n".join(lines) + "\n")
+    if engine.get("api_key") or engine.get("admin_key"):
+        path.chmod(0o600)  # a file that holds a key must be private (both the engine and opsctl check)
     return path
 
 

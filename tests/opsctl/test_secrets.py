@@ -78,3 +78,30 @@ def test_keys_from_files_that_only_their_owner_can_read(deploy, tmp_path):
     assert d.opsctl("drain", "--timeout", "2").returncode == 0  # the supervisor read the admin key file
     assert d.opsctl("resume").returncode == 0
     assert not [p for p in psutil.process_iter(["cmdline"]) if API_KEY in " ".join(p.info["cmdline"] or [])]
+
+
+def test_the_engine_reading_its_config_file_itself_takes_the_keys_in_it(tmp_path):
+    """`python -m engine.server --config F`, as the systemd unit runs it: a key in [engine] is a key (it was
+    once dropped silently, serving without one), and a file holding a key must be private."""
+    from tests.server.harness import start_server
+
+    cfg = tmp_path / "keys.toml"
+    cfg.write_text(f'[engine]\napi_key = "{API_KEY}"\nadmin_key = "{ADMIN_KEY}"\n[supervisor]\npoll_interval = 5\n')
+    cfg.chmod(0o644)
+    env = {"PAGEKEEPER_API_KEY": "", "PAGEKEEPER_ADMIN_KEY": ""}
+    refused = start_server(tmp_path, "--config", str(cfg), env=env, wait=False)
+    assert refused.proc.wait(60) == 2
+    errors = [ln for ln in refused.log().splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "chmod 600" in errors[0] and "api_key" in errors[0], refused.log()[-2000:]
+    cfg.chmod(0o600)
+    server = start_server(tmp_path, "--config", str(cfg), env=env)
+    try:
+        body = {"model": "pagekeeper-default", "prompt": "Now is", "max_tokens": 2}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 401
+        ok = httpx.post(server.url + "/v1/completions", json=body, timeout=60,
+                        headers={"Authorization": f"Bearer {API_KEY}"})
+        assert ok.status_code == 200
+        assert httpx.post(server.url + "/drain", params={"timeout": 0}, timeout=10).status_code == 401
+        assert API_KEY not in " ".join(server.cmd)
+    finally:
+        server.terminate()

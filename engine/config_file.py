@@ -1,0 +1,113 @@
+"""The `[engine]` section of the deployment's TOML file: read, checked and turned into server flags.
+
+One file describes a deployment (opsctl's `[supervisor]` sits beside `[engine]`), but the engine reads
+its own section itself (`python -m engine.server --config F`, as the systemd unit runs it), so the
+section's rules live here, in the engine, and the ops kit builds on them: the engine never imports
+the ops kit.  Keys are the flag names with dashes turned into underscores; every key has a type and a
+range (the dataclasses ServerConfig and EngineConfig, checked strictly by one pydantic schema), and
+each mistake is one line naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import stat
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from engine.config import ConfigError, EngineConfig
+from engine.schema import validate_section
+from engine.server.settings import INTERNAL_FIELDS, ServerConfig
+
+SECTIONS = ("engine", "supervisor")
+
+# Keys never put on a command line, and the environment variables the server reads them from.
+SECRET_ENV = {"api_key": "PAGEKEEPER_API_KEY", "admin_key": "PAGEKEEPER_ADMIN_KEY"}
+
+# Server flags of `python -m engine.server` that are not engine flags, with their defaults.
+SERVER_KEYS = {f.name: f.default for f in dataclasses.fields(ServerConfig) if f.name not in INTERNAL_FIELDS}
+
+
+def read_config_file(path: Path) -> dict[str, dict[str, Any]]:
+    """The file's sections (keys with dashes as underscores); a malformed file is one ConfigError line."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: {e.strerror}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    unknown = set(raw) - set(SECTIONS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown section(s) {sorted(unknown)}; use [engine] and [supervisor]")
+    sections: dict[str, dict[str, Any]] = {}
+    for name in SECTIONS:
+        values = raw.get(name, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: [{name}] must be a table of keys")
+        sections[name] = {k.replace("-", "_"): v for k, v in values.items()}
+    if any(sections["engine"].get(key) for key in SECRET_ENV):
+        _check_private(path)
+    return sections
+
+
+def _check_private(path: Path) -> None:
+    """A file that holds a key is as secret as a key file: readable by its owner only."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o077:
+        raise ConfigError(f"{path} holds [engine] api_key/admin_key but has mode {mode:04o}: others can read the key; "
+                          f"`chmod 600 {path}`, or move the key to api_key_file / PAGEKEEPER_API_KEY")
+
+
+def validate_engine_section(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """The section's values, checked (server keys and engine keys, and the engine's own combinations)."""
+    server_part = {k: v for k, v in values.items() if k in SERVER_KEYS}
+    engine_part = {k: v for k, v in values.items() if k not in SERVER_KEYS}
+    unknown = sorted(set(engine_part) - EngineConfig.field_names())
+    if unknown:
+        known = ", ".join(sorted(EngineConfig.field_names() | set(SERVER_KEYS)))
+        raise ConfigError(f"{source}: unknown key [engine] {unknown[0]!r}; known keys: {known}")
+    server_part = validate_section(ServerConfig, server_part, f"{source}: [engine]", exclude=INTERNAL_FIELDS)
+    engine_part = validate_section(EngineConfig, engine_part, f"{source}: [engine]")
+    try:
+        EngineConfig.from_kwargs(**engine_part)  # the engine's own ranges and combinations
+    except ConfigError as e:  # its messages name flags; in a file the keys are what a person edits
+        keys = re.sub(r"--([a-z0-9-]+)", lambda m: m.group(1).replace("-", "_"), str(e))
+        raise ConfigError(f"{source}: [engine] {keys}") from None
+    return {**server_part, **engine_part}
+
+
+def engine_args(values: dict[str, Any]) -> list[str]:
+    """The section as `python -m engine.server` flags (booleans as --x / --no-x), secrets excluded:
+    any local user can read a command line (`ps`), so keys travel in the environment (`engine_env`)."""
+    args: list[str] = []
+    for key, value in values.items():
+        if value is None or key in SECRET_ENV:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            if key in SERVER_KEYS:  # server booleans are store_true flags
+                if value:
+                    args.append(flag)
+            else:
+                args.append(flag if value else "--no-" + key.replace("_", "-"))
+        else:
+            args.extend([flag, str(value)])
+    return args
+
+
+def engine_env(values: dict[str, Any]) -> dict[str, str]:
+    """The section's keys as the environment variables the server reads."""
+    return {env: str(values[key]) for key, env in SECRET_ENV.items() if values.get(key)}
+
+
+def load_engine_section(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What `python -m engine.server --config F` takes from F: its checked [engine] section."""
+    candidate = Path(path)
+    if not candidate.exists():
+        raise ConfigError(f"--config {candidate}: no such file")
+    return validate_engine_section(read_config_file(candidate)["engine"], str(candidate.resolve()))
