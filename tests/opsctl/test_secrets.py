@@ -102,6 +102,6 @@ def test_the_engine_reading_its_config_file_itself_takes_the_keys_in_it(tmp_path
                         headers={"Authorization": f"Bearer {API_KEY}"})
         assert ok.status_code == 200
         assert httpx.post(server.url + "/drain", params={"timeout": 0}, timeout=10).status_code == 401
-        assert API_KEY not in " ".join(server.cmd)
+        assert API_KEY not in " ".join(server.args)
     finally:
         server.terminate()
