@@ -39,7 +39,7 @@ import click
 from engine.config import ConfigError
 from opsctl import control
 from opsctl.config import PagekeeperConfig, load_config
-from opsctl.instances import INSTANCE_PATTERN, port_clash, running_instances
+from opsctl.instances import INSTANCE_PATTERN, pid_alive, port_clash, running_instances
 from opsctl.launcher import recorded_engine, stop_unsupervised
 from opsctl.runtime import open_private, prepare_runtime_dir
 from opsctl.supervisor import (ENGINE_LOG_NAME, EXIT_ALREADY_RUNNING, PID_NAME, SUPERVISOR_LOG_NAME,
@@ -325,17 +325,9 @@ def stop(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
     pid = int(pid_file.read_text()) if pid_file.exists() else None
     _send(ctx, "stop", _drain_args(no_drain, drain_timeout), timeout=timeout + 60)
     deadline = time.monotonic() + 30
-    while pid and time.monotonic() < deadline and _pid_alive(pid):
+    while pid and time.monotonic() < deadline and pid_alive(pid):
         time.sleep(0.1)
     click.echo("stopped")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 @main.command()

@@ -76,7 +76,7 @@ def write_record(runtime: Path, record: InstanceRecord) -> None:
     write_private(runtime / INSTANCE_FILE_NAME, json.dumps(asdict(record)))
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
         return True
@@ -100,7 +100,7 @@ def running_instances(near: Path) -> list[InstanceRecord]:
             record = InstanceRecord(**raw)
         except (OSError, ValueError, TypeError):
             continue
-        if _alive(record.supervisor_pid):
+        if pid_alive(record.supervisor_pid):
             records.append(record)
     return records
 
