@@ -26,7 +26,6 @@ from engine.schema import validate_section
 from opsctl.instances import DEFAULT_INSTANCE, INSTANCE_PATTERN, config_path_for, engine_unit_for, runtime_dir_for
 from opsctl.policy import PolicyConfig
 
-DEFAULT_CONFIG_PATH = config_path_for(DEFAULT_INSTANCE)
 
 
 

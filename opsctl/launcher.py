@@ -426,9 +426,7 @@ class SystemdLauncher:
         """start/restart: a unit that fails to start is the engine failing (the policy sees it exited and
         the crash-loop guard counts it), never an exception that takes the supervisor down."""
         r = self._ctl(*args, check=False)
-        if r.returncode != 0:
-            detail = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[0]
-            self._last_exit = f"systemctl {' '.join(args)} failed: {detail}"
+        if r.returncode != 0:  # the next poll's alive() reads the unit's result into the exit summary
             log.warning("systemctl_failed", command=list(args), returncode=r.returncode, stderr=r.stderr.strip()[:500])
 
     def start(self) -> None:

@@ -25,11 +25,11 @@ MODEL = "pagekeeper-default"
 @dataclass
 class Instance(Deployment):
     name: str = "default"
-    xdg: Path = Path("/nonexistent")
+    runtime_root: Path = Path("/nonexistent")
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PAGEKEEPER_RUNTIME_DIR", "PAGEKEEPER_INSTANCE")}
-        return {**env, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "PAGEKEEPER_RUNTIME_ROOT": str(self.xdg),
+        return {**env, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "PAGEKEEPER_RUNTIME_ROOT": str(self.runtime_root),
                 **(extra or {})}
 
     def opsctl(self, *args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -39,15 +39,15 @@ class Instance(Deployment):
 
 @pytest.fixture
 def instances(tmp_path):
-    xdg = tmp_path / "xdg"
-    xdg.mkdir(mode=0o700)
+    runtime_root = tmp_path / "run"
+    runtime_root.mkdir(mode=0o700)
     made: list[Instance] = []
 
     def make(name: str, port: int | None = None, **supervisor) -> Instance:
         port = port or free_port()
         cfg = write_config(tmp_path / f"{name}.toml", {"port": port}, {**FAST_SUPERVISOR, **supervisor})
-        inst = Instance(tmp_path, cfg, xdg / ("pagekeeper" if name == "default" else f"pagekeeper@{name}"), port,
-                        name=name, xdg=xdg)
+        inst = Instance(tmp_path, cfg, runtime_root / ("pagekeeper" if name == "default" else f"pagekeeper@{name}"),
+                        port, name=name, runtime_root=runtime_root)
         made.append(inst)
         return inst
 
