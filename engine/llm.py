@@ -14,7 +14,7 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -51,7 +51,7 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 rid = str(next(self._ids))
-                engine.add_request(rid, prompt, params)
+                engine.add_request(rid, prompt, params, output_kind=RequestOutputKind.FINAL_ONLY)
                 order[rid] = i
             results: list[RequestOutput | None] = [None] * len(prompts)
             with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as bar:

@@ -81,6 +81,10 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     # the served name only: the checkpoint's path on the server's disk is nobody's business
     app.openapi = _openapi_with_model_names(app, [state.model_name])  # type: ignore[method-assign]
+    if state.enable_debug_hooks:
+        from engine.server import debug_hooks
+
+        debug_hooks.install(app, state)
     if state.log_requests:
         app.add_middleware(RequestLog)
     return app

@@ -64,30 +64,29 @@ def _sampling_params(body: p._SamplingFields, max_tokens: int | None, logprobs: 
         raise OpenAIError(400, str(e), param=e.param) from e
 
 
-def _hold_back(params: SamplingParams) -> int:
-    return max((len(s) for s in params.stop_strings), default=1) - 1
-
-
 @dataclass
 class _Admitted:
     request_id: str
     slot: Any
 
 
-def _admit(state: ServerState, request_id: str, prompts: list[_Prompt], params: SamplingParams) -> list[_Admitted]:
-    """Refuse now (400/429/503) or accept every prompt of the request; nothing is half-admitted."""
+def _admit(state: ServerState, request_id: str, prompts: list[_Prompt], params: SamplingParams,
+           stream: bool) -> list[_Admitted]:
+    """Refuse now (400/429/503) or accept every prompt of the request; nothing is half-admitted.
+    This is the one place a served request is validated."""
+    valid = []
     for i, prompt in enumerate(prompts):
         try:
-            state.engine.validate(prompt.ids, params)
+            valid.append(state.engine.validate(prompt.ids, params, prompt.text))
         except SamplingParamsError as e:
             param = e.param if len(prompts) == 1 or e.param != "prompt" else f"prompt[{i}]"
             state.metrics.request_failed("invalid")
             raise OpenAIError(400, str(e), param=param) from e
     admitted: list[_Admitted] = []
     try:
-        for i, prompt in enumerate(prompts):
+        for i, request in enumerate(valid):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            admitted.append(_Admitted(rid, state.admit(rid, prompt, params)))
+            admitted.append(_Admitted(rid, state.admit(rid, request, stream)))
     except BaseException:
         for a in admitted:
             state.async_engine.release(a.request_id, a.slot)
@@ -156,9 +155,13 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-def _usage(prompts: list[_Prompt], outputs: list[RequestOutput]) -> p.Usage:
+def _usage(prompts: list[_Prompt], finals: list[RequestOutput]) -> p.Usage:
+    """Token counts from the requests' final outputs (which hold the counts, also after deltas)."""
     prompt_tokens = sum(len(pr.ids) for pr in prompts)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = 0
+    for o in finals:
+        counts = o.metrics.output_token_counts if o.metrics is not None else []
+        completion += sum(counts) if counts else sum(len(c.token_ids) for c in o.outputs)
     return p.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
 
 
@@ -182,26 +185,18 @@ def _streaming(body: AsyncIterator[str]) -> StreamingResponse:
 
 
 class _Deltas:
-    """Per-choice bookkeeping for streams: how much text and how many tokens were already sent."""
+    """Which choices of a stream have already been sent their finish."""
 
-    def __init__(self, hold_back: int) -> None:
-        self.hold_back = hold_back
-        self.text_sent: dict[int, int] = {}
-        self.tokens_sent: dict[int, int] = {}
+    def __init__(self) -> None:
         self.finished: set[int] = set()
 
     def take(self, index: int, c: CompletionOutput) -> tuple[str, list[int], bool]:
-        """(new text, new token positions, just finished) for the choice at `index`."""
-        done = c.finish_reason is not None
-        start = self.text_sent.get(index, 0)
-        end = len(c.text) if done else max(start, len(c.text) - self.hold_back)
-        tok_start = self.tokens_sent.get(index, 0)
-        self.text_sent[index] = end
-        self.tokens_sent[index] = len(c.token_ids)
-        just_finished = done and index not in self.finished
+        """(new text, positions of the new tokens in `c`, just finished) for the choice at `index`;
+        `c` is a delta, so it holds only what is new."""
+        just_finished = c.finish_reason is not None and index not in self.finished
         if just_finished:
             self.finished.add(index)
-        return c.text[start:end], list(range(tok_start, len(c.token_ids))), just_finished
+        return c.text, list(range(len(c.token_ids))), just_finished
 
 
 # -- /v1/completions ----------------------------------------------------------------------------
@@ -247,7 +242,7 @@ async def completions(body: p.CompletionRequest, http: Request) -> Any:
     prompts = await state.off_loop(_completion_prompts, state, body.prompt)
     params = _sampling_params(body, body.max_tokens, body.logprobs)
     request_id = p.new_id("cmpl")
-    admitted = _admit(state, request_id, prompts, params)
+    admitted = _admit(state, request_id, prompts, params, bool(body.stream))
     created = p.now()
     n = params.n
 
@@ -255,7 +250,7 @@ async def completions(body: p.CompletionRequest, http: Request) -> Any:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events() -> AsyncIterator[str]:
-            deltas = _Deltas(_hold_back(params))
+            deltas = _Deltas()
             last: dict[int, RequestOutput] = {}
             if body.echo:
                 for i, pr in enumerate(prompts):
@@ -336,7 +331,7 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, logprobs)
     request_id = p.new_id("chatcmpl")
-    (admitted,) = _admit(state, request_id, [prompt], params)
+    (admitted,) = _admit(state, request_id, [prompt], params, bool(body.stream))
     created = p.now()
 
     if body.stream:
@@ -354,7 +349,7 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
             return _sse(data)
 
         async def events() -> AsyncIterator[str]:
-            deltas = _Deltas(_hold_back(params))
+            deltas = _Deltas()
             yield chunk([p.ChatChunkChoice(index=j, delta=p.DeltaMessage(role="assistant", content=""))
                          for j in range(params.n)])
             last = None

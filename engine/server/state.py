@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 from fastapi import Request
 
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, ValidRequest
 from engine.metrics import EngineMetrics
 from engine.server.async_engine import AsyncEngine, EngineDraining, EngineOverloaded
 from engine.server.errors import OpenAIError
@@ -39,7 +39,6 @@ class ServerState:
     enable_debug_hooks: bool = False
     log_requests: bool = True
     retry_after_seconds: int = 1
-    debug_metrics_mode: tuple[str, float] = ("normal", 0.0)  # test hook, see admin.debug_metrics
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -50,7 +49,7 @@ class ServerState:
         # One thread tokenizes, off the event loop (health checks and streams go on meanwhile) and one call at
         # a time (a fast tokenizer's settings are not safe to change from two threads at once).
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-        self.vocab_size = int(self.engine.core.model_info.hf_config.vocab_size)
+        self.vocab_size = self.engine.limits.vocab_size
         self.model_names = {self.model_name, self.model_root}
         self.decode_token = lru_cache(maxsize=65536)(self._decode_one)
 
@@ -88,11 +87,11 @@ class ServerState:
             raise OpenAIError(400, f"the chat template refused these messages: {e}", param="messages") from e
         return self.encode(text, add_special_tokens=False)
 
-    def admit(self, request_id: str, prompt: Any, params: Any) -> Any:
+    def admit(self, request_id: str, request: ValidRequest, stream: bool) -> Any:
         """Admit into the engine, turning a refusal into 503 (draining) or 429 (queue full)."""
         retry = {"Retry-After": str(self.retry_after_seconds)}
         try:
-            return self.async_engine.admit(request_id, prompt.ids, params, prompt.text)
+            return self.async_engine.admit(request_id, request, stream)
         except EngineDraining as e:
             self.metrics.request_failed("rejected")
             raise OpenAIError(503, str(e), code="draining", headers=retry) from e

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.runner.startup import dummy_step
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, EngineConfig
 from engine.memory.budget import MIN_FRAGMENTATION_BUFFER, DeviceBaseline, Profile, plan_kv_cache
@@ -69,6 +70,7 @@ def test_dummy_weights_need_no_checkpoint_and_the_profiling_step_runs():
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0,
                                                                        ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
-    llm.llm_engine.core._dummy_step()  # 300 tokens as 128 + 128 + 44 on a throwaway cache
+    core = llm.llm_engine.core
+    dummy_step(core.config, core.model_info, core.model, core.device)  # 300 tokens as 128 + 128 + 44, throwaway cache
     kv = llm.llm_engine.core.kv
     assert kv.num_free_blocks == kv.num_blocks

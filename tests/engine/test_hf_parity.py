@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
 from tests.checkpoints import ARCHS
 
 MAX_TOKENS = 24
@@ -105,19 +105,21 @@ def _engine_logits(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
     """Logits for every position of `ids`, computed chunk by chunk through the paged KV path."""
     engine = llm.llm_engine
     core = engine.core
-    parent = engine.add_request("logits-probe", {"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
-    seq = parent.seqs[0]
+    (sid,) = engine.add_request("logits-probe", {"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
     rows = []
     try:
         for start in range(0, len(ids), chunk):
             n = min(chunk, len(ids) - start)
-            assert core.kv.allocate_slots(seq.seq_id, start + n)
-            plan = SchedulerOutput([ScheduledSeq(seq, start, n)])
-            inputs = core.runner.prepare(plan, [core.kv.block_table(seq.seq_id)])
+            assert core.kv.allocate_slots(sid, start + n)
+            plan = StepPlan([SeqStep(sid, start, n, ids[start : start + n], table_blocks=list(core.kv.block_table(sid)))],
+                            new_seqs=[NewSeq(sid, SamplingSpec())] if start == 0 else [])
+            core.runner.update_state(plan)
+            inputs = core.runner.prepare(plan)
             with torch.inference_mode():
                 rows.append(core.model.compute_logits(core.runner.forward_hidden(inputs)).float())
     finally:
         engine.abort_request("logits-probe")
+        core.runner.update_state(StepPlan(finished=[sid]))
     return torch.cat(rows)
 
 

@@ -126,7 +126,7 @@ def test_the_next_step_is_queued_before_the_tokens_of_this_one_are_read():
         engine.step()
         in_flight = core._in_flight
         assert in_flight is not None
-        for req in in_flight.sampled:  # each holds exactly one unread token, counted in num_tokens
+        for req in map(core.scheduler.requests.get, in_flight.plan.sampled_ids()):  # each holds exactly one unread token, counted in num_tokens
             assert req.num_pending == 1
             assert req.num_tokens == req.num_known_tokens + 1
             assert req.num_computed_tokens == req.num_tokens - 1
