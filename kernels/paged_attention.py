@@ -29,14 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-# Host-side integer helpers (triton.cdiv / next_power_of_2 go through JIT-function dispatch: slow per call).
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+from kernels.cache_ops import _cdiv, _next_pow2
 
 LOG2E = 1.4426950408889634
 
