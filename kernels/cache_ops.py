@@ -82,7 +82,7 @@ def _copy_blocks_kernel(
 
 def _inner_contiguous(t: torch.Tensor) -> bool:
     """The (heads, block_size, head_dim) part of each block is one contiguous run of elements."""
-    _, _, h, bs, d = t.shape
+    _, _, _, bs, d = t.shape
     return t.stride(4) == 1 and t.stride(3) == d and t.stride(2) == bs * d
 
 

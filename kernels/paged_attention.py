@@ -29,14 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-# Host-side integer helpers (triton.cdiv / next_power_of_2 go through JIT-function dispatch: slow per call).
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+from kernels.cache_ops import _cdiv, _next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -55,6 +48,34 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _online_softmax_step(m_i, l_i, acc, s, v,
+                         M_FLOOR: tl.constexpr, PV_DOT: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """One step of the streaming (online) softmax: fold a tile of scores into the running state.
+
+    ``s`` ``[R, N]`` are scores in log2 units (masked entries -inf), ``v`` ``[N, D]`` their values;
+    the state is the running max ``m_i`` ``[R]``, the running sum of exponentials ``l_i`` ``[R]`` and
+    the unnormalised output ``acc`` ``[R, D]`` (float32).  Returns the new ``(m_i, l_i, acc)``.
+
+    M_FLOOR: clamp the max to -1e30, so that a row that has seen only masked scores keeps a finite
+    max and never forms NaN (-inf - -inf).  PV_DOT: ``p @ v`` as a tensor-core dot; otherwise
+    ``N == 1`` and ``p * v`` broadcasts (the split combine, where the "values" are partial outputs).
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if M_FLOOR:
+        m_new = tl.maximum(m_new, -1.0e30)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if PV_DOT:
+        pv = _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+    else:
+        pv = p * v
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
 
 
 # Arguments that vary with the batch's lengths are never specialised (Triton would otherwise compile
@@ -117,12 +138,8 @@ def _decode_kernel(
 
             s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
             s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, M_FLOOR=False, PV_DOT=True,
+                                                 DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST)
 
         o = acc / l_i[:, None]
         if SPLIT:
@@ -151,21 +168,19 @@ def _decode_reduce_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     base = seq.to(tl.int64) * stride_pb + head * stride_ph
 
+    # The online softmax over the splits, one "key" per step: its score is the split's log2-sum-exp,
+    # its value the split's normalised output (state as one row: [1], [1], [1, HEAD_DIM_PAD]).
     m = tl.full([1], float("-inf"), dtype=tl.float32)
     total = tl.zeros([1], dtype=tl.float32)
-    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    acc = tl.zeros([1, HEAD_DIM_PAD], dtype=tl.float32)
     for s in range(0, num_splits):
         lse = tl.load(part_lse_ptr + base + s * stride_ps + tl.zeros([1], dtype=tl.int32))
         o = tl.load(part_o_ptr + (base + s * stride_ps) * HEAD_DIM_PAD + offs_d)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        total = total * alpha + w
-        acc = acc * alpha + w * o
-        m = m_new
-    out = acc / total
-    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+        m, total, acc = _online_softmax_step(m, total, acc, lse[:, None], o[None, :], M_FLOOR=False, PV_DOT=False,
+                                             DOT_PRECISION="ieee", DOT_UPCAST=False)
+    out = acc / total[:, None]
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=offs_d[None, :] < HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["stride_bt", "first_seq"])
@@ -224,12 +239,8 @@ def _prefill_kernel(
             k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
             v = tl.load(v_base + row[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
             s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, M_FLOOR=False, PV_DOT=True,
+                                                 DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST)
 
         # The diagonal band: causal mask and the end of the context.
         band_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
@@ -245,13 +256,9 @@ def _prefill_kernel(
             visible = (pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
             s = tl.where(visible, s, float("-inf"))
             # Every row sees key 0 of the band or an earlier key, except padding rows past q_len,
-            # which may see nothing: keep their max finite so no NaN is ever formed.
-            m_new = tl.maximum(tl.maximum(m_i, tl.max(s, 1)), -1.0e30)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-            m_i = m_new
+            # which may see nothing: M_FLOOR keeps their max finite so no NaN is ever formed.
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, M_FLOOR=True, PV_DOT=True,
+                                                 DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST)
 
         o = acc / l_i[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -330,15 +337,9 @@ def _check_cache(kv_cache: torch.Tensor, query: torch.Tensor) -> None:
         raise ValueError(f"query dtype {query.dtype} != kv_cache dtype {kv_cache.dtype}")
 
 
-# Tests set this to NaN so that a partial result nobody wrote would show.
-_SCRATCH_FILL: float | None = None
-
-
 def _scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    t = torch.empty(shape, dtype=torch.float32, device=device)
-    if _SCRATCH_FILL is not None:
-        t.fill_(_SCRATCH_FILL)
-    return t
+    """The split-K partials (float32, uninitialised: the decode kernel writes every entry the combine reads)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def paged_attention_decode(

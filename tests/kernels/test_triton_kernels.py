@@ -24,8 +24,19 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.fixture(autouse=True)
-def _poison_scratch(monkeypatch):
-    monkeypatch.setattr(pa, "_SCRATCH_FILL", float("nan"))
+def poisoned_scratch(monkeypatch):
+    """The split-K scratch the decode path allocates, filled with NaN so that a partial result the
+    kernel did not write would show in the output.  Yields the shapes allocated (the split tests check
+    that the poisoned allocation was really used)."""
+    shapes = []
+    allocate = pa._scratch
+
+    def poisoned(shape, device):
+        shapes.append(tuple(shape))
+        return allocate(shape, device).fill_(float("nan"))
+
+    monkeypatch.setattr(pa, "_scratch", poisoned)
+    return shapes
 
 
 def _poisoned(case):
@@ -48,15 +59,18 @@ DECODE_LENS = [1, 17, 40, 123, 300]  # 1 token, < block, not multiples of any bl
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode(block_size, num_heads, num_kv_heads, dtype):
+def test_decode(block_size, num_heads, num_kv_heads, dtype, poisoned_scratch):
     seed = hash((block_size, num_heads, num_kv_heads, str(dtype))) % 2**31
     case = make_case(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=32, block_size=block_size,
                      q_lens=[1] * len(DECODE_LENS), seq_lens=DECODE_LENS, dtype=dtype, device=DEVICE, seed=seed)
     for splits in (None, 1, 3):  # the heuristic, one program per sequence, split-K (flash decoding)
+        poisoned_scratch.clear()
         out = _poisoned(case)
         pa.paged_attention_decode(case.query, case.kv_cache, case.block_tables, case.seq_lens, case.scale,
                                   case.max_seq_len, out=out, num_splits=splits)
         _check(out, case, f"decode splits={splits}")
+        if splits == 3:  # the partials came from the NaN-poisoned scratch: [B, Hq, splits, D_pad] and [B, Hq, splits]
+            assert [shape[:3] for shape in poisoned_scratch] == [(len(DECODE_LENS), num_heads, 3)] * 2
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 96, 128])
