@@ -306,7 +306,7 @@ class Scheduler:
                 delta.first_scheduled_time = req.first_scheduled_time
                 req.first_token_time = time.monotonic() if now is None else now
             p = req.params
-            if token in p.stop_token_ids:
+            if p.stop_token_ids and token in p.stop_token_ids:
                 req.stop_reason = token
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
             elif not p.ignore_eos and token in self.eos_token_ids:

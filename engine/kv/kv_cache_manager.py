@@ -12,6 +12,8 @@ runner executes before the next forward, in the order swap-out, swap-in, copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass, field
 
 from engine.kv.block_pool import BlockKey, BlockPool
@@ -171,7 +173,7 @@ class KVCacheManager:
         ok = self.allocate_slots(seq_id, num_tokens)
         assert ok, "admit without can_admit"
 
-    def cache_full_blocks(self, seq_id: str, token_ids_of, num_computed: int) -> None:
+    def cache_full_blocks(self, seq_id: str, token_ids_of: Callable[[int, int], list[int]], num_computed: int) -> None:
         """Register blocks that became full and computed, so later requests can share them.
 
         `token_ids_of(start, end)` returns the sequence's tokens in [start, end).
