@@ -45,7 +45,7 @@ from opsctl.config import PagekeeperConfig, load_config
 from opsctl.instances import INSTANCE_FILE_NAME, InstanceRecord, port_clash, running_instances, write_record
 from opsctl.logrotate import rotate_if_large
 from opsctl.launcher import Launcher, ProcessLauncher, RestartFailed, SystemdLauncher, systemd_available
-from opsctl.policy import Action, Observation, PolicyState, decide
+from opsctl.policy import EFFECTS, Action, Observation, PolicyState, decide
 from opsctl.probes import EngineProbe, GpuProbe, GpuReading, ProcessProbe, gpu_probe
 from opsctl.runtime import open_private, prepare_runtime_dir, write_private
 
@@ -91,9 +91,7 @@ class _GpuCollector:
 
 
 # (action, reason) pairs the policy can decide (opsctl/policy.py).
-ACTIONS = (("restart", "engine_exited"), ("restart", "hang"), ("restart", "start_timeout"),
-           ("drain_restart", "high_cache"), ("drain_restart", "backlog"), ("drain_restart", "fragmentation"),
-           ("give_up", "crash_loop"), ("give_up", "permanent_failure"))
+ACTIONS = tuple((effect.kind, reason) for reason, effect in EFFECTS.items())
 LOST_REASONS = ("engine_exited", "killed", "no_drain")
 
 
@@ -290,16 +288,15 @@ class Supervisor:
             self._give_up(action)
             return
         decided_at = time.time()
-        drain = action.kind == "drain_restart" or action.reason == "hang"
         timeout = self.sup.drain_timeout
-        if action.reason == "hang" and not self._overlap():
-            timeout = min(timeout, 10.0)  # one GPU: a hung engine holds the memory its successor needs
-        self._restart(action.reason, counts_as_crash=action.reason in ("engine_exited", "hang", "start_timeout"),
-                      drain=drain, timeout=timeout, decided_at=decided_at)
+        if action.drain_cap_s is not None and not self._overlap():
+            timeout = min(timeout, action.drain_cap_s)  # one GPU: the old engine holds the memory its successor needs
+        self._restart(action.reason, counts_as_crash=action.counts_as_crash,
+                      drain=action.drains, timeout=timeout, decided_at=decided_at)
 
     def _give_up(self, action: Action) -> None:
         detail = self.launcher.exit_summary() or action.reason
-        permanent = action.reason == "permanent_failure"
+        permanent = action.permanent
         with self.lock:
             self.state = replace(self.state, gave_up=True)
             self.gave_up_reason = detail
