@@ -320,7 +320,7 @@ class Supervisor:
             log.warning("requests_lost", reason=reason, count=count)
 
     def _overlap(self) -> bool:
-        return bool(getattr(self.launcher, "overlap", False))
+        return self.launcher.overlap
 
     def _restart(self, reason: str, counts_as_crash: bool, drain: bool, timeout: float,
                  decided_at: float | None = None) -> None:
@@ -368,7 +368,7 @@ class Supervisor:
         return cmd.reply
 
     def _run_command(self, cmd: _Command) -> dict[str, Any]:
-        if cmd.args.get("drain_timeout") is not None and isinstance(self.launcher, SystemdLauncher):
+        if cmd.args.get("drain_timeout") is not None and not self.launcher.drain_timeout_per_command:
             return {"ok": False, "error": "under systemd the engine drains for its own [engine] drain_timeout "
                                           "(bounded by TimeoutStopSec=); --drain-timeout cannot change it per command"}
         timeout = float(cmd.args.get("drain_timeout") or self.sup.drain_timeout)
@@ -608,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         # queue.put from a signal handler could deadlock on the queue's lock: hand it to a thread.
         # Under systemd the engine is a unit of its own: restarting the supervisor must not take it
         # down (`opsctl stop` still stops both).  A child engine goes down with its supervisor.
-        keep = isinstance(launcher, SystemdLauncher)
+        keep = launcher.engine_outlives_supervisor
         log.info("supervisor_signal", signal=signal.Signals(signum).name, engine="left running" if keep else "stopped")
         stop = _Command("stop", {"drain": True, "engine": not keep})
         threading.Thread(target=supervisor.commands.put, args=(stop,)).start()
