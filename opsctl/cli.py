@@ -4,7 +4,8 @@
 supervisor left serving); it returns once the engine serves, or says in one line why it does not.
 Every other command talks to the running supervisor over its control socket.
 
-Exit codes, for automation (`opsctl status` is 0 only when the engine serves, like `systemctl is-active`):
+Exit codes, for automation (`opsctl status` is 0 only when the engine serves, like `systemctl is-active`;
+opsctl/state.py maps each engine state to its code):
 
 | code | status                                       | start                                   |
 |------|----------------------------------------------|-----------------------------------------|
@@ -42,22 +43,10 @@ from opsctl.config import PagekeeperConfig, load_config
 from opsctl.instances import INSTANCE_PATTERN, pid_alive, port_clash, running_instances
 from opsctl.launcher import recorded_engine, stop_unsupervised
 from opsctl.runtime import open_private, prepare_runtime_dir
+from opsctl.state import EXIT_DRAINING, EXIT_ERROR, EXIT_GAVE_UP, EXIT_NOT_RUNNING, EXIT_USAGE, EngineState
 from opsctl.supervisor import (ENGINE_LOG_NAME, EXIT_ALREADY_RUNNING, PID_NAME, SUPERVISOR_LOG_NAME,
                                instance_record, read_last_failure)
 
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_NOT_RUNNING = 3
-EXIT_TRANSITION = 4
-EXIT_DRAINING = 5
-EXIT_GAVE_UP = 6
-EXIT_UNSUPERVISED = 7
-EXIT_UNHEALTHY = 8
-
-STATE_EXIT = {"serving": 0, "starting": EXIT_TRANSITION, "restarting": EXIT_TRANSITION,
-              "stopping": EXIT_TRANSITION, "draining": EXIT_DRAINING, "gave_up": EXIT_GAVE_UP,
-              "failed": EXIT_GAVE_UP, "exited": EXIT_UNHEALTHY, "stalled": EXIT_UNHEALTHY,
-              "unresponsive": EXIT_UNHEALTHY}
 
 
 def _version() -> str:
@@ -400,23 +389,32 @@ def status(ctx: Ctx, as_json: bool) -> None:
     if st is None:
         orphan = recorded_engine(runtime)
         failure = read_last_failure(runtime)
+        state = EngineState.UNSUPERVISED if orphan is not None else EngineState.NOT_RUNNING
         if as_json:
             click.echo(json.dumps({"supervisor": None, "engine": {
-                "state": "unsupervised" if orphan else "not_running", "pid": orphan.pid if orphan else None},
+                "state": state.value, "pid": orphan.pid if orphan else None},
                 "last_failure": failure}))
         elif orphan is not None:
             click.echo(f"engine      serving without a supervisor (pid {orphan.pid}); "
                        f"`opsctl start` adopts it, `opsctl stop` stops it")
         else:
             click.echo("not running" + (f" (last failure: {one_line(failure['reason'])})" if failure else ""))
-        sys.exit(EXIT_UNSUPERVISED if orphan is not None else EXIT_NOT_RUNNING)
-    code = STATE_EXIT.get(st["engine"]["state"], EXIT_ERROR)
+        sys.exit(state.exit_code)
+    code = _exit_code(st["engine"]["state"])
     if as_json:
         click.echo(json.dumps(st, indent=2, default=str))
         sys.exit(code)
     for line in _status_lines(st):
         click.echo(line)
     sys.exit(code)
+
+
+def _exit_code(state: str) -> int:
+    """`opsctl status`'s exit code for a state a supervisor reported (one it does not know: an error)."""
+    try:
+        return EngineState(state).exit_code
+    except ValueError:
+        return EXIT_ERROR
 
 
 def _status_lines(st: dict[str, Any]) -> list[str]:

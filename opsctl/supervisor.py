@@ -48,6 +48,7 @@ from opsctl.launcher import Launcher, ProcessLauncher, RestartFailed, SystemdLau
 from opsctl.policy import EFFECTS, Action, Observation, PolicyState, decide
 from opsctl.probes import EngineProbe, GpuProbe, GpuReading, ProcessProbe, gpu_probe
 from opsctl.runtime import open_private, prepare_runtime_dir, write_private
+from opsctl.state import EngineState, StateTracker, derive
 
 log = structlog.get_logger("pagekeeper.supervisor")
 
@@ -156,7 +157,8 @@ class Supervisor:
         self.failed_permanently = False
         self.ever_served = False
         self.exit_code = 0
-        self.busy: str | None = None  # the action in progress, for status
+        self.busy: EngineState | None = None  # the action in progress, for status
+        self.tracker = StateTracker()
         self.commands: queue.Queue[_Command] = queue.Queue()
         self.stopping = False
         self.lock = threading.RLock()
@@ -234,6 +236,7 @@ class Supervisor:
                 "metrics": m, "metrics_error": obs.metrics_error,
                 "model": reading.model_name if reading else None, "process": asdict(proc),
             }
+            self._refresh_state(alive)
         self.metrics.polls.inc()
         self.metrics.engine_up.set(1 if obs.health in ("ok", "draining") else 0)
         self.metrics.scrape_ok.set(0 if obs.metrics_error else 1)
@@ -246,6 +249,7 @@ class Supervisor:
             with self.lock:
                 self.state = replace(self.state, ready_at=obs.t)
                 self.ever_served = True
+                self._refresh_state(obs.process_alive)
             log.info("engine_ready", seconds_since_start=round(obs.t - self.state.started_at, 2))
         action = decide(list(self.history), self.state, self.policy_cfg, time.monotonic())
         self._record(action)
@@ -301,6 +305,7 @@ class Supervisor:
             self.state = replace(self.state, gave_up=True)
             self.gave_up_reason = detail
             self.failed_permanently = permanent
+            self._refresh_state()
         self.metrics.gave_up.set(1)
         if permanent:
             log.error("engine_failed_permanently", last_exit=detail,
@@ -324,15 +329,13 @@ class Supervisor:
 
     def _restart(self, reason: str, counts_as_crash: bool, drain: bool, timeout: float,
                  decided_at: float | None = None) -> None:
-        with self.lock:
-            self.busy = "restarting"
+        self._set_busy(EngineState.RESTARTING)
         log.warning("engine_restart", reason=reason, drain=drain, timeout_s=timeout)
         try:
             retired = self.launcher.restart(drain=drain, timeout=timeout, ready_timeout=self.sup.ready_timeout)
         except RestartFailed as e:
             log.error("restart_failed", reason=reason, error=str(e))
-            with self.lock:
-                self.busy = None
+            self._set_busy(None)
             raise
         finally:
             self.launcher.forget_exit()
@@ -347,7 +350,7 @@ class Supervisor:
             self.engine_started_wall = time.time()
             self.restart_log.append({"time": time.time(), "decided_at": decided_at or time.time(), "reason": reason,
                                      "lost": retired.lost})
-            self.busy = None
+            self._set_busy(None)
         self.metrics.restarts.labels(reason).inc()
         self.metrics.last_restart.set(time.time())
 
@@ -373,20 +376,19 @@ class Supervisor:
                                           "(bounded by TimeoutStopSec=); --drain-timeout cannot change it per command"}
         timeout = float(cmd.args.get("drain_timeout") or self.sup.drain_timeout)
         if cmd.name == "drain":  # a load balancer's drain: the engine answers 503 until resumed
-            with self.lock:
-                self.busy = "draining"
+            self._set_busy(EngineState.DRAINING)
             try:
                 return {"ok": True, "drain": self.engine.drain(float(cmd.args.get("timeout") or timeout))}
             finally:
-                with self.lock:
-                    self.busy = None
+                self._set_busy(None)
         if cmd.name == "resume":
             return {"ok": True, "resume": self.engine.resume()}
         if cmd.name == "restart":
-            with self.lock:
+            with self.lock:  # one step from gave_up to restarting: status never sees the engine in between
                 self.state = replace(self.state, gave_up=False)
                 self.gave_up_reason = None
                 self.failed_permanently = False
+                self._set_busy(EngineState.RESTARTING)
             self.metrics.gave_up.set(0)
             try:
                 self._restart("manual", counts_as_crash=False, drain=bool(cmd.args.get("drain", True)),
@@ -395,8 +397,7 @@ class Supervisor:
                 return {"ok": False, "error": str(e)}
             return {"ok": True}
         if cmd.name == "stop":
-            with self.lock:
-                self.busy = "stopping"
+            self._set_busy(EngineState.STOPPING)
             if cmd.args.get("engine", True):
                 retired = self.launcher.stop(drain=bool(cmd.args.get("drain", True)), timeout=timeout)
                 self._count_lost(retired.reason, retired.lost)
@@ -404,22 +405,27 @@ class Supervisor:
             return {"ok": True}
         return {"ok": False, "error": f"unknown command {cmd.name!r}"}
 
+    def _set_busy(self, action: EngineState | None) -> None:
+        with self.lock:
+            self.busy = action
+            self._refresh_state()
+
+    def _refresh_state(self, alive: bool | None = None) -> EngineState:
+        """Derive the reported state from what changed (opsctl/state.py checks the transition)."""
+        with self.lock:
+            if alive is None:
+                alive = self.launcher.alive()
+            return self.tracker.update(derive(
+                gave_up=self.state.gave_up, permanent=self.failed_permanently, busy=self.busy, alive=alive,
+                ready=self.state.ready_at is not None, health=self.last_reading.get("health", "unknown")))
+
     def status(self) -> dict[str, Any]:
         with self.lock:
             reading = dict(self.last_reading)
             metrics = reading.get("metrics", {})
             alive = self.launcher.alive()
             health = reading.get("health", "unknown")
-            if self.state.gave_up:
-                state = "failed" if self.failed_permanently else "gave_up"
-            elif self.busy:
-                state = self.busy
-            elif not alive:
-                state = "exited"
-            elif self.state.ready_at is None:
-                state = "starting"
-            else:
-                state = {"ok": "serving", "draining": "draining", "stalled": "stalled"}.get(health, "unresponsive")
+            state = self._refresh_state(alive).value
 
             def count(key: str) -> int | None:
                 value = metrics.get(key)
