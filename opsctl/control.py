@@ -7,6 +7,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from opsctl.status import Status
 from opsctl.supervisor import SOCKET_NAME
 
 
@@ -41,7 +42,13 @@ def send(runtime_dir: Path, cmd: str, args: dict[str, Any] | None = None, timeou
 
 
 def status(runtime_dir: Path) -> dict[str, Any]:
+    """The status as the JSON `opsctl status --json` prints."""
     return send(runtime_dir, "status", timeout=10)["status"]
+
+
+def read_status(runtime_dir: Path) -> Status:
+    """The status, typed; ValueError when the reply is not one."""
+    return Status.from_json(status(runtime_dir))
 
 
 def is_running(runtime_dir: Path) -> bool:

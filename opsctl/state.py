@@ -13,7 +13,7 @@ other.  What is not allowed says what the supervisor does: after giving up it on
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 import structlog
 
@@ -31,7 +31,7 @@ EXIT_UNSUPERVISED = 7
 EXIT_UNHEALTHY = 8
 
 
-class EngineState(str, Enum):
+class EngineState(StrEnum):
     """The `engine.state` of `opsctl status` (the values are the strings it shows and its JSON holds)."""
 
     STARTING = "starting"  # (re)started, has not served yet

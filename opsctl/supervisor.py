@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -49,6 +49,8 @@ from opsctl.policy import EFFECTS, Action, Observation, PolicyState, decide
 from opsctl.probes import EngineProbe, GpuProbe, GpuReading, ProcessProbe, gpu_probe
 from opsctl.runtime import open_private, prepare_runtime_dir, write_private
 from opsctl.state import EngineState, StateTracker, derive
+from opsctl.status import (CrashLoopStatus, Decision, EngineStatus, GpuStatus, RestartRecord, RestartsStatus, Status,
+                           SupervisorStatus)
 
 log = structlog.get_logger("pagekeeper.supervisor")
 
@@ -149,8 +151,8 @@ class Supervisor:
         self.state = PolicyState(started_at=time.monotonic())
         self.started_wall = time.time()
         self.engine_started_wall = time.time()
-        self.restart_log: list[dict[str, Any]] = []
-        self.last_decision: dict[str, Any] | None = None
+        self.restart_log: list[RestartRecord] = []
+        self.last_decision: Decision | None = None
         self.last_gpu: list[GpuReading] = []
         self.last_reading: dict[str, Any] = {}
         self.gave_up_reason: str | None = None
@@ -234,7 +236,7 @@ class Supervisor:
             self.last_reading = {
                 "health": obs.health, "health_detail": reading.health_detail if reading else "",
                 "metrics": m, "metrics_error": obs.metrics_error,
-                "model": reading.model_name if reading else None, "process": asdict(proc),
+                "model": reading.model_name if reading else None, "process": proc,
             }
             self._refresh_state(alive)
         self.metrics.polls.inc()
@@ -274,15 +276,14 @@ class Supervisor:
 
     def _record(self, action: Action) -> None:
         previous = self.last_decision
-        entry = {"action": action.kind, "reason": action.reason, "evidence": action.evidence,
-                 "time": time.time(), "dry_run": self.sup.dry_run}
+        entry = Decision(action.kind, action.reason, action.evidence, time.time(), self.sup.dry_run)
         with self.lock:
             self.last_decision = entry
         if action.acts:
             self.metrics.decisions.labels(action.kind, action.reason).inc()
             log.warning("decision", action=action.kind, reason=action.reason, evidence=action.evidence,
                         dry_run=self.sup.dry_run)
-        elif previous is None or previous["reason"] != action.reason:
+        elif previous is None or previous.reason != action.reason:
             log.info("decision", action=action.kind, reason=action.reason, evidence=action.evidence)
 
     # -- actions ----------------------------------------------------------------------------------
@@ -348,8 +349,7 @@ class Supervisor:
             self.state = PolicyState(started_at=now, ready_at=ready_at, restarts=restarts)
             self.history.clear()
             self.engine_started_wall = time.time()
-            self.restart_log.append({"time": time.time(), "decided_at": decided_at or time.time(), "reason": reason,
-                                     "lost": retired.lost})
+            self.restart_log.append(RestartRecord(time.time(), decided_at or time.time(), reason, retired.lost))
             self._set_busy(None)
         self.metrics.restarts.labels(reason).inc()
         self.metrics.last_restart.set(time.time())
@@ -363,7 +363,7 @@ class Supervisor:
 
     def submit(self, name: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
         if name == "status":
-            return {"ok": True, "status": self.status()}
+            return {"ok": True, "status": self.status().to_json()}
         cmd = _Command(name, args)
         self.commands.put(cmd)
         if not cmd.done.wait(timeout):
@@ -419,47 +419,47 @@ class Supervisor:
                 gave_up=self.state.gave_up, permanent=self.failed_permanently, busy=self.busy, alive=alive,
                 ready=self.state.ready_at is not None, health=self.last_reading.get("health", "unknown")))
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> Status:
         with self.lock:
             reading = dict(self.last_reading)
             metrics = reading.get("metrics", {})
             alive = self.launcher.alive()
             health = reading.get("health", "unknown")
-            state = self._refresh_state(alive).value
+            state = self._refresh_state(alive)
 
             def count(key: str) -> int | None:
                 value = metrics.get(key)
                 return int(value) if value is not None else None
 
-            return {
-                "engine": {
-                    "state": state, "health": health, "health_detail": reading.get("health_detail"),
-                    "pid": self.launcher.pid() if alive else None,
-                    "uptime_s": round(time.time() - self.engine_started_wall, 1) if alive else None,
-                    "url": self.cfg.engine_url, "model": reading.get("model"),
-                    "kv_cache_usage": metrics.get("cache_usage"), "running": count("running"),
-                    "waiting": count("waiting"), "oldest_waiting_s": metrics.get("oldest_waiting_s"),
-                    "steps_total": count("steps_total"),
-                    "metrics_error": reading.get("metrics_error"), "process": reading.get("process"),
-                    "last_exit": self.launcher.exit_summary(),
-                },
-                "gpu": {"available": self.gpu.available, "detail": self.gpu.reason,
-                        "devices": [asdict(g) for g in self.last_gpu]},
-                "last_decision": self.last_decision,
-                "restarts": {"total": len(self.restart_log), "recent": self.restart_log[-10:],
-                             "counted_for_crash_loop": len(self.state.restarts)},
-                "crash_loop": {"gave_up": self.state.gave_up, "reason": self.gave_up_reason,
-                               "permanent": self.failed_permanently,
-                               "max_restarts": self.sup.max_restarts, "restart_window_s": self.sup.restart_window},
-                "supervisor": {"pid": os.getpid(), "launcher": self.launcher.name, "dry_run": self.sup.dry_run,
-                               "uptime_s": round(time.time() - self.started_wall, 1),
-                               "metrics_url": f"http://{self.sup.metrics_host}:{self.metrics_port}/metrics",
-                               "config": self.cfg.source, "instance": self.sup.instance,
-                               "runtime_dir": str(self.sup.runtime_path()), "poll_interval_s": self.sup.poll_interval,
-                               "handover": "overlap" if self._overlap() else "sequential"},
-                "engine_log": str(self.launcher.log_path()) if self.launcher.log_path() else None,
-            }
-
+            log_path = self.launcher.log_path()
+            return Status(
+                engine=EngineStatus(
+                    state=state, health=health, health_detail=reading.get("health_detail"),
+                    pid=self.launcher.pid() if alive else None,
+                    uptime_s=round(time.time() - self.engine_started_wall, 1) if alive else None,
+                    url=self.cfg.engine_url, model=reading.get("model"),
+                    kv_cache_usage=metrics.get("cache_usage"), running=count("running"),
+                    waiting=count("waiting"), oldest_waiting_s=metrics.get("oldest_waiting_s"),
+                    steps_total=count("steps_total"),
+                    metrics_error=reading.get("metrics_error"), process=reading.get("process"),
+                    last_exit=self.launcher.exit_summary(),
+                ),
+                gpu=GpuStatus(self.gpu.available, self.gpu.reason, list(self.last_gpu)),
+                last_decision=self.last_decision,
+                restarts=RestartsStatus(total=len(self.restart_log), recent=self.restart_log[-10:],
+                                        counted_for_crash_loop=len(self.state.restarts)),
+                crash_loop=CrashLoopStatus(gave_up=self.state.gave_up, reason=self.gave_up_reason,
+                                           permanent=self.failed_permanently, max_restarts=self.sup.max_restarts,
+                                           restart_window_s=self.sup.restart_window),
+                supervisor=SupervisorStatus(
+                    pid=os.getpid(), launcher=self.launcher.name, dry_run=self.sup.dry_run,
+                    uptime_s=round(time.time() - self.started_wall, 1),
+                    metrics_url=f"http://{self.sup.metrics_host}:{self.metrics_port}/metrics",
+                    config=self.cfg.source, instance=self.sup.instance,
+                    runtime_dir=str(self.sup.runtime_path()), poll_interval_s=self.sup.poll_interval,
+                    handover="overlap" if self._overlap() else "sequential"),
+                engine_log=str(log_path) if log_path else None,
+            )
 
 def write_last_failure(runtime: Path, detail: str) -> None:
     write_private(runtime / LAST_FAILURE_NAME, json.dumps({"time": time.time(), "reason": detail}))
