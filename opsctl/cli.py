@@ -40,13 +40,12 @@ import click
 from engine.config import ConfigError
 from opsctl import control
 from opsctl.config import PagekeeperConfig, load_config
-from opsctl.instances import INSTANCE_PATTERN, pid_alive, port_clash, running_instances
+from opsctl.constants import COMMAND_TIMEOUT_S, ENGINE_LOG_NAME, EXIT_ALREADY_RUNNING, PID_NAME, SUPERVISOR_LOG_NAME
+from opsctl.instances import INSTANCE_PATTERN, instance_record, pid_alive, port_clash, running_instances
 from opsctl.launcher import recorded_engine, stop_unsupervised
-from opsctl.runtime import open_private, prepare_runtime_dir
+from opsctl.runtime import open_private, prepare_runtime_dir, read_last_failure
 from opsctl.state import EXIT_DRAINING, EXIT_ERROR, EXIT_GAVE_UP, EXIT_NOT_RUNNING, EXIT_USAGE, EngineState
 from opsctl.status import Status
-from opsctl.supervisor import (ENGINE_LOG_NAME, EXIT_ALREADY_RUNNING, PID_NAME, SUPERVISOR_LOG_NAME,
-                               instance_record, read_last_failure)
 
 
 
@@ -86,7 +85,7 @@ def _fail(message: str, code: int = EXIT_ERROR) -> None:
     sys.exit(code)
 
 
-def _send(ctx: Ctx, cmd: str, args: dict[str, Any] | None = None, timeout: float = 900.0) -> dict[str, Any]:
+def _send(ctx: Ctx, cmd: str, args: dict[str, Any] | None = None, timeout: float = COMMAND_TIMEOUT_S) -> dict[str, Any]:
     try:
         reply = control.send(ctx.runtime(), cmd, args, timeout)
     except control.SupervisorNotRunning as e:
@@ -472,7 +471,7 @@ def logs(ctx: Ctx, follow: bool, which: str | None, lines: int) -> None:
     runtime = cfg.supervisor.runtime_path()
     if which != "supervisor" and cfg.supervisor.launcher == "systemd":
         os.execvp("journalctl", ["journalctl", "-u", cfg.supervisor.engine_unit(), "-n", str(lines)] + (["-f"] if follow else []))
-    path = runtime / (SUPERVISOR_LOG_NAME if which == "supervisor" else "engine.log")
+    path = runtime / (SUPERVISOR_LOG_NAME if which == "supervisor" else ENGINE_LOG_NAME)
     if not path.exists():
         _fail(f"no log at {path} yet")
     with open(path, errors="replace") as f:

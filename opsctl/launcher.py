@@ -39,15 +39,13 @@ import structlog
 from engine.server import control
 from engine.server.handover import InflightFile
 from engine.server.sockets import bind
+from opsctl.constants import (ADOPT_TIMEOUT_S, ENGINE_CONTROL_TIMEOUT_S, ENGINE_STATE_NAME, EXIT_CONFIG_ERROR,
+                              STOP_NOW_GRACE_S)
 from opsctl.runtime import open_private, write_private
 
 log = structlog.get_logger("pagekeeper.supervisor")
 
 _LOG_TAIL_BYTES = 4096
-ENGINE_STATE_NAME = "engine.json"
-EXIT_CONFIG_ERROR = 2  # the engine's "a person must fix this" exit code: never retried
-_CONTROL_TIMEOUT_S = 3.0
-_STOP_NOW_GRACE_S = 5.0
 
 
 @dataclass
@@ -173,7 +171,7 @@ class EngineProcess:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def request(self, cmd: str, timeout: float = _CONTROL_TIMEOUT_S, **args: object) -> dict:
+    def request(self, cmd: str, timeout: float = ENGINE_CONTROL_TIMEOUT_S, **args: object) -> dict:
         return control.request(self.control_path, cmd, timeout, **args)
 
     def state(self) -> str | None:
@@ -253,7 +251,7 @@ class ProcessLauncher(Launcher):
             return None
         engine.signal_group(signal.SIGCONT)
         try:
-            sock = control.receive_listening_socket(engine.control_path, timeout=5.0)
+            sock = control.receive_listening_socket(engine.control_path, timeout=ADOPT_TIMEOUT_S)
         except (OSError, ValueError) as e:
             # Alive but not answering: it cannot be handed a successor, so it is stopped like a hung one.
             log.warning("adoption_failed", pid=engine.pid, error=str(e), action="stopping it")
@@ -323,11 +321,11 @@ class ProcessLauncher(Launcher):
         cmd = "drain_exit" if drain else "stop_now"
         aborted = 0
         try:
-            reply = engine.request(cmd, timeout=_CONTROL_TIMEOUT_S, timeout_s=timeout)
+            reply = engine.request(cmd, timeout=ENGINE_CONTROL_TIMEOUT_S, timeout_s=timeout)
             aborted = 0 if drain else int(reply.get("in_flight") or 0)
         except (OSError, ValueError):
             os.kill(engine.pid, signal.SIGTERM if drain else signal.SIGINT)
-        grace = timeout + 2.0 if drain else _STOP_NOW_GRACE_S
+        grace = timeout + 2.0 if drain else STOP_NOW_GRACE_S
         if engine.wait(grace):
             aborted = engine.aborted() or aborted  # the engine's own count includes late arrivals
             result = Retired(aborted, "no_drain" if aborted else "")
