@@ -14,10 +14,15 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from opsctl.constants import INSTANCE_FILE_NAME
+
+if TYPE_CHECKING:  # opsctl.config imports this module
+    from opsctl.config import PagekeeperConfig
 
 DEFAULT_INSTANCE = "default"
 INSTANCE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"
-INSTANCE_FILE_NAME = "instance.json"
 CONFIG_DIR = Path("/etc/pagekeeper")
 
 
@@ -68,6 +73,13 @@ class InstanceRecord:
     port: int
     metrics_host: str
     metrics_port: int
+
+
+def instance_record(cfg: PagekeeperConfig, runtime: Path, metrics_port: int, pid: int | None = None) -> InstanceRecord:
+    """What this instance claims (ports), as other instances' starts read it from `instance.json`."""
+    return InstanceRecord(instance=cfg.supervisor.instance, config=cfg.source, supervisor_pid=pid or os.getpid(),
+                          runtime_dir=str(runtime), host=cfg.host, port=cfg.port,
+                          metrics_host=cfg.supervisor.metrics_host, metrics_port=metrics_port)
 
 
 def write_record(runtime: Path, record: InstanceRecord) -> None:

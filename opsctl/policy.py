@@ -99,13 +99,52 @@ class Observation:
 
 @dataclass(frozen=True)
 class Action:
+    """One decision.  `reason` is the label (logs, metrics, status); what the supervisor does with the
+    action is in the other fields, so that it never has to match on reason strings."""
+
     kind: str  # none | restart | drain_restart | give_up
     reason: str
     evidence: dict[str, Any] = field(default_factory=dict)
+    drains: bool = False  # hand over: the old engine finishes its in-flight requests before it leaves
+    counts_as_crash: bool = False  # the restart counts towards the crash-loop guard (max_restarts)
+    permanent: bool = False  # give_up only: a person must fix something (exit code 2); never retried
+    drain_cap_s: float | None = None  # sequential handover only: bound the drain, the successor needs the GPU
 
     @property
     def acts(self) -> bool:
         return self.kind != "none"
+
+
+@dataclass(frozen=True)
+class Effect:
+    """What an acting rule's action does, besides its kind: one row per reason (see the table above)."""
+
+    kind: str
+    drains: bool = False
+    counts_as_crash: bool = False
+    permanent: bool = False
+    drain_cap_s: float | None = None
+
+
+# Every acting reason the policy can decide, and its effect.  A hung engine is drained (it may resume and
+# finish its work) but briefly when one engine runs at a time: it holds the memory its successor needs.
+EFFECTS: dict[str, Effect] = {
+    "engine_exited": Effect("restart", counts_as_crash=True),
+    "hang": Effect("restart", drains=True, counts_as_crash=True, drain_cap_s=10.0),
+    "start_timeout": Effect("restart", counts_as_crash=True),
+    "high_cache": Effect("drain_restart", drains=True),
+    "backlog": Effect("drain_restart", drains=True),
+    "fragmentation": Effect("drain_restart", drains=True),
+    "crash_loop": Effect("give_up"),
+    "permanent_failure": Effect("give_up", permanent=True),
+}
+
+
+def act(reason: str, evidence: dict[str, Any]) -> Action:
+    """The acting action for `reason`, with the effect EFFECTS gives it."""
+    e = EFFECTS[reason]
+    return Action(e.kind, reason, evidence, drains=e.drains, counts_as_crash=e.counts_as_crash,
+                  permanent=e.permanent, drain_cap_s=e.drain_cap_s)
 
 
 NOTHING = Action("none", "healthy")
@@ -130,13 +169,13 @@ def decide(history: Sequence[Observation], state: PolicyState, cfg: PolicyConfig
     last = history[-1]
 
     if not last.process_alive and last.exit_permanent:
-        return Action("give_up", "permanent_failure", {"health": last.health})
+        return act("permanent_failure", {"health": last.health})
     wanted = _wanted(history, state, cfg, now, last)
     if not wanted.acts:
         return wanted
     recent = [t for t in state.restarts if now - t <= cfg.restart_window]
     if len(recent) >= cfg.max_restarts:
-        return Action("give_up", "crash_loop", {
+        return act("crash_loop", {
             "restarts_in_window": len(recent), "restart_window_s": cfg.restart_window,
             "max_restarts": cfg.max_restarts, "wanted": wanted.reason, **wanted.evidence,
         })
@@ -146,11 +185,11 @@ def decide(history: Sequence[Observation], state: PolicyState, cfg: PolicyConfig
 def _wanted(history: Sequence[Observation], state: PolicyState, cfg: PolicyConfig, now: float,
             last: Observation) -> Action:
     if not last.process_alive:
-        return Action("restart", "engine_exited", {"health": last.health})
+        return act("engine_exited", {"health": last.health})
     if state.ready_at is None:
         waited = now - state.started_at
         if waited >= cfg.ready_timeout:
-            return Action("restart", "start_timeout", {"waited_s": round(waited, 1), "health": last.health})
+            return act("start_timeout", {"waited_s": round(waited, 1), "health": last.health})
         return Action("none", "starting", {"waited_s": round(waited, 1)})
     hang = _hang(history, cfg, now)
     if hang.acts:
@@ -189,7 +228,7 @@ def _hang(history: Sequence[Observation], cfg: PolicyConfig, now: float) -> Acti
         i = next(i for i, o in enumerate(history) if o.t == first_silent)
         since = history[i - 1].t if i > 0 else first_silent
         if now - since >= cfg.hang_seconds:
-            return Action("restart", "hang", {"health": last.health, "for_s": round(now - since, 1)})
+            return act("hang", {"health": last.health, "for_s": round(now - since, 1)})
 
     # Steps frozen while requests wait: the metrics say the loop does not advance.
     if last.steps_total is not None and (last.waiting or 0) + (last.running or 0) > 0:
@@ -198,8 +237,8 @@ def _hang(history: Sequence[Observation], cfg: PolicyConfig, now: float) -> Acti
         if span >= cfg.hang_seconds and all(o.steps_total == last.steps_total for o in frozen) and all(
             (o.waiting or 0) + (o.running or 0) > 0 for o in frozen
         ):
-            return Action("restart", "hang", {"steps_total": last.steps_total, "waiting": last.waiting,
-                                              "running": last.running, "for_s": round(span, 1)})
+            return act("hang", {"steps_total": last.steps_total, "waiting": last.waiting,
+                                "running": last.running, "for_s": round(span, 1)})
     return NOTHING
 
 
@@ -254,7 +293,7 @@ def _events(history: Sequence[Observation], cfg: PolicyConfig, now: float) -> Ac
         return NOTHING
     reason = "high_cache" if pressure >= cfg.events_to_act else "backlog"
     last = history[-1]
-    return Action("drain_restart", reason, {
+    return act(reason, {
         "pressure_events": pressure, "backlog_events": backlog, "growing_queue": growing,
         "window_s": cfg.event_window, "peak_cache_usage": peak_usage, "oldest_waiting_s": round(peak_age, 1),
         "preemptions_in_window": preempted, "waiting": last.waiting, "running": last.running,
@@ -272,6 +311,6 @@ def _fragmentation(history: Sequence[Observation], cfg: PolicyConfig, now: float
     load = (last.running or 0) + (last.waiting or 0)
     if load > cfg.low_traffic_requests:
         return Action("none", "fragmentation_waiting_for_low_traffic", {"load": load})
-    return Action("drain_restart", "fragmentation", {
+    return act("fragmentation", {
         "allocator_efficiency": last.allocator_efficiency, "for_s": round(now - since, 1), "load": load,
     })

@@ -8,12 +8,15 @@ to this user and be writable by nobody else; files are opened without following 
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from engine.config import ConfigError
+from opsctl.constants import LAST_FAILURE_NAME
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -57,3 +60,15 @@ def write_private(path: Path, text: str) -> None:
     with open_private(tmp, "wb") as f:
         f.write(text.encode())
     tmp.replace(path)
+
+
+def write_last_failure(runtime: Path, detail: str) -> None:
+    """Why the supervisor exited before the engine served, for `opsctl start` and `opsctl status` to say."""
+    write_private(runtime / LAST_FAILURE_NAME, json.dumps({"time": time.time(), "reason": detail}))
+
+
+def read_last_failure(runtime: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((runtime / LAST_FAILURE_NAME).read_text())
+    except (OSError, ValueError):
+        return None

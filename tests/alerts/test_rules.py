@@ -135,7 +135,7 @@ def _exported_metric_names() -> set[str]:
 
     from engine.metrics import EngineMetrics
     from opsctl.probes import GpuReading
-    from opsctl.supervisor import SupervisorMetrics
+    from opsctl.exporter import SupervisorMetrics
 
     engine = EngineMetrics("m", {"enable_prefix_caching": "True", "block_size": "16"}, 0).render().decode()
     fake = SimpleNamespace(last_gpu=[GpuReading(0, "GPU", 1, 2, 0.5, 40.0, 0)])

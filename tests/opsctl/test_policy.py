@@ -198,3 +198,17 @@ def test_fragmentation_waits_for_the_window_and_for_low_traffic():
     assert a.kind == "drain_restart" and a.reason == "fragmentation" and a.evidence["for_s"] == 700
     recovered = trace[:-1] + [obs(760, allocator_efficiency=0.8, running=0)]
     assert not decide(recovered, READY, CFG, 760).acts
+
+
+def test_actions_carry_what_the_supervisor_does_with_them():
+    """The supervisor reads drains / counts_as_crash / permanent, never the reason string."""
+    hang = decide([obs(100, health="stalled"), obs(140, health="stalled")], READY, CFG, 140)
+    assert hang.reason == "hang" and hang.drains and hang.counts_as_crash and hang.drain_cap_s == 10.0
+    dead = decide([obs(100, process_alive=False)], READY, CFG, 100)
+    assert dead.reason == "engine_exited" and dead.counts_as_crash and not dead.drains
+    failed = decide([obs(100, process_alive=False, exit_permanent=True)], READY, CFG, 100)
+    assert failed.kind == "give_up" and failed.permanent
+    hot = dict(cache_usage=0.99, waiting=3, running=1, oldest_waiting_s=40)
+    pressure = decide([obs(100 + 10 * i, **hot) for i in range(3)], READY, CFG, 120)
+    assert pressure.kind == "drain_restart" and pressure.drains and not pressure.counts_as_crash
+    assert not pressure.permanent and pressure.drain_cap_s is None
