@@ -44,8 +44,15 @@ def make_checkpoint(root: Path, max_len: int) -> Path:
 
     vocab = json.loads((DEFAULT_MODEL / "config.json").read_text())["vocab_size"]
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_len)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_len,
+    )
     path = root / "tiny-llama"
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -54,8 +61,15 @@ def make_checkpoint(root: Path, max_len: int) -> Path:
 
 
 def stream_once(url: str, model: str, max_tokens: int) -> dict[str, Any]:
-    payload = {"model": model, "prompt": PROMPT_IDS, "max_tokens": max_tokens, "temperature": 0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    payload = {
+        "model": model,
+        "prompt": PROMPT_IDS,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     times: list[float] = []
     tokens = 0
     with httpx.stream("POST", url + "/v1/completions", json=payload, timeout=600, trust_env=False) as r:
@@ -86,8 +100,11 @@ def engine_once(llm: Any, max_tokens: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.stream_cost", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.stream_cost",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 4096])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
@@ -96,22 +113,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="stream-cost-") as tmp:
         ckpt = make_checkpoint(Path(tmp), max_len)
-        server_args = ["--model", str(ckpt), "--max-model-len", str(max_len), "--served-model-name", "tiny",
-                       "--disable-log-requests"]
+        server_args = [
+            "--model",
+            str(ckpt),
+            "--max-model-len",
+            str(max_len),
+            "--served-model-name",
+            "tiny",
+            "--disable-log-requests",
+        ]
         with started_server(server_args, timeout=180, log_path=None) as server:
             for n in args.lengths:
                 stream_once(server.url, "tiny", min(n, 32))  # warm
                 runs = [stream_once(server.url, "tiny", n)["ms_per_token"] for _ in range(args.repeats)]
-                rows[n] = {"stream_ms_per_token": round(statistics.median(runs), 4),
-                           "stream_runs_ms_per_token": [round(r, 4) for r in runs]}
+                rows[n] = {
+                    "stream_ms_per_token": round(statistics.median(runs), 4),
+                    "stream_runs_ms_per_token": [round(r, 4) for r in runs],
+                }
         from engine.llm import LLM
 
         llm = LLM(str(ckpt), max_model_len=max_len)
         for n in args.lengths:
             runs = [engine_once(llm, n) for _ in range(args.repeats)]
             rows[n]["engine_ms_per_token"] = round(statistics.median(runs), 4)
-            rows[n]["server_overhead_ms_per_token"] = round(rows[n]["stream_ms_per_token"]
-                                                            - rows[n]["engine_ms_per_token"], 4)
+            rows[n]["server_overhead_ms_per_token"] = round(
+                rows[n]["stream_ms_per_token"] - rows[n]["engine_ms_per_token"], 4
+            )
     lo, hi = min(args.lengths), max(args.lengths)
     result = {
         "what": "one streamed completion's per-token cost, python -m benchmarks.stream_cost",

@@ -32,9 +32,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched by the scheduler; outputs in prompt order."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (text, dict, or a list of token ids)
         prompts = list(prompts)
         if sampling_params is None:

@@ -56,8 +56,12 @@ class LLMEngine:
         self.tokenizer = self.core.tokenizer
         self.outputs = OutputProcessor(self.tokenizer)
         assert config.max_model_len is not None
-        self.limits = Limits(int(self.core.model_info.hf_config.vocab_size), config.max_model_len,
-                             config.block_size, self.core.kv.num_blocks)
+        self.limits = Limits(
+            int(self.core.model_info.hf_config.vocab_size),
+            config.max_model_len,
+            config.block_size,
+            self.core.kv.num_blocks,
+        )
         self._seq_ids: dict[str, list[str]] = {}  # request id -> its sequences' ids
         self._arrival = itertools.count()
 
@@ -76,8 +80,14 @@ class LLMEngine:
             raise RequestRejected("prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'")
         return None, [int(t) for t in prompt]
 
-    def add_request(self, request_id: str, prompt: PromptType | ValidRequest, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, output_kind: RequestOutputKind | None = None) -> list[str]:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType | ValidRequest,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        output_kind: RequestOutputKind | None = None,
+    ) -> list[str]:
         """Queue a request (validated here unless it is a `ValidRequest` already); its sequence ids."""
         if request_id in self.outputs:
             raise RequestRejected("request_id", f"request id {request_id!r} is already in flight")
@@ -95,8 +105,9 @@ class LLMEngine:
         leader.forks = list(siblings)
         for seq in siblings:
             seq.held_by = leader
-        self.outputs.add(request_id, valid.prompt, valid.prompt_token_ids, params,
-                         output_kind or params.output_kind, arrival)
+        self.outputs.add(
+            request_id, valid.prompt, valid.prompt_token_ids, params, output_kind or params.output_kind, arrival
+        )
         self.core.add(leader)
         self._seq_ids[request_id] = [s.seq_id for s in seqs]
         return self._seq_ids[request_id]
@@ -144,8 +155,9 @@ class LLMEngine:
             params=p,
             max_tokens=valid.max_tokens,
             arrival_order=next(self._arrival),
-            sampling=SamplingSpec(p.temperature, p.top_p, p.top_k, p.logprobs,
-                                  None if p.seed is None else p.seed + index),
+            sampling=SamplingSpec(
+                p.temperature, p.top_p, p.top_k, p.logprobs, None if p.seed is None else p.seed + index
+            ),
             arrival_time=arrival,
         )
 

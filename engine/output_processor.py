@@ -73,17 +73,31 @@ class OutputProcessor:
     def request_ids(self) -> list[str]:
         return list(self._requests)
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            kind: RequestOutputKind, arrival_time: float) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kind: RequestOutputKind,
+        arrival_time: float,
+    ) -> None:
         seqs = [
-            _Sequence(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
-                                                params.stop_strings, params.include_stop_str_in_output),
-                      logprobs=[] if params.logprobs is not None else None)
+            _Sequence(
+                i,
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_token_ids,
+                    params.skip_special_tokens,
+                    params.stop_strings,
+                    params.include_stop_str_in_output,
+                ),
+                logprobs=[] if params.logprobs is not None else None,
+            )
             for i in range(params.n)
         ]
         hold_back = max((len(s) for s in params.stop_strings), default=1) - 1
-        self._requests[request_id] = _Request(request_id, prompt, prompt_token_ids, kind, hold_back, seqs,
-                                              arrival_time)
+        self._requests[request_id] = _Request(request_id, prompt, prompt_token_ids, kind, hold_back, seqs, arrival_time)
 
     def process(self, deltas: list[SeqDelta], now: float) -> Processed:
         touched: dict[str, _Request] = {}
@@ -146,24 +160,29 @@ class OutputProcessor:
         elif req.kind is RequestOutputKind.FINAL_ONLY:
             return None
         delta = req.kind is RequestOutputKind.DELTA
-        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
-                                 req.finished_time)
+        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finished_time)
         if finished:
             metrics.output_token_counts = [len(s.token_ids) for s in req.seqs]
         return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
             outputs=[self._delta(req, s) if delta else self._whole(s) for s in req.seqs],
-            finished=finished, metrics=metrics,
+            finished=finished,
+            metrics=metrics,
         )
 
     @staticmethod
     def _whole(seq: _Sequence) -> CompletionOutput:
         wants = seq.logprobs is not None
         return CompletionOutput(
-            index=seq.index, text=seq.detokenizer.text, token_ids=list(seq.token_ids),
+            index=seq.index,
+            text=seq.detokenizer.text,
+            token_ids=list(seq.token_ids),
             cumulative_logprob=seq.cumulative_logprob if wants else None,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
         )
 
     @staticmethod
@@ -176,8 +195,11 @@ class OutputProcessor:
         tok_start = seq.tokens_sent
         seq.text_sent, seq.tokens_sent = end, len(seq.token_ids)
         return CompletionOutput(
-            index=seq.index, text=text[start:end], token_ids=seq.token_ids[tok_start:],
+            index=seq.index,
+            text=text[start:end],
+            token_ids=seq.token_ids[tok_start:],
             cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
             logprobs=seq.logprobs[tok_start:] if seq.logprobs is not None else None,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
         )

@@ -51,9 +51,17 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(m_i, l_i, acc, s, v,
-                         M_FLOOR: tl.constexpr, PV_DOT: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+def _online_softmax_step(
+    m_i,
+    l_i,
+    acc,
+    s,
+    v,
+    M_FLOOR: tl.constexpr,
+    PV_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
     """One step of the streaming (online) softmax: fold a tile of scores into the running state.
 
     ``s`` ``[R, N]`` are scores in log2 units (masked entries -inf), ``v`` ``[N, D]`` their values;
@@ -82,14 +90,26 @@ def _online_softmax_step(m_i, l_i, acc, s, v,
 # variants for values equal to 1 or divisible by 16): the block-table width, the split geometry.
 @triton.jit(do_not_specialize=["stride_bt", "stride_pb", "stride_ph", "tokens_per_split"])
 def _decode_kernel(
-    out_ptr, part_o_ptr, part_lse_ptr,
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
     qk_scale,
-    stride_qt, stride_qh,
-    stride_ot, stride_oh,
-    stride_cb, stride_ch, stride_cs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ch,
+    stride_cs,
     stride_bt,
-    stride_pb, stride_ph, stride_ps,
+    stride_pb,
+    stride_ph,
+    stride_ps,
     tokens_per_split,
     QUERY_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -117,8 +137,11 @@ def _decode_kernel(
         mask_g = offs_g < QUERY_GROUP
         mask_d = offs_d < HEAD_DIM
 
-        q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_g[:, None] & mask_d[None, :],
+            other=0.0,
+        )
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -138,8 +161,9 @@ def _decode_kernel(
 
             s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
             s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, M_FLOOR=False, PV_DOT=True,
-                                                 DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST)
+            m_i, l_i, acc = _online_softmax_step(
+                m_i, l_i, acc, s, v, M_FLOOR=False, PV_DOT=True, DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST
+            )
 
         o = acc / l_i[:, None]
         if SPLIT:
@@ -148,15 +172,24 @@ def _decode_kernel(
             tl.store(part_o_ptr + p_row[:, None] * HEAD_DIM_PAD + offs_d[None, :], o, mask=mask_g[:, None])
             tl.store(part_lse_ptr + p_row, m_i + tl.log2(l_i), mask=mask_g)
         else:
-            tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+            tl.store(
+                out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=mask_g[:, None] & mask_d[None, :],
+            )
 
 
 @triton.jit(do_not_specialize=["stride_pb", "stride_ph", "tokens_per_split"])
 def _decode_reduce_kernel(
-    out_ptr, part_o_ptr, part_lse_ptr, seq_lens_ptr,
-    stride_ot, stride_oh,
-    stride_pb, stride_ph, stride_ps,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    stride_ot,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
     tokens_per_split,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -176,20 +209,35 @@ def _decode_reduce_kernel(
     for s in range(0, num_splits):
         lse = tl.load(part_lse_ptr + base + s * stride_ps + tl.zeros([1], dtype=tl.int32))
         o = tl.load(part_o_ptr + (base + s * stride_ps) * HEAD_DIM_PAD + offs_d)
-        m, total, acc = _online_softmax_step(m, total, acc, lse[:, None], o[None, :], M_FLOOR=False, PV_DOT=False,
-                                             DOT_PRECISION="ieee", DOT_UPCAST=False)
+        m, total, acc = _online_softmax_step(
+            m, total, acc, lse[:, None], o[None, :], M_FLOOR=False, PV_DOT=False, DOT_PRECISION="ieee", DOT_UPCAST=False
+        )
     out = acc / total[:, None]
-    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=offs_d[None, :] < HEAD_DIM)
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d[None, :] < HEAD_DIM,
+    )
 
 
 @triton.jit(do_not_specialize=["stride_bt", "first_seq"])
 def _prefill_kernel(
-    out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale, first_seq,
-    stride_qt, stride_qh,
-    stride_ot, stride_oh,
-    stride_cb, stride_ch, stride_cs,
+    out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,
+    first_seq,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ch,
+    stride_cs,
     stride_bt,
     QUERY_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -217,8 +265,11 @@ def _prefill_kernel(
         mask_m = offs_m < q_len
         mask_d = offs_d < HEAD_DIM
         rows = (q_start + offs_m).to(tl.int64)
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+            mask=mask_m[:, None] & mask_d[None, :],
+            other=0.0,
+        )
         q_pos = ctx + offs_m
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -239,8 +290,9 @@ def _prefill_kernel(
             k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
             v = tl.load(v_base + row[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
             s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
-            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, M_FLOOR=False, PV_DOT=True,
-                                                 DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST)
+            m_i, l_i, acc = _online_softmax_step(
+                m_i, l_i, acc, s, v, M_FLOOR=False, PV_DOT=True, DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST
+            )
 
         # The diagonal band: causal mask and the end of the context.
         band_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
@@ -257,12 +309,16 @@ def _prefill_kernel(
             s = tl.where(visible, s, float("-inf"))
             # Every row sees key 0 of the band or an earlier key, except padding rows past q_len,
             # which may see nothing: M_FLOOR keeps their max finite so no NaN is ever formed.
-            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, M_FLOOR=True, PV_DOT=True,
-                                                 DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST)
+            m_i, l_i, acc = _online_softmax_step(
+                m_i, l_i, acc, s, v, M_FLOOR=True, PV_DOT=True, DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST
+            )
 
         o = acc / l_i[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+        tl.store(
+            out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +382,9 @@ def num_decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
 
 def _check_cache(kv_cache: torch.Tensor, query: torch.Tensor) -> None:
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"kv_cache must be [2, num_blocks, num_kv_heads, block_size, head_dim], got {tuple(kv_cache.shape)}")
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, num_kv_heads, block_size, head_dim], got {tuple(kv_cache.shape)}"
+        )
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache's last dimension must be contiguous")
     if query.shape[-1] != kv_cache.shape[-1]:
@@ -383,12 +441,22 @@ def paged_attention_decode(
         p_strides = (0, 0, 0)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        out, part_o, part_lse,
-        query, k_cache, v_cache, block_tables, seq_lens,
+        out,
+        part_o,
+        part_lse,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
         scale * LOG2E,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
         *p_strides,
         tokens_per_split,
@@ -405,8 +473,12 @@ def paged_attention_decode(
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
-            out, part_o, part_lse, seq_lens,
-            out.stride(0), out.stride(1),
+            out,
+            part_o,
+            part_lse,
+            seq_lens,
+            out.stride(0),
+            out.stride(1),
             *p_strides,
             tokens_per_split,
             HEAD_DIM=head_dim,
@@ -450,11 +522,22 @@ def paged_attention_prefill(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_heads, _cdiv(max_query_len, block_m), batch)
     _prefill_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        scale * LOG2E, first_seq,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * LOG2E,
+        first_seq,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
         QUERY_GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
@@ -469,5 +552,9 @@ def paged_attention_prefill(
 
 
 __all__ = [
-    "decode_config", "prefill_config", "num_decode_splits", "paged_attention_decode", "paged_attention_prefill",
+    "decode_config",
+    "prefill_config",
+    "num_decode_splits",
+    "paged_attention_decode",
+    "paged_attention_prefill",
 ]

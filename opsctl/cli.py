@@ -48,7 +48,6 @@ from opsctl.state import EXIT_DRAINING, EXIT_ERROR, EXIT_GAVE_UP, EXIT_NOT_RUNNI
 from opsctl.status import Status
 
 
-
 def _version() -> str:
     try:
         return version("pagekeeper")
@@ -67,9 +66,10 @@ class Ctx:
         if self._config is not None and not supervisor_overrides:
             return self._config
         try:
-            cfg = load_config(self.config_path, {"supervisor": {"runtime_dir": self.runtime_dir,
-                                                                "instance": self.instance,
-                                                                **supervisor_overrides}})
+            cfg = load_config(
+                self.config_path,
+                {"supervisor": {"runtime_dir": self.runtime_dir, "instance": self.instance, **supervisor_overrides}},
+            )
         except ConfigError as e:
             _fail(str(e), EXIT_USAGE)
         if not supervisor_overrides:
@@ -95,8 +95,13 @@ def _send(ctx: Ctx, cmd: str, args: dict[str, Any] | None = None, timeout: float
     return reply
 
 
-_INSTANCE = click.option("--instance", "sub_instance", default=None, callback=lambda c, p, v: _check_instance(v),
-                         help="Instance name (as before the subcommand).")
+_INSTANCE = click.option(
+    "--instance",
+    "sub_instance",
+    default=None,
+    callback=lambda c, p, v: _check_instance(v),
+    help="Instance name (as before the subcommand).",
+)
 
 
 def _check_instance(value: str | None) -> str | None:
@@ -112,8 +117,9 @@ def _location_options(f: Callable[..., Any]) -> Callable[..., Any]:
     @click.option("--runtime-dir", "sub_runtime", default=None, help="Runtime dir (as before the subcommand).")
     @_INSTANCE
     @functools.wraps(f)
-    def wrapper(*args: Any, sub_config: str | None, sub_runtime: str | None, sub_instance: str | None,
-                **kwargs: Any) -> Any:
+    def wrapper(
+        *args: Any, sub_config: str | None, sub_runtime: str | None, sub_instance: str | None, **kwargs: Any
+    ) -> Any:
         ctx: Ctx = click.get_current_context().obj
         if sub_config:
             ctx.config_path, ctx._config = sub_config, None
@@ -128,13 +134,27 @@ def _location_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 @click.group()
 @click.version_option(_version(), prog_name="opsctl")
-@click.option("--config", "config_path", envvar="PAGEKEEPER_CONFIG", default=None,
-              help="TOML config file (default /etc/pagekeeper/pagekeeper.toml, else built-in defaults).")
-@click.option("--runtime-dir", envvar="PAGEKEEPER_RUNTIME_DIR", default=None,
-              help="Where the control socket, pid file and logs live (default: from the instance name).")
-@click.option("--instance", envvar="PAGEKEEPER_INSTANCE", default=None, callback=lambda c, p, v: _check_instance(v),
-              help="Run several deployments on one host: the name scopes the runtime dir, the systemd units "
-                   "(pagekeeper-engine@NAME) and the default config file (/etc/pagekeeper/NAME.toml).")
+@click.option(
+    "--config",
+    "config_path",
+    envvar="PAGEKEEPER_CONFIG",
+    default=None,
+    help="TOML config file (default /etc/pagekeeper/pagekeeper.toml, else built-in defaults).",
+)
+@click.option(
+    "--runtime-dir",
+    envvar="PAGEKEEPER_RUNTIME_DIR",
+    default=None,
+    help="Where the control socket, pid file and logs live (default: from the instance name).",
+)
+@click.option(
+    "--instance",
+    envvar="PAGEKEEPER_INSTANCE",
+    default=None,
+    callback=lambda c, p, v: _check_instance(v),
+    help="Run several deployments on one host: the name scopes the runtime dir, the systemd units "
+    "(pagekeeper-engine@NAME) and the default config file (/etc/pagekeeper/NAME.toml).",
+)
 @click.pass_context
 def main(click_ctx: click.Context, config_path: str | None, runtime_dir: str | None, instance: str | None) -> None:
     """Operate the pagekeeper inference engine.
@@ -173,10 +193,12 @@ def _wait_until_serving(ctx: Ctx, proc: subprocess.Popen | None, timeout: float,
                 click.echo("", err=True)
             return st
         if st is not None and st.engine.state.gave_up:
-            kind = "failed permanently" if state == EngineState.FAILED else \
-                f"keeps failing; the supervisor gave up after {st.restarts.total} restart(s)"
-            _fail(f"the engine {kind}: {one_line(st.crash_loop.reason)}; fix it, then `opsctl restart`",
-                  EXIT_GAVE_UP)
+            kind = (
+                "failed permanently"
+                if state == EngineState.FAILED
+                else f"keeps failing; the supervisor gave up after {st.restarts.total} restart(s)"
+            )
+            _fail(f"the engine {kind}: {one_line(st.crash_loop.reason)}; fix it, then `opsctl restart`", EXIT_GAVE_UP)
         if st is None and proc is None and waited > 5:
             _fail("the supervisor is gone; see `opsctl logs --supervisor`", EXIT_ERROR)
         if waited > timeout:
@@ -219,8 +241,12 @@ def one_line(text: str | None) -> str:
 @click.option("--foreground", is_flag=True, help="Run the supervisor in this terminal (Ctrl-C stops everything).")
 @click.option("--dry-run", is_flag=True, help="The supervisor decides and logs, but never acts.")
 @click.option("--launcher", type=click.Choice(["auto", "process", "systemd"]), default=None)
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Seconds to wait for the engine (default ready_timeout).")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Seconds to wait for the engine (default ready_timeout).",
+)
 @click.pass_obj
 def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeout: float | None) -> None:
     """Start the supervisor, which starts (or adopts) the engine; return when it serves."""
@@ -232,12 +258,18 @@ def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeo
         where = f"{st.engine.url} (supervisor pid {st.supervisor.pid})"
         running_config = st.supervisor.config
         if running_config != cfg.source:
-            _fail(f"instance {cfg.supervisor.instance!r} already runs from {running_config} at {where}; "
-                  f"to run {cfg.source} beside it, give it its own instance name "
-                  f"(`opsctl --instance NAME start`, or [supervisor] instance)", EXIT_USAGE)
+            _fail(
+                f"instance {cfg.supervisor.instance!r} already runs from {running_config} at {where}; "
+                f"to run {cfg.source} beside it, give it its own instance name "
+                f"(`opsctl --instance NAME start`, or [supervisor] instance)",
+                EXIT_USAGE,
+            )
         if state.gave_up:
-            _fail(f"already running but the supervisor gave up at {where}: {one_line(st.crash_loop.reason)}; "
-                  f"`opsctl restart` retries, `opsctl stop` stops", EXIT_GAVE_UP)
+            _fail(
+                f"already running but the supervisor gave up at {where}: {one_line(st.crash_loop.reason)}; "
+                f"`opsctl restart` retries, `opsctl stop` stops",
+                EXIT_GAVE_UP,
+            )
         if state == EngineState.DRAINING:
             _fail(f"already running at {where} but drained (admits nothing); `opsctl resume` undoes it", EXIT_DRAINING)
         if state != EngineState.SERVING:
@@ -246,8 +278,9 @@ def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeo
         return
     try:
         prepare_runtime_dir(runtime)
-        clash = port_clash(instance_record(cfg, runtime, cfg.supervisor.metrics_port, os.getpid()),
-                           running_instances(runtime))
+        clash = port_clash(
+            instance_record(cfg, runtime, cfg.supervisor.metrics_port, os.getpid()), running_instances(runtime)
+        )
         if clash:
             raise ConfigError(clash)
         open_private(runtime / ENGINE_LOG_NAME).close()  # both logs are checked before anything starts
@@ -270,13 +303,18 @@ def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeo
         sys.exit(supervisor_main(args[3:]))
     adopting = recorded_engine(runtime) is not None
     with log:
-        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     st = _wait_until_serving(ctx, proc, timeout or cfg.supervisor.ready_timeout, "starting")
     verb = "adopted the engine that was serving" if adopting else "serving"
     click.echo(f"pagekeeper is {verb} {st.engine.model} at {st.engine.url}")
-    click.echo(f"  supervisor pid {st.supervisor.pid}, metrics {st.supervisor.metrics_url}, "
-               f"logs: opsctl logs")
+    click.echo(f"  supervisor pid {st.supervisor.pid}, metrics {st.supervisor.metrics_url}, logs: opsctl logs")
 
 
 def _drain_args(no_drain: bool, drain_timeout: float | None) -> dict[str, Any]:
@@ -286,9 +324,13 @@ def _drain_args(no_drain: bool, drain_timeout: float | None) -> dict[str, Any]:
     return args
 
 
-_DRAIN_TIMEOUT = click.option("--drain-timeout", type=click.FloatRange(min=0), default=None,
-                              help="Seconds the old engine gets to finish in-flight requests (default "
-                                   "[supervisor] drain_timeout); then it is killed.")
+_DRAIN_TIMEOUT = click.option(
+    "--drain-timeout",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Seconds the old engine gets to finish in-flight requests (default "
+    "[supervisor] drain_timeout); then it is killed.",
+)
 
 
 @main.command()
@@ -307,8 +349,10 @@ def stop(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
             click.echo("not running")
             return
         retired = stop_unsupervised(orphan, drain=not no_drain, timeout=timeout)
-        click.echo(f"stopped the engine (pid {orphan.pid}) that ran without a supervisor"
-                   + (f"; {retired.lost} request(s) in flight were lost" if retired.lost else ""))
+        click.echo(
+            f"stopped the engine (pid {orphan.pid}) that ran without a supervisor"
+            + (f"; {retired.lost} request(s) in flight were lost" if retired.lost else "")
+        )
         return
     pid = int(pid_file.read_text()) if pid_file.exists() else None
     _send(ctx, "stop", _drain_args(no_drain, drain_timeout), timeout=timeout + 60)
@@ -320,15 +364,23 @@ def stop(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
 
 @main.command()
 @_location_options
-@click.option("--no-drain", is_flag=True,
-              help="Do not wait for in-flight requests: they are answered with a 503 at once (new requests "
-                   "still wait for the new engine, none is refused).")
+@click.option(
+    "--no-drain",
+    is_flag=True,
+    help="Do not wait for in-flight requests: they are answered with a 503 at once (new requests "
+    "still wait for the new engine, none is refused).",
+)
 @_DRAIN_TIMEOUT
 @click.pass_obj
 def restart(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
     """Hand over to a new engine (no request refused); return when it serves."""
     timeout = drain_timeout if drain_timeout is not None else ctx.config().supervisor.drain_timeout
-    _send(ctx, "restart", _drain_args(no_drain, drain_timeout), timeout=timeout + ctx.config().supervisor.ready_timeout + 60)
+    _send(
+        ctx,
+        "restart",
+        _drain_args(no_drain, drain_timeout),
+        timeout=timeout + ctx.config().supervisor.ready_timeout + 60,
+    )
     st = _wait_until_serving(ctx, None, ctx.config().supervisor.ready_timeout, "restarting")
     click.echo(f"restarted: serving at {st.engine.url}")
 
@@ -390,12 +442,20 @@ def status(ctx: Ctx, as_json: bool) -> None:
         failure = read_last_failure(runtime)
         state = EngineState.UNSUPERVISED if orphan is not None else EngineState.NOT_RUNNING
         if as_json:
-            click.echo(json.dumps({"supervisor": None, "engine": {
-                "state": state.value, "pid": orphan.pid if orphan else None},
-                "last_failure": failure}))
+            click.echo(
+                json.dumps(
+                    {
+                        "supervisor": None,
+                        "engine": {"state": state.value, "pid": orphan.pid if orphan else None},
+                        "last_failure": failure,
+                    }
+                )
+            )
         elif orphan is not None:
-            click.echo(f"engine      serving without a supervisor (pid {orphan.pid}); "
-                       f"`opsctl start` adopts it, `opsctl stop` stops it")
+            click.echo(
+                f"engine      serving without a supervisor (pid {orphan.pid}); "
+                f"`opsctl start` adopts it, `opsctl stop` stops it"
+            )
         else:
             click.echo("not running" + (f" (last failure: {one_line(failure['reason'])})" if failure else ""))
         sys.exit(state.exit_code)
@@ -454,8 +514,10 @@ def _status_lines(st: Status) -> list[str]:
     if e.last_exit and not c.gave_up:
         lines.append(f"last exit   {one_line(e.last_exit)}")
     instance = f"  instance {s.instance}" if s.instance not in (None, "default") else ""
-    lines.append(f"supervisor  pid {s.pid}{instance}  launcher {s.launcher}  handover {s.handover}"
-                 f"{'  DRY-RUN' if s.dry_run else ''}  metrics {s.metrics_url}")
+    lines.append(
+        f"supervisor  pid {s.pid}{instance}  launcher {s.launcher}  handover {s.handover}"
+        f"{'  DRY-RUN' if s.dry_run else ''}  metrics {s.metrics_url}"
+    )
     return lines
 
 
@@ -470,7 +532,10 @@ def logs(ctx: Ctx, follow: bool, which: str | None, lines: int) -> None:
     cfg = ctx.config()
     runtime = cfg.supervisor.runtime_path()
     if which != "supervisor" and cfg.supervisor.launcher == "systemd":
-        os.execvp("journalctl", ["journalctl", "-u", cfg.supervisor.engine_unit(), "-n", str(lines)] + (["-f"] if follow else []))
+        os.execvp(
+            "journalctl",
+            ["journalctl", "-u", cfg.supervisor.engine_unit(), "-n", str(lines)] + (["-f"] if follow else []),
+        )
     path = runtime / (SUPERVISOR_LOG_NAME if which == "supervisor" else ENGINE_LOG_NAME)
     if not path.exists():
         _fail(f"no log at {path} yet")
@@ -497,8 +562,13 @@ def doctor(ctx: Ctx) -> None:
 
 
 @main.command()
-@click.option("--prefix", default="/", show_default=True, type=click.Path(file_okay=False),
-              help="Root every path under this directory (packaging, tests); file contents name the final paths.")
+@click.option(
+    "--prefix",
+    default="/",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Root every path under this directory (packaging, tests); file contents name the final paths.",
+)
 @click.option("--dry-run", is_flag=True, help="Show what would be written (and the rendered units); write nothing.")
 @click.option("--python", "python", default=None, help="Interpreter for ExecStart= (default: the one running opsctl).")
 @click.pass_obj
@@ -507,11 +577,18 @@ def install(ctx: Ctx, prefix: str, dry_run: bool, python: str | None) -> None:
 
     The config file comes from --config when given (and none is installed yet), else a commented default.
     """
-    from opsctl.install import InstallError, install as do_install
+    from opsctl.install import InstallError
+    from opsctl.install import install as do_install
 
     try:
-        do_install(prefix, dry_run=dry_run, config_source=ctx.config_path, python=python, echo=click.echo,
-                   instance=ctx.instance)
+        do_install(
+            prefix,
+            dry_run=dry_run,
+            config_source=ctx.config_path,
+            python=python,
+            echo=click.echo,
+            instance=ctx.instance,
+        )
     except InstallError as e:
         _fail(str(e), EXIT_USAGE)
 
@@ -523,7 +600,8 @@ def install(ctx: Ctx, prefix: str, dry_run: bool, python: str | None) -> None:
 @click.pass_obj
 def uninstall(ctx: Ctx, prefix: str, dry_run: bool, purge: bool) -> None:
     """Stop and disable the units (on this machine's systemd), then remove what `opsctl install` wrote."""
-    from opsctl.install import InstallError, uninstall as do_uninstall
+    from opsctl.install import InstallError
+    from opsctl.install import uninstall as do_uninstall
 
     try:
         do_uninstall(prefix, dry_run=dry_run, purge=purge, echo=click.echo, instance=ctx.instance)

@@ -19,8 +19,9 @@ def socket_path(runtime_dir: Path) -> Path:
     return runtime_dir / SOCKET_NAME
 
 
-def send(runtime_dir: Path, cmd: str, args: dict[str, Any] | None = None,
-         timeout: float = COMMAND_TIMEOUT_S) -> dict[str, Any]:
+def send(
+    runtime_dir: Path, cmd: str, args: dict[str, Any] | None = None, timeout: float = COMMAND_TIMEOUT_S
+) -> dict[str, Any]:
     path = socket_path(runtime_dir)
     if not path.exists():
         raise SupervisorNotRunning(f"no supervisor socket at {path}")

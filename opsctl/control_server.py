@@ -26,8 +26,11 @@ class _ControlHandler(socketserver.StreamRequestHandler):
         submit: Submit = self.server.submit  # type: ignore[attr-defined]
         try:
             request = json.loads(self.rfile.readline() or b"{}")
-            reply = submit(str(request.get("cmd", "")), dict(request.get("args") or {}),
-                           float(request.get("timeout", COMMAND_TIMEOUT_S)))
+            reply = submit(
+                str(request.get("cmd", "")),
+                dict(request.get("args") or {}),
+                float(request.get("timeout", COMMAND_TIMEOUT_S)),
+            )
         except (ValueError, TypeError) as e:
             reply = {"ok": False, "error": f"bad request: {e}"}
         self.wfile.write(json.dumps(reply, default=str).encode() + b"\n")

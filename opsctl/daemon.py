@@ -25,15 +25,24 @@ import structlog
 from engine.config import ConfigError
 from opsctl.config import PagekeeperConfig
 from opsctl.constants import EXIT_PERMANENT, SUPERVISOR_LOG_NAME
-from opsctl.exporter import SupervisorMetrics, serve as serve_metrics
+from opsctl.exporter import SupervisorMetrics
+from opsctl.exporter import serve as serve_metrics
 from opsctl.launcher import Launcher, RestartFailed
 from opsctl.logrotate import rotate_if_large
 from opsctl.policy import Action, Observation, PolicyState, decide
 from opsctl.probes import EngineProbe, GpuProbe, GpuReading, ProcessProbe
 from opsctl.runtime import write_last_failure
 from opsctl.state import EngineState, StateTracker, derive
-from opsctl.status import (CrashLoopStatus, Decision, EngineStatus, GpuStatus, RestartRecord, RestartsStatus, Status,
-                           SupervisorStatus)
+from opsctl.status import (
+    CrashLoopStatus,
+    Decision,
+    EngineStatus,
+    GpuStatus,
+    RestartRecord,
+    RestartsStatus,
+    Status,
+    SupervisorStatus,
+)
 
 log = structlog.get_logger("pagekeeper.supervisor")
 
@@ -85,8 +94,14 @@ class Supervisor:
         self.metrics_port = serve_metrics(self.metrics, self.sup.metrics_host, self.sup.metrics_port)
 
     def run(self) -> int:
-        log.info("supervisor_started", launcher=self.launcher.name, engine_url=self.cfg.engine_url,
-                 poll_interval=self.sup.poll_interval, dry_run=self.sup.dry_run, gpu=self.gpu.reason)
+        log.info(
+            "supervisor_started",
+            launcher=self.launcher.name,
+            engine_url=self.cfg.engine_url,
+            poll_interval=self.sup.poll_interval,
+            dry_run=self.sup.dry_run,
+            gpu=self.gpu.reason,
+        )
         if self.launcher.alive():  # adopted from a predecessor: it has served already
             self.ever_served = True
         else:
@@ -126,10 +141,16 @@ class Supervisor:
         reading = self.engine.read() if alive else None
         m = reading.metrics if reading else {}
         obs = Observation(
-            t=sent, process_alive=alive and proc.alive, health=reading.health if reading else "unreachable",
-            cache_usage=m.get("cache_usage"), running=m.get("running"), waiting=m.get("waiting"),
-            steps_total=m.get("steps_total"), allocator_efficiency=m.get("allocator_efficiency"),
-            oldest_waiting_s=m.get("oldest_waiting_s"), preemptions=m.get("preemptions"),
+            t=sent,
+            process_alive=alive and proc.alive,
+            health=reading.health if reading else "unreachable",
+            cache_usage=m.get("cache_usage"),
+            running=m.get("running"),
+            waiting=m.get("waiting"),
+            steps_total=m.get("steps_total"),
+            allocator_efficiency=m.get("allocator_efficiency"),
+            oldest_waiting_s=m.get("oldest_waiting_s"),
+            preemptions=m.get("preemptions"),
             metrics_error=reading.metrics_error if reading else "engine not running",
             exit_permanent=not alive and self.launcher.exit_is_permanent(),
         )
@@ -137,9 +158,12 @@ class Supervisor:
         with self.lock:
             self.last_gpu = gpu
             self.last_reading = {
-                "health": obs.health, "health_detail": reading.health_detail if reading else "",
-                "metrics": m, "metrics_error": obs.metrics_error,
-                "model": reading.model_name if reading else None, "process": proc,
+                "health": obs.health,
+                "health_detail": reading.health_detail if reading else "",
+                "metrics": m,
+                "metrics_error": obs.metrics_error,
+                "model": reading.model_name if reading else None,
+                "process": proc,
             }
             self._refresh_state(alive)
         self.metrics.polls.inc()
@@ -172,8 +196,9 @@ class Supervisor:
             try:
                 if rotate_if_large(path, self.sup.log_max_bytes, self.sup.log_backups):
                     self.metrics.log_rotations.labels(path.name).inc()
-                    log.info("log_rotated", log=str(path), max_bytes=self.sup.log_max_bytes,
-                             backups=self.sup.log_backups)
+                    log.info(
+                        "log_rotated", log=str(path), max_bytes=self.sup.log_max_bytes, backups=self.sup.log_backups
+                    )
             except (OSError, ConfigError) as e:  # a full disk must not take the supervisor down
                 log.warning("log_rotation_failed", log=str(path), error=str(e))
 
@@ -184,8 +209,9 @@ class Supervisor:
             self.last_decision = entry
         if action.acts:
             self.metrics.decisions.labels(action.kind, action.reason).inc()
-            log.warning("decision", action=action.kind, reason=action.reason, evidence=action.evidence,
-                        dry_run=self.sup.dry_run)
+            log.warning(
+                "decision", action=action.kind, reason=action.reason, evidence=action.evidence, dry_run=self.sup.dry_run
+            )
         elif previous is None or previous.reason != action.reason:
             log.info("decision", action=action.kind, reason=action.reason, evidence=action.evidence)
 
@@ -199,8 +225,13 @@ class Supervisor:
         timeout = self.sup.drain_timeout
         if action.drain_cap_s is not None and not self._overlap():
             timeout = min(timeout, action.drain_cap_s)  # one GPU: the old engine holds the memory its successor needs
-        self._restart(action.reason, counts_as_crash=action.counts_as_crash,
-                      drain=action.drains, timeout=timeout, decided_at=decided_at)
+        self._restart(
+            action.reason,
+            counts_as_crash=action.counts_as_crash,
+            drain=action.drains,
+            timeout=timeout,
+            decided_at=decided_at,
+        )
 
     def _give_up(self, action: Action) -> None:
         detail = self.launcher.exit_summary() or action.reason
@@ -212,11 +243,18 @@ class Supervisor:
             self._refresh_state()
         self.metrics.gave_up.set(1)
         if permanent:
-            log.error("engine_failed_permanently", last_exit=detail,
-                      hint="exit code 2 is a mistake a person must fix (see the line above); it is not retried")
+            log.error(
+                "engine_failed_permanently",
+                last_exit=detail,
+                hint="exit code 2 is a mistake a person must fix (see the line above); it is not retried",
+            )
         else:
-            log.error("crash_loop_gave_up", restarts=len(self.state.restarts), last_exit=detail,
-                      hint="fix the cause, then `opsctl restart`")
+            log.error(
+                "crash_loop_gave_up",
+                restarts=len(self.state.restarts),
+                last_exit=detail,
+                hint="fix the cause, then `opsctl restart`",
+            )
         if permanent and not self.ever_served:
             # Nothing to supervise until a person changes something: say why and leave.
             write_last_failure(self.sup.runtime_path(), detail)
@@ -231,8 +269,9 @@ class Supervisor:
     def _overlap(self) -> bool:
         return self.launcher.overlap
 
-    def _restart(self, reason: str, counts_as_crash: bool, drain: bool, timeout: float,
-                 decided_at: float | None = None) -> None:
+    def _restart(
+        self, reason: str, counts_as_crash: bool, drain: bool, timeout: float, decided_at: float | None = None
+    ) -> None:
         self._set_busy(EngineState.RESTARTING)
         log.warning("engine_restart", reason=reason, drain=drain, timeout_s=timeout)
         try:
@@ -280,8 +319,11 @@ class Supervisor:
 
     def _run_command(self, cmd: _Command) -> dict[str, Any]:
         if cmd.args.get("drain_timeout") is not None and not self.launcher.drain_timeout_per_command:
-            return {"ok": False, "error": "under systemd the engine drains for its own [engine] drain_timeout "
-                                          "(bounded by TimeoutStopSec=); --drain-timeout cannot change it per command"}
+            return {
+                "ok": False,
+                "error": "under systemd the engine drains for its own [engine] drain_timeout "
+                "(bounded by TimeoutStopSec=); --drain-timeout cannot change it per command",
+            }
         timeout = float(cmd.args.get("drain_timeout") or self.sup.drain_timeout)
         if cmd.name == "drain":  # a load balancer's drain: the engine answers 503 until resumed
             self._set_busy(EngineState.DRAINING)
@@ -299,8 +341,7 @@ class Supervisor:
                 self._set_busy(EngineState.RESTARTING)
             self.metrics.gave_up.set(0)
             try:
-                self._restart("manual", counts_as_crash=False, drain=bool(cmd.args.get("drain", True)),
-                              timeout=timeout)
+                self._restart("manual", counts_as_crash=False, drain=bool(cmd.args.get("drain", True)), timeout=timeout)
             except RestartFailed as e:
                 return {"ok": False, "error": str(e)}
             return {"ok": True}
@@ -323,9 +364,16 @@ class Supervisor:
         with self.lock:
             if alive is None:
                 alive = self.launcher.alive()
-            return self.tracker.update(derive(
-                gave_up=self.state.gave_up, permanent=self.failed_permanently, busy=self.busy, alive=alive,
-                ready=self.state.ready_at is not None, health=self.last_reading.get("health", "unknown")))
+            return self.tracker.update(
+                derive(
+                    gave_up=self.state.gave_up,
+                    permanent=self.failed_permanently,
+                    busy=self.busy,
+                    alive=alive,
+                    ready=self.state.ready_at is not None,
+                    health=self.last_reading.get("health", "unknown"),
+                )
+            )
 
     def status(self) -> Status:
         with self.lock:
@@ -342,30 +390,48 @@ class Supervisor:
             log_path = self.launcher.log_path()
             return Status(
                 engine=EngineStatus(
-                    state=state, health=health, health_detail=reading.get("health_detail"),
+                    state=state,
+                    health=health,
+                    health_detail=reading.get("health_detail"),
                     pid=self.launcher.pid() if alive else None,
                     uptime_s=round(time.time() - self.engine_started_wall, 1) if alive else None,
-                    url=self.cfg.engine_url, model=reading.get("model"),
-                    kv_cache_usage=metrics.get("cache_usage"), running=count("running"),
-                    waiting=count("waiting"), oldest_waiting_s=metrics.get("oldest_waiting_s"),
+                    url=self.cfg.engine_url,
+                    model=reading.get("model"),
+                    kv_cache_usage=metrics.get("cache_usage"),
+                    running=count("running"),
+                    waiting=count("waiting"),
+                    oldest_waiting_s=metrics.get("oldest_waiting_s"),
                     steps_total=count("steps_total"),
-                    metrics_error=reading.get("metrics_error"), process=reading.get("process"),
+                    metrics_error=reading.get("metrics_error"),
+                    process=reading.get("process"),
                     last_exit=self.launcher.exit_summary(),
                 ),
                 gpu=GpuStatus(self.gpu.available, self.gpu.reason, list(self.last_gpu)),
                 last_decision=self.last_decision,
-                restarts=RestartsStatus(total=len(self.restart_log), recent=self.restart_log[-10:],
-                                        counted_for_crash_loop=len(self.state.restarts)),
-                crash_loop=CrashLoopStatus(gave_up=self.state.gave_up, reason=self.gave_up_reason,
-                                           permanent=self.failed_permanently, max_restarts=self.sup.max_restarts,
-                                           restart_window_s=self.sup.restart_window),
+                restarts=RestartsStatus(
+                    total=len(self.restart_log),
+                    recent=self.restart_log[-10:],
+                    counted_for_crash_loop=len(self.state.restarts),
+                ),
+                crash_loop=CrashLoopStatus(
+                    gave_up=self.state.gave_up,
+                    reason=self.gave_up_reason,
+                    permanent=self.failed_permanently,
+                    max_restarts=self.sup.max_restarts,
+                    restart_window_s=self.sup.restart_window,
+                ),
                 supervisor=SupervisorStatus(
-                    pid=os.getpid(), launcher=self.launcher.name, dry_run=self.sup.dry_run,
+                    pid=os.getpid(),
+                    launcher=self.launcher.name,
+                    dry_run=self.sup.dry_run,
                     uptime_s=round(time.time() - self.started_wall, 1),
                     metrics_url=f"http://{self.sup.metrics_host}:{self.metrics_port}/metrics",
-                    config=self.cfg.source, instance=self.sup.instance,
-                    runtime_dir=str(self.sup.runtime_path()), poll_interval_s=self.sup.poll_interval,
-                    handover="overlap" if self._overlap() else "sequential"),
+                    config=self.cfg.source,
+                    instance=self.sup.instance,
+                    runtime_dir=str(self.sup.runtime_path()),
+                    poll_interval_s=self.sup.poll_interval,
+                    handover="overlap" if self._overlap() else "sequential",
+                ),
                 engine_log=str(log_path) if log_path else None,
             )
 

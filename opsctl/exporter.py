@@ -37,10 +37,18 @@ class _GpuCollector:
     def collect(self) -> Iterator[Any]:
         readings: list[GpuReading] = self.source.last_gpu
         fams = {
-            "memory_used_bytes": GaugeMetricFamily("pagekeeper_gpu_memory_used_bytes", "GPU memory used (NVML)", labels=["gpu"]),
-            "memory_total_bytes": GaugeMetricFamily("pagekeeper_gpu_memory_total_bytes", "GPU memory total (NVML)", labels=["gpu"]),
-            "utilization_ratio": GaugeMetricFamily("pagekeeper_gpu_utilization_ratio", "GPU utilization 0-1 (NVML)", labels=["gpu"]),
-            "temperature_celsius": GaugeMetricFamily("pagekeeper_gpu_temperature_celsius", "GPU temperature (NVML)", labels=["gpu"]),
+            "memory_used_bytes": GaugeMetricFamily(
+                "pagekeeper_gpu_memory_used_bytes", "GPU memory used (NVML)", labels=["gpu"]
+            ),
+            "memory_total_bytes": GaugeMetricFamily(
+                "pagekeeper_gpu_memory_total_bytes", "GPU memory total (NVML)", labels=["gpu"]
+            ),
+            "utilization_ratio": GaugeMetricFamily(
+                "pagekeeper_gpu_utilization_ratio", "GPU utilization 0-1 (NVML)", labels=["gpu"]
+            ),
+            "temperature_celsius": GaugeMetricFamily(
+                "pagekeeper_gpu_temperature_celsius", "GPU temperature (NVML)", labels=["gpu"]
+            ),
         }
         xid = CounterMetricFamily("pagekeeper_gpu_xid_errors", "Critical XID events seen (NVML)", labels=["gpu"])
         ecc = CounterMetricFamily("pagekeeper_gpu_ecc_errors", "Uncorrected volatile ECC errors (NVML)", labels=["gpu"])
@@ -68,22 +76,43 @@ class SupervisorMetrics:
     def __init__(self, source: GpuSource) -> None:
         self.registry = r = CollectorRegistry()
         self.engine_up = Gauge("pagekeeper_supervisor_engine_up", "1 while the engine answers /health", registry=r)
-        self.restarts = Counter("pagekeeper_supervisor_restarts", "Engine restarts by the supervisor", ["reason"], registry=r)
-        self.decisions = Counter("pagekeeper_supervisor_decisions", "Acting decisions (also in dry-run)",
-                                 ["action", "reason"], registry=r)
-        self.gave_up = Gauge("pagekeeper_supervisor_crash_loop_gave_up", "1 after the crash-loop guard gave up", registry=r)
-        self.last_restart = Gauge("pagekeeper_supervisor_last_restart_timestamp_seconds", "Unix time of the last restart",
-                                  registry=r)
-        self.scrape_ok = Gauge("pagekeeper_supervisor_engine_metrics_ok", "1 when the last engine /metrics parsed", registry=r)
+        self.restarts = Counter(
+            "pagekeeper_supervisor_restarts", "Engine restarts by the supervisor", ["reason"], registry=r
+        )
+        self.decisions = Counter(
+            "pagekeeper_supervisor_decisions", "Acting decisions (also in dry-run)", ["action", "reason"], registry=r
+        )
+        self.gave_up = Gauge(
+            "pagekeeper_supervisor_crash_loop_gave_up", "1 after the crash-loop guard gave up", registry=r
+        )
+        self.last_restart = Gauge(
+            "pagekeeper_supervisor_last_restart_timestamp_seconds", "Unix time of the last restart", registry=r
+        )
+        self.scrape_ok = Gauge(
+            "pagekeeper_supervisor_engine_metrics_ok", "1 when the last engine /metrics parsed", registry=r
+        )
         self.nvml = Gauge("pagekeeper_supervisor_nvml_available", "1 when NVML readings are available", registry=r)
         self.polls = Counter("pagekeeper_supervisor_polls", "Polls of the engine", registry=r)
-        self.lost = Counter("pagekeeper_supervisor_requests_lost", "Requests in flight that got no answer: the "
-                            "engine died (engine_exited), was killed after its drain timeout (killed), or was "
-                            "restarted with --no-drain (no_drain: answered with a clean 503)", ["reason"], registry=r)
-        self.log_rotations = Counter("pagekeeper_supervisor_log_rotations", "Size-based rotations of the process "
-                                     "launcher's logs ([supervisor] log_max_bytes)", ["log"], registry=r)
-        self.info = Gauge("pagekeeper_supervisor_info", "The engine this supervisor runs (always 1)",
-                          ["model_name", "engine_url", "launcher"], registry=r)
+        self.lost = Counter(
+            "pagekeeper_supervisor_requests_lost",
+            "Requests in flight that got no answer: the "
+            "engine died (engine_exited), was killed after its drain timeout (killed), or was "
+            "restarted with --no-drain (no_drain: answered with a clean 503)",
+            ["reason"],
+            registry=r,
+        )
+        self.log_rotations = Counter(
+            "pagekeeper_supervisor_log_rotations",
+            "Size-based rotations of the process launcher's logs ([supervisor] log_max_bytes)",
+            ["log"],
+            registry=r,
+        )
+        self.info = Gauge(
+            "pagekeeper_supervisor_info",
+            "The engine this supervisor runs (always 1)",
+            ["model_name", "engine_url", "launcher"],
+            registry=r,
+        )
         # Every series exists from the start, so increase() sees the first restart of each kind.
         for action, reason in ACTIONS:
             self.decisions.labels(action, reason)
@@ -102,8 +131,9 @@ def serve(metrics: SupervisorMetrics, host: str, port: int) -> int:
     try:
         server, _ = start_http_server(port, addr=host, registry=metrics.registry)
     except OSError as e:
-        raise ConfigError(f"[supervisor] metrics_port {port} on {host}: "
-                          f"{e.strerror}; choose another port (0 = any free port)") from e
+        raise ConfigError(
+            f"[supervisor] metrics_port {port} on {host}: {e.strerror}; choose another port (0 = any free port)"
+        ) from e
     bound = int(server.server_port)
     log.info("supervisor_metrics", url=f"http://{host}:{bound}/metrics")
     return bound

@@ -77,9 +77,16 @@ class InstanceRecord:
 
 def instance_record(cfg: PagekeeperConfig, runtime: Path, metrics_port: int, pid: int | None = None) -> InstanceRecord:
     """What this instance claims (ports), as other instances' starts read it from `instance.json`."""
-    return InstanceRecord(instance=cfg.supervisor.instance, config=cfg.source, supervisor_pid=pid or os.getpid(),
-                          runtime_dir=str(runtime), host=cfg.host, port=cfg.port,
-                          metrics_host=cfg.supervisor.metrics_host, metrics_port=metrics_port)
+    return InstanceRecord(
+        instance=cfg.supervisor.instance,
+        config=cfg.source,
+        supervisor_pid=pid or os.getpid(),
+        runtime_dir=str(runtime),
+        host=cfg.host,
+        port=cfg.port,
+        metrics_host=cfg.supervisor.metrics_host,
+        metrics_port=metrics_port,
+    )
 
 
 def write_record(runtime: Path, record: InstanceRecord) -> None:
@@ -127,14 +134,17 @@ def port_clash(mine: InstanceRecord, others: list[InstanceRecord]) -> str | None
     for other in others:
         if Path(other.runtime_dir) == Path(mine.runtime_dir) or other.supervisor_pid == mine.supervisor_pid:
             continue
-        wants = [("[engine] port", mine.host, mine.port, other.host, other.port),
-                 ("[engine] port", mine.host, mine.port, other.metrics_host, other.metrics_port),
-                 ("[supervisor] metrics_port", mine.metrics_host, mine.metrics_port, other.host, other.port),
-                 ("[supervisor] metrics_port", mine.metrics_host, mine.metrics_port,
-                  other.metrics_host, other.metrics_port)]
+        wants = [
+            ("[engine] port", mine.host, mine.port, other.host, other.port),
+            ("[engine] port", mine.host, mine.port, other.metrics_host, other.metrics_port),
+            ("[supervisor] metrics_port", mine.metrics_host, mine.metrics_port, other.host, other.port),
+            ("[supervisor] metrics_port", mine.metrics_host, mine.metrics_port, other.metrics_host, other.metrics_port),
+        ]
         for key, host, port, other_host, other_port in wants:
             if port and port == other_port and _same_address(host, other_host):
-                return (f"{key} {port} is already used by instance {other.instance!r} (config {other.config}, "
-                        f"supervisor pid {other.supervisor_pid}); give instance {mine.instance!r} another {key}"
-                        + (" (0 = any free port)" if key.startswith("[supervisor]") else ""))
+                return (
+                    f"{key} {port} is already used by instance {other.instance!r} (config {other.config}, "
+                    f"supervisor pid {other.supervisor_pid}); give instance {mine.instance!r} another {key}"
+                    + (" (0 = any free port)" if key.startswith("[supervisor]") else "")
+                )
     return None

@@ -39,8 +39,13 @@ import structlog
 from engine.server import control
 from engine.server.handover import InflightFile
 from engine.server.sockets import bind
-from opsctl.constants import (ADOPT_TIMEOUT_S, ENGINE_CONTROL_TIMEOUT_S, ENGINE_STATE_NAME, EXIT_CONFIG_ERROR,
-                              STOP_NOW_GRACE_S)
+from opsctl.constants import (
+    ADOPT_TIMEOUT_S,
+    ENGINE_CONTROL_TIMEOUT_S,
+    ENGINE_STATE_NAME,
+    EXIT_CONFIG_ERROR,
+    STOP_NOW_GRACE_S,
+)
 from opsctl.runtime import open_private, write_private
 
 log = structlog.get_logger("pagekeeper.supervisor")
@@ -130,8 +135,14 @@ def last_error_line(log_text: str) -> str:
 class EngineProcess:
     """One engine process: started by this supervisor (a child) or adopted from a predecessor."""
 
-    def __init__(self, pid: int, control_path: Path, inflight_path: Path, popen: subprocess.Popen | None,
-                 create_time: float | None = None) -> None:
+    def __init__(
+        self,
+        pid: int,
+        control_path: Path,
+        inflight_path: Path,
+        popen: subprocess.Popen | None,
+        create_time: float | None = None,
+    ) -> None:
         self.pid = pid
         self.control_path = control_path
         self.inflight_path = inflight_path
@@ -195,8 +206,12 @@ class EngineProcess:
             path.unlink(missing_ok=True)
 
     def as_json(self) -> dict:
-        return {"pid": self.pid, "create_time": self.create_time, "control": str(self.control_path),
-                "inflight": str(self.inflight_path)}
+        return {
+            "pid": self.pid,
+            "create_time": self.create_time,
+            "control": str(self.control_path),
+            "inflight": str(self.inflight_path),
+        }
 
 
 def _create_time(pid: int) -> float | None:
@@ -210,8 +225,13 @@ def recorded_engine(runtime: Path) -> EngineProcess | None:
     """The live engine `engine.json` names (one a dead supervisor left serving), or None."""
     try:
         recorded = json.loads((runtime / ENGINE_STATE_NAME).read_text())
-        engine = EngineProcess(int(recorded["pid"]), Path(recorded["control"]), Path(recorded["inflight"]),
-                               None, recorded.get("create_time"))
+        engine = EngineProcess(
+            int(recorded["pid"]),
+            Path(recorded["control"]),
+            Path(recorded["inflight"]),
+            None,
+            recorded.get("create_time"),
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return engine if engine.alive() else None
@@ -227,8 +247,16 @@ def stop_unsupervised(engine: EngineProcess, drain: bool, timeout: float) -> Ret
 class ProcessLauncher(Launcher):
     name = "process"
 
-    def __init__(self, engine_args: list[str], host: str, port: int, runtime: Path, log_file: Path,
-                 overlap: bool, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        engine_args: list[str],
+        host: str,
+        port: int,
+        runtime: Path,
+        log_file: Path,
+        overlap: bool,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.engine_args = engine_args
         self.runtime = runtime
         self.log_file = log_file
@@ -259,8 +287,11 @@ class ProcessLauncher(Launcher):
             state_file.unlink(missing_ok=True)
             return None
         self.engine = engine
-        log.warning("engine_adopted", pid=engine.pid,
-                    detail="the previous supervisor died; this one took over its running engine")
+        log.warning(
+            "engine_adopted",
+            pid=engine.pid,
+            detail="the previous supervisor died; this one took over its running engine",
+        )
         return sock
 
     # -- starting ---------------------------------------------------------------------------------
@@ -272,14 +303,31 @@ class ProcessLauncher(Launcher):
         control_path = self.runtime / f"eng-{token}.sock"
         inflight_path = self.runtime / f"eng-{token}.inflight"
         fd = self.sock.fileno()
-        cmd = [sys.executable, "-m", "engine.server", *self.engine_args, "--listen-fd", str(fd),
-               "--control-socket", str(control_path), "--inflight-file", str(inflight_path)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "engine.server",
+            *self.engine_args,
+            "--listen-fd",
+            str(fd),
+            "--control-socket",
+            str(control_path),
+            "--inflight-file",
+            str(inflight_path),
+        ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         with open_private(self.log_file) as logf:
             logf.write(f"\n--- engine start {time.strftime('%Y-%m-%dT%H:%M:%S')} ---\n".encode())
             logf.flush()
-            popen = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, pass_fds=(fd,), start_new_session=True)
+            popen = subprocess.Popen(
+                cmd,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                pass_fds=(fd,),
+                start_new_session=True,
+            )
         log.info("engine_started", launcher=self.name, pid=popen.pid)
         return EngineProcess(popen.pid, control_path, inflight_path, popen)
 
@@ -355,8 +403,10 @@ class ProcessLauncher(Launcher):
             if not self._wait_serving(new, ready_timeout):
                 self.retire(new, drain=False, timeout=0)
                 code = new.returncode()
-                raise RestartFailed(f"the new engine did not come up ({_describe(code)}: "
-                                    f"{last_error_line(tail(self.log_file))}); the old one keeps serving")
+                raise RestartFailed(
+                    f"the new engine did not come up ({_describe(code)}: "
+                    f"{last_error_line(tail(self.log_file))}); the old one keeps serving"
+                )
             self.engine = new
             self._record()
             retired = self.retire(old, drain, timeout)

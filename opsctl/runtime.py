@@ -26,14 +26,19 @@ def prepare_runtime_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode):
-        raise ConfigError(f"runtime dir {path} is a symlink; point --runtime-dir (or [supervisor] runtime_dir) "
-                          "at a real directory")
+        raise ConfigError(
+            f"runtime dir {path} is a symlink; point --runtime-dir (or [supervisor] runtime_dir) at a real directory"
+        )
     if info.st_uid != os.geteuid():
-        raise ConfigError(f"runtime dir {path} belongs to uid {info.st_uid}, not to you (uid {os.geteuid()}); "
-                          "use a directory of your own (--runtime-dir)")
+        raise ConfigError(
+            f"runtime dir {path} belongs to uid {info.st_uid}, not to you (uid {os.geteuid()}); "
+            "use a directory of your own (--runtime-dir)"
+        )
     if info.st_mode & 0o022:
-        raise ConfigError(f"runtime dir {path} has mode {stat.S_IMODE(info.st_mode):04o}: others can write to it; "
-                          f"`chmod 700 {path}` or use another --runtime-dir")
+        raise ConfigError(
+            f"runtime dir {path} has mode {stat.S_IMODE(info.st_mode):04o}: others can write to it; "
+            f"`chmod 700 {path}` or use another --runtime-dir"
+        )
     return path
 
 

@@ -58,22 +58,36 @@ class EngineState(StrEnum):
 
 
 _EXIT_CODES = {
-    EngineState.SERVING: EXIT_OK, EngineState.STARTING: EXIT_TRANSITION, EngineState.RESTARTING: EXIT_TRANSITION,
-    EngineState.STOPPING: EXIT_TRANSITION, EngineState.DRAINING: EXIT_DRAINING, EngineState.GAVE_UP: EXIT_GAVE_UP,
-    EngineState.FAILED: EXIT_GAVE_UP, EngineState.EXITED: EXIT_UNHEALTHY, EngineState.STALLED: EXIT_UNHEALTHY,
-    EngineState.UNRESPONSIVE: EXIT_UNHEALTHY, EngineState.NOT_RUNNING: EXIT_NOT_RUNNING,
+    EngineState.SERVING: EXIT_OK,
+    EngineState.STARTING: EXIT_TRANSITION,
+    EngineState.RESTARTING: EXIT_TRANSITION,
+    EngineState.STOPPING: EXIT_TRANSITION,
+    EngineState.DRAINING: EXIT_DRAINING,
+    EngineState.GAVE_UP: EXIT_GAVE_UP,
+    EngineState.FAILED: EXIT_GAVE_UP,
+    EngineState.EXITED: EXIT_UNHEALTHY,
+    EngineState.STALLED: EXIT_UNHEALTHY,
+    EngineState.UNRESPONSIVE: EXIT_UNHEALTHY,
+    EngineState.NOT_RUNNING: EXIT_NOT_RUNNING,
     EngineState.UNSUPERVISED: EXIT_UNSUPERVISED,
 }
 
 # The states a supervisor reports while the engine is up to the engine itself (health, process).
-LIVE = frozenset({EngineState.STARTING, EngineState.SERVING, EngineState.DRAINING, EngineState.EXITED,
-                  EngineState.STALLED, EngineState.UNRESPONSIVE})
+LIVE = frozenset(
+    {
+        EngineState.STARTING,
+        EngineState.SERVING,
+        EngineState.DRAINING,
+        EngineState.EXITED,
+        EngineState.STALLED,
+        EngineState.UNRESPONSIVE,
+    }
+)
 # Actions in progress (the supervisor's `busy`).
 BUSY = frozenset({EngineState.DRAINING, EngineState.RESTARTING, EngineState.STOPPING})
 
 TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
-    **{s: LIVE | {EngineState.RESTARTING, EngineState.STOPPING, EngineState.GAVE_UP, EngineState.FAILED}
-       for s in LIVE},
+    **{s: LIVE | {EngineState.RESTARTING, EngineState.STOPPING, EngineState.GAVE_UP, EngineState.FAILED} for s in LIVE},
     EngineState.RESTARTING: LIVE,
     EngineState.GAVE_UP: frozenset({EngineState.RESTARTING}),
     EngineState.FAILED: frozenset({EngineState.RESTARTING}),
@@ -85,8 +99,9 @@ TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
 _BY_HEALTH = {"ok": EngineState.SERVING, "draining": EngineState.DRAINING, "stalled": EngineState.STALLED}
 
 
-def derive(*, gave_up: bool, permanent: bool, busy: EngineState | None, alive: bool, ready: bool,
-           health: str) -> EngineState:
+def derive(
+    *, gave_up: bool, permanent: bool, busy: EngineState | None, alive: bool, ready: bool, health: str
+) -> EngineState:
     """The reported state; the order is the precedence (giving up outranks an action in progress, ...)."""
     if gave_up:
         return EngineState.FAILED if permanent else EngineState.GAVE_UP
@@ -115,7 +130,11 @@ class StateTracker:
             if allowed(old, new):
                 log.info("engine_state", state=new.value, previous=old.value if old else None)
             else:  # a bug in the supervisor, not in the engine: say so, and report what is true
-                log.warning("engine_state_unexpected", state=new.value, previous=old.value if old else None,
-                            allowed=sorted(s.value for s in TRANSITIONS[old]) if old else None)
+                log.warning(
+                    "engine_state_unexpected",
+                    state=new.value,
+                    previous=old.value if old else None,
+                    allowed=sorted(s.value for s in TRANSITIONS[old]) if old else None,
+                )
             self.state = new
         return new

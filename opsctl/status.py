@@ -110,8 +110,13 @@ class Status:
         """Read a supervisor's reply; ValueError when it is not a status this opsctl understands."""
         try:
             e, g, d, r = data["engine"], data["gpu"], data["last_decision"], data["restarts"]
-            engine = EngineStatus(**{**e, "state": EngineState(e["state"]),
-                                     "process": ProcessReading(**e["process"]) if e["process"] else None})
+            engine = EngineStatus(
+                **{
+                    **e,
+                    "state": EngineState(e["state"]),
+                    "process": ProcessReading(**e["process"]) if e["process"] else None,
+                }
+            )
             return cls(
                 engine=engine,
                 gpu=GpuStatus(**{**g, "devices": [GpuReading(**x) for x in g["devices"]]}),
@@ -123,4 +128,3 @@ class Status:
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a status this opsctl reads ({exc!r}); is the supervisor another version?") from exc
-

@@ -31,8 +31,15 @@ from engine.config_file import SECRET_ENV
 from engine.logs import configure_logging
 from engine.server.settings import read_secret
 from opsctl.config import PagekeeperConfig, load_config
-from opsctl.constants import (ENGINE_LOG_NAME, EXIT_ALREADY_RUNNING, INSTANCE_FILE_NAME, LAST_FAILURE_NAME, LOCK_NAME,
-                              PID_NAME, SOCKET_NAME)
+from opsctl.constants import (
+    ENGINE_LOG_NAME,
+    EXIT_ALREADY_RUNNING,
+    INSTANCE_FILE_NAME,
+    LAST_FAILURE_NAME,
+    LOCK_NAME,
+    PID_NAME,
+    SOCKET_NAME,
+)
 from opsctl.control_server import serve_control
 from opsctl.daemon import Supervisor
 from opsctl.instances import instance_record, port_clash, running_instances, write_record
@@ -67,12 +74,21 @@ def build_launcher(cfg: PagekeeperConfig, runtime: Path, gpu: GpuProbe) -> Launc
         choice = "systemd" if systemd_available(cfg.supervisor.engine_unit()) else "process"
     if choice == "systemd":
         if cfg.supervisor.handover == "overlap":
-            raise ConfigError("[supervisor] handover = \"overlap\" needs the process launcher: systemd runs one "
-                              "engine unit at a time (its socket unit queues connections meanwhile); use "
-                              "handover = \"auto\" or launcher = \"process\"")
+            raise ConfigError(
+                '[supervisor] handover = "overlap" needs the process launcher: systemd runs one '
+                "engine unit at a time (its socket unit queues connections meanwhile); use "
+                'handover = "auto" or launcher = "process"'
+            )
         return SystemdLauncher(cfg.supervisor.engine_unit())
-    return ProcessLauncher(cfg.engine_args(), cfg.host, cfg.port, runtime, runtime / ENGINE_LOG_NAME,
-                           overlap=handover_overlaps(cfg, gpu), env=cfg.engine_env())
+    return ProcessLauncher(
+        cfg.engine_args(),
+        cfg.host,
+        cfg.port,
+        runtime,
+        runtime / ENGINE_LOG_NAME,
+        overlap=handover_overlaps(cfg, gpu),
+        env=cfg.engine_env(),
+    )
 
 
 def _admin_key(cfg: PagekeeperConfig) -> str | None:
@@ -103,9 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging()
     try:
-        cfg = load_config(args.config, {"supervisor": {"runtime_dir": args.runtime_dir,
-                                                       "dry_run": True if args.dry_run else None,
-                                                       "launcher": args.launcher, "instance": args.instance}})
+        cfg = load_config(
+            args.config,
+            {
+                "supervisor": {
+                    "runtime_dir": args.runtime_dir,
+                    "dry_run": True if args.dry_run else None,
+                    "launcher": args.launcher,
+                    "instance": args.instance,
+                }
+            },
+        )
         runtime = prepare_runtime_dir(cfg.supervisor.runtime_path())
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -59,22 +59,35 @@ class EngineCore:
         self.runner, self.model, self.kv_plan = up.runner, up.model, up.kv_plan
         self.preemption_mode = up.preemption_mode
         self.graph_capture_seconds = up.graph_capture_seconds
-        self.kv = KVCacheManager(self.kv_plan.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 up.num_cpu_blocks)
+        self.kv = KVCacheManager(
+            self.kv_plan.num_blocks, config.block_size, config.enable_prefix_caching, up.num_cpu_blocks
+        )
         self.eos_token_ids = frozenset(self.model_info.eos_token_ids)
         assert config.max_num_batched_tokens is not None
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, self.preemption_mode, self.eos_token_ids)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+            self.preemption_mode,
+            self.eos_token_ids,
+        )
         self.stats = StepStats()
         self.pipeline_depth = min(config.max_num_on_the_fly_batches, 2)
         self.step = self._step_pipelined if self.pipeline_depth == 2 else self._step_in_turn
         self._in_flight: _Launched | None = None  # queued on the device, tokens not yet read
         log.info(
-            "engine_ready", model=str(self.model_info.path), architecture=self.model_info.architecture,
-            dtype=str(self.model_info.dtype).removeprefix("torch."), device=str(self.device),
-            max_model_len=config.max_model_len, block_size=config.block_size,
-            num_blocks=self.kv_plan.num_blocks, kv_bytes=self.kv_plan.kv_bytes,
-            preemption_mode=self.preemption_mode, num_cpu_blocks=up.num_cpu_blocks,
+            "engine_ready",
+            model=str(self.model_info.path),
+            architecture=self.model_info.architecture,
+            dtype=str(self.model_info.dtype).removeprefix("torch."),
+            device=str(self.device),
+            max_model_len=config.max_model_len,
+            block_size=config.block_size,
+            num_blocks=self.kv_plan.num_blocks,
+            kv_bytes=self.kv_plan.kv_bytes,
+            preemption_mode=self.preemption_mode,
+            num_cpu_blocks=up.num_cpu_blocks,
             prefix_caching=config.enable_prefix_caching,
             cuda_graphs=self.runner.graphs.sizes if self.runner.graphs else None,
             graph_capture_seconds=round(self.graph_capture_seconds, 3),
@@ -82,8 +95,11 @@ class EngineCore:
             load_seconds=round(time.monotonic() - started, 3),
         )
         if self.device.type == "cuda":
-            log.info("memory_plan", table="\n" + self.kv_plan.table(),
-                     fragmentation_buffer_bytes=self.kv_plan.fragmentation_buffer_bytes)
+            log.info(
+                "memory_plan",
+                table="\n" + self.kv_plan.table(),
+                fragmentation_buffer_bytes=self.kv_plan.fragmentation_buffer_bytes,
+            )
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -169,14 +185,22 @@ class EngineCore:
             allocated = torch.cuda.memory_allocated(self.device)
             reserved = torch.cuda.memory_reserved(self.device)
         return EngineSnapshot(
-            running=sched.num_running, waiting=sched.num_waiting, swapped=sched.num_swapped,
-            gpu_cache_usage=kv.usage(), cpu_cache_usage=kv.cpu_usage(),
+            running=sched.num_running,
+            waiting=sched.num_waiting,
+            swapped=sched.num_swapped,
+            gpu_cache_usage=kv.usage(),
+            cpu_cache_usage=kv.cpu_usage(),
             token_utilization=self.token_utilization(),
-            prefix_blocks_used=kv.pool.num_cached, prefix_blocks_total=kv.num_blocks,
+            prefix_blocks_used=kv.pool.num_cached,
+            prefix_blocks_total=kv.num_blocks,
             prefix_hit_rate=kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0,
-            prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
-            prompt_tokens=stats.prompt_tokens, generation_tokens=stats.generation_tokens,
-            preemptions=sched.num_preemptions, steps=stats.steps,
+            prefix_queries=kv.prefix_queries,
+            prefix_hits=kv.prefix_hits,
+            prompt_tokens=stats.prompt_tokens,
+            generation_tokens=stats.generation_tokens,
+            preemptions=sched.num_preemptions,
+            steps=stats.steps,
             oldest_waiting_seconds=sched.oldest_waiting_seconds(),
-            allocated_bytes=allocated, reserved_bytes=reserved,
+            allocated_bytes=allocated,
+            reserved_bytes=reserved,
         )

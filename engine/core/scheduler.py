@@ -142,8 +142,14 @@ class Scheduler:
             if not self.swapped:
                 self._schedule_waiting(out, budget)
         ops = self.kv.take_ops()
-        plan = StepPlan(finished=self._forget, preempted=[r.seq_id for r in out.preempted], swap_out=ops.swap_out, swap_in=ops.swap_in, copies=ops.copies,
-                        num_batched_tokens=out.num_batched_tokens)
+        plan = StepPlan(
+            finished=self._forget,
+            preempted=[r.seq_id for r in out.preempted],
+            swap_out=ops.swap_out,
+            swap_in=ops.swap_in,
+            copies=ops.copies,
+            num_batched_tokens=out.num_batched_tokens,
+        )
         self._forget = []
         now = time.monotonic()
         row = 0
@@ -180,13 +186,12 @@ class Scheduler:
         table = self.kv.block_table(req.seq_id)
         sent = req.sent_table
         if len(sent) <= len(table) and table[: len(sent)] == sent:
-            start, blocks = len(sent), table[len(sent):]
+            start, blocks = len(sent), table[len(sent) :]
             sent.extend(blocks)
         else:  # admitted again, swapped in, forked or copied on write: the whole table
             start, blocks = 0, list(table)
             req.sent_table = list(table)
-        return SeqStep(req.seq_id, c.start, c.num_tokens, req.token_ids(c.start, known), pending_row,
-                       start, blocks)
+        return SeqStep(req.seq_id, c.start, c.num_tokens, req.token_ids(c.start, known), pending_row, start, blocks)
 
     def _register(self, plan: StepPlan, req: Request) -> None:
         if not req.known_to_runner:

@@ -13,7 +13,6 @@ runner executes before the next forward, in the order swap-out, swap-in, copy.
 from __future__ import annotations
 
 from collections.abc import Callable
-
 from dataclasses import dataclass, field
 
 from engine.kv.block_pool import BlockKey, BlockPool
@@ -34,8 +33,9 @@ class KVOps:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_cpu_blocks: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
@@ -100,8 +100,12 @@ class KVCacheManager:
         """
         table = self._tables.setdefault(seq_id, [])
         need = max(0, blocks_for_tokens(num_tokens, self.block_size) - len(table))
-        cow = (start is not None and start % self.block_size != 0 and start // self.block_size < len(table)
-               and self.pool.ref_count(table[start // self.block_size]) > 1)
+        cow = (
+            start is not None
+            and start % self.block_size != 0
+            and start // self.block_size < len(table)
+            and self.pool.ref_count(table[start // self.block_size]) > 1
+        )
         if need + cow > self.pool.num_free:
             if not table:
                 del self._tables[seq_id]

@@ -80,8 +80,17 @@ class StaticInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, seed: int, num_cpu_blocks: int = 0, max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int,
+        num_cpu_blocks: int = 0,
+        max_model_len: int | None = None,
+    ) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -92,8 +101,11 @@ class ModelRunner:
         # Swap space: written before it is read, so no need to zero it; pinned for fast copies.
         self._pin = device.type == "cuda"
         cpu_shape = kv_cache_shape(model, num_cpu_blocks, block_size)
-        self.cpu_caches = [torch.empty(cpu_shape, dtype=dtype, pin_memory=self._pin) for _ in range(model.num_layers)] \
-            if num_cpu_blocks else []
+        self.cpu_caches = (
+            [torch.empty(cpu_shape, dtype=dtype, pin_memory=self._pin) for _ in range(model.num_layers)]
+            if num_cpu_blocks
+            else []
+        )
         backend = kernels.attention_backend(device)
         self.backend = backend
         for m in model.modules():
@@ -124,7 +136,7 @@ class ModelRunner:
             self._seqs[new.seq_id] = _SeqState(new.sampling, None if seed is None else self._make_generator(seed), [])
         for s in plan.seqs:
             table = self._seqs[s.seq_id].table
-            del table[s.table_start:]
+            del table[s.table_start :]
             table.extend(s.table_blocks)
 
     # -- host -> device ------------------------------------------------------------------------
@@ -159,9 +171,12 @@ class ModelRunner:
         @torch.inference_mode()
         def forward(size: int) -> torch.Tensor:
             meta = AttentionMetadata(
-                slot_mapping=st.slot_mapping[:size], query_start_loc=st.query_start_loc[: size + 1],
-                seq_lens=st.seq_lens[:size], block_tables=st.block_tables[:size],
-                max_query_len=1, max_seq_len=self.max_model_len,  # type: ignore[arg-type]
+                slot_mapping=st.slot_mapping[:size],
+                query_start_loc=st.query_start_loc[: size + 1],
+                seq_lens=st.seq_lens[:size],
+                block_tables=st.block_tables[:size],
+                max_query_len=1,
+                max_seq_len=self.max_model_len,  # type: ignore[arg-type]
             )
             hidden = self.model(st.input_ids[:size], st.positions[:size], self.kv_caches, meta)
             return self.model.compute_logits(hidden)

@@ -16,8 +16,14 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
-from engine.memory.budget import (KVPlan, device_baseline, plan_kv_cache, profile_graph_memory, profile_step,
-                                  set_allocator_defaults)
+from engine.memory.budget import (
+    KVPlan,
+    device_baseline,
+    plan_kv_cache,
+    profile_graph_memory,
+    profile_step,
+    set_allocator_defaults,
+)
 from engine.model.loader import ModelInfo, load_model
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
 
@@ -51,10 +57,22 @@ def start_runner(config: EngineConfig, model_info: ModelInfo, device: torch.devi
     preemption_mode = config.resolved_preemption_mode(device.type)
     num_cpu_blocks = int(config.swap_space * 2**30) // per_block if preemption_mode == "swap" else 0
     if preemption_mode == "swap" and num_cpu_blocks == 0:
-        log.warning("swap_space_too_small", swap_space_gib=config.swap_space, bytes_per_block=per_block,
-                    effect="preempted requests are recomputed")
-    runner = ModelRunner(model, kv_plan.num_blocks, config.block_size, model_info.dtype, device, config.seed,
-                         num_cpu_blocks, max_model_len=config.max_model_len)
+        log.warning(
+            "swap_space_too_small",
+            swap_space_gib=config.swap_space,
+            bytes_per_block=per_block,
+            effect="preempted requests are recomputed",
+        )
+    runner = ModelRunner(
+        model,
+        kv_plan.num_blocks,
+        config.block_size,
+        model_info.dtype,
+        device,
+        config.seed,
+        num_cpu_blocks,
+        max_model_len=config.max_model_len,
+    )
     capture_seconds = 0.0
     if device.type == "cuda" and not config.enforce_eager:
         capture_seconds = runner.capture_decode_graphs(config.max_num_seqs)
@@ -79,8 +97,9 @@ def dummy_step(config: EngineConfig, model_info: ModelInfo, model: nn.Module, de
         sid = f"profile-{i}"
         plan.new_seqs.append(NewSeq(sid, greedy))
         ids = [(7 * j) % vocab for j in range(n)]
-        plan.seqs.append(SeqStep(sid, 0, n, ids, table_blocks=list(range(next_block, next_block + k)),
-                                 sample_ids=[sid]))
+        plan.seqs.append(
+            SeqStep(sid, 0, n, ids, table_blocks=list(range(next_block, next_block + k)), sample_ids=[sid])
+        )
         next_block += k
     runner = ModelRunner(model, next_block, bs, model_info.dtype, device, config.seed)
     runner.execute(plan)
@@ -92,10 +111,10 @@ def graph_pool_bytes(config: EngineConfig, model_info: ModelInfo, model: nn.Modu
     sequence (the pool's size does not depend on the cache's; the others reuse its blocks)."""
     assert config.max_model_len is not None
     blocks = -(-config.max_model_len // config.block_size)
-    runner = ModelRunner(model, blocks, config.block_size, model_info.dtype, device, config.seed,
-                         max_model_len=config.max_model_len)
+    runner = ModelRunner(
+        model, blocks, config.block_size, model_info.dtype, device, config.seed, max_model_len=config.max_model_len
+    )
     used = profile_graph_memory(device, partial(runner.capture_decode_graphs, config.max_num_seqs, only_largest=True))
     del runner
     torch.cuda.empty_cache()
     return used
-

@@ -105,17 +105,29 @@ def merge_deltas(outs: list[RequestOutput]) -> RequestOutput:
         for c in out.outputs:
             m = merged.get(c.index)
             if m is None:
-                merged[c.index] = CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
-                                                   list(c.logprobs) if c.logprobs is not None else None,
-                                                   c.finish_reason, c.stop_reason)
+                merged[c.index] = CompletionOutput(
+                    c.index,
+                    c.text,
+                    list(c.token_ids),
+                    c.cumulative_logprob,
+                    list(c.logprobs) if c.logprobs is not None else None,
+                    c.finish_reason,
+                    c.stop_reason,
+                )
                 continue
             m.text += c.text
             m.token_ids.extend(c.token_ids)
             if m.logprobs is not None and c.logprobs is not None:
                 m.logprobs.extend(c.logprobs)
             m.cumulative_logprob, m.finish_reason, m.stop_reason = c.cumulative_logprob, c.finish_reason, c.stop_reason
-    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
-                         [merged[i] for i in sorted(merged)], last.finished, last.metrics)
+    return RequestOutput(
+        last.request_id,
+        last.prompt,
+        last.prompt_token_ids,
+        [merged[i] for i in sorted(merged)],
+        last.finished,
+        last.metrics,
+    )
 
 
 @dataclass
@@ -127,8 +139,13 @@ class DrainResult:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics, health_stall_seconds: float = 30.0,
-                 max_waiting: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: EngineMetrics,
+        health_stall_seconds: float = 30.0,
+        max_waiting: int | None = None,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.health_stall_seconds = health_stall_seconds
@@ -246,8 +263,12 @@ class AsyncEngine:
         at_start = self.num_in_flight
         while self._slots and time.monotonic() - start < timeout:
             await asyncio.sleep(0.05)
-        result = DrainResult(drained=not self._slots, in_flight_at_start=at_start,
-                             in_flight=self.num_in_flight, waited_seconds=round(time.monotonic() - start, 3))
+        result = DrainResult(
+            drained=not self._slots,
+            in_flight_at_start=at_start,
+            in_flight=self.num_in_flight,
+            waited_seconds=round(time.monotonic() - start, 3),
+        )
         log.info("drain_finished", **result.__dict__)
         return result
 
@@ -328,8 +349,9 @@ class AsyncEngine:
                     self._finished(out)
             else:
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.request, arrival_time=cmd.arrival_time,
-                                            output_kind=cmd.kind)
+                    self.engine.add_request(
+                        cmd.request_id, cmd.request, arrival_time=cmd.arrival_time, output_kind=cmd.kind
+                    )
                 except RequestRejected as e:  # e.g. a request id already in flight
                     self.metrics.request_failed("rejected")
                     slot = self._slots.get(cmd.request_id)
@@ -355,8 +377,12 @@ class AsyncEngine:
         if t is not None:
             counts = t.output_token_counts or [len(out.outputs[0].token_ids)]
             self.metrics.request_finished(
-                out.outputs[0].finish_reason or "abort", t.arrival_time, t.first_scheduled_time,
-                t.first_token_time, t.finished_time or time.monotonic(), num_output_tokens=counts[0],
+                out.outputs[0].finish_reason or "abort",
+                t.arrival_time,
+                t.first_scheduled_time,
+                t.first_token_time,
+                t.finished_time or time.monotonic(),
+                num_output_tokens=counts[0],
             )
 
     def _fail_everything(self, error: Exception) -> None:

@@ -66,8 +66,11 @@ async def block_http_loop(seconds: float = Query(..., gt=0.0, le=60.0)) -> dict[
 
 
 @router.post("/debug/metrics")
-async def debug_metrics(http: Request, mode: str = Query(..., pattern="^(normal|garbage|slow)$"),
-                        seconds: float = Query(5.0, ge=0.0, le=600.0)) -> dict[str, Any]:
+async def debug_metrics(
+    http: Request,
+    mode: str = Query(..., pattern="^(normal|garbage|slow)$"),
+    seconds: float = Query(5.0, ge=0.0, le=600.0),
+) -> dict[str, Any]:
     """Make /metrics answer garbage, or slowly (tests of its scrapers)."""
     hooks = _hooks(http)
     hooks.metrics_mode, hooks.metrics_seconds = mode, seconds
@@ -81,12 +84,18 @@ class _MetricsFaults:
         self.app = app
         self.hooks = hooks
 
-    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
-                       send: Callable[[dict], Awaitable[None]]) -> None:
+    async def __call__(
+        self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
+    ) -> None:
         if scope["type"] == "http" and scope["path"] == "/metrics":
             if self.hooks.metrics_mode == "garbage":
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
+                    }
+                )
                 await send({"type": "http.response.body", "body": _GARBAGE})
                 return
             if self.hooks.metrics_mode == "slow":

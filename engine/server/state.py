@@ -55,8 +55,12 @@ class ServerState:
 
     def check_length(self, text: str, param: str) -> None:
         if len(text) > self.max_prompt_chars:
-            raise OpenAIError(400, f"{param} has {len(text)} characters; at most {self.max_prompt_chars} can fit "
-                                   f"max_model_len {self.engine.max_model_len}", param=param)
+            raise OpenAIError(
+                400,
+                f"{param} has {len(text)} characters; at most {self.max_prompt_chars} can fit "
+                f"max_model_len {self.engine.max_model_len}",
+                param=param,
+            )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.check_length(text, "prompt")
@@ -74,14 +78,16 @@ class ServerState:
 
     def apply_chat_template(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise OpenAIError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions",
-                              param="messages")
+            raise OpenAIError(
+                400, f"the model {self.model_name!r} has no chat template; use /v1/completions", param="messages"
+            )
         for m in messages:
             self.check_length(m.text(), "messages")
         try:
             text = self.tokenizer.apply_chat_template(
                 [{"role": m.role, "content": m.text()} for m in messages],
-                tokenize=False, add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         except Exception as e:  # jinja raises for conversations the template refuses
             raise OpenAIError(400, f"the chat template refused these messages: {e}", param="messages") from e
@@ -118,8 +124,12 @@ async def require_api_key(request: Request) -> None:
     """Bearer auth on /v1/* and /tokenize when --api-key is set (constant-time comparison)."""
     key = get_state(request).api_key
     if key and not _matches(_bearer(request), key):
-        raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        raise OpenAIError(
+            401,
+            "missing or wrong API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
 
 def is_loopback(request: Request) -> bool:
@@ -145,8 +155,16 @@ async def require_admin(request: Request) -> None:
         return
     log.warning("admin_request_refused", path=request.url.path, method=request.method, client=client)
     if state.api_key:
-        raise OpenAIError(401, "with --api-key set, admin endpoints need 'Authorization: Bearer <admin key>' "
-                               "(--admin-key / PAGEKEEPER_ADMIN_KEY), from loopback too", code="invalid_admin_key",
-                          headers={"WWW-Authenticate": "Bearer"})
-    raise OpenAIError(403, "admin endpoints accept loopback clients or 'Authorization: Bearer <admin key>' "
-                           "(--admin-key / PAGEKEEPER_ADMIN_KEY)", code="forbidden")
+        raise OpenAIError(
+            401,
+            "with --api-key set, admin endpoints need 'Authorization: Bearer <admin key>' "
+            "(--admin-key / PAGEKEEPER_ADMIN_KEY), from loopback too",
+            code="invalid_admin_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    raise OpenAIError(
+        403,
+        "admin endpoints accept loopback clients or 'Authorization: Bearer <admin key>' "
+        "(--admin-key / PAGEKEEPER_ADMIN_KEY)",
+        code="forbidden",
+    )

@@ -24,8 +24,20 @@ def test_derive_precedence():
 
 
 def test_exit_codes_match_the_documented_table():
-    want = {"serving": 0, "starting": 4, "restarting": 4, "stopping": 4, "draining": 5, "gave_up": 6, "failed": 6,
-            "exited": 8, "stalled": 8, "unresponsive": 8, "not_running": 3, "unsupervised": 7}
+    want = {
+        "serving": 0,
+        "starting": 4,
+        "restarting": 4,
+        "stopping": 4,
+        "draining": 5,
+        "gave_up": 6,
+        "failed": 6,
+        "exited": 8,
+        "stalled": 8,
+        "unresponsive": 8,
+        "not_running": 3,
+        "unsupervised": 7,
+    }
     assert {s.value: s.exit_code for s in EngineState} == want
 
 
