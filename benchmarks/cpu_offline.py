@@ -181,7 +181,7 @@ def run_hf_loop(tok, model, prompt_ids: list[list[int]], max_tokens: int, repeat
             min_new_tokens=n,
             do_sample=False,
         )
-        return out[0, len(ids):].tolist()
+        return out[0, len(ids) :].tolist()
 
     with torch.inference_mode():
         one(prompt_ids[0], min(4, max_tokens))  # warm-up
@@ -193,9 +193,7 @@ def run_hf_loop(tok, model, prompt_ids: list[list[int]], max_tokens: int, repeat
     return {"seconds": min(times), "all_seconds": times, "token_ids": token_ids}
 
 
-def run_hf_static_batch(
-    tok, model, prompt_ids: list[list[int]], max_tokens: int, repeats: int = 1
-) -> dict[str, Any]:
+def run_hf_static_batch(tok, model, prompt_ids: list[list[int]], max_tokens: int, repeats: int = 1) -> dict[str, Any]:
     import torch
 
     pad = model.generation_config.pad_token_id
@@ -203,13 +201,11 @@ def run_hf_static_batch(
     ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompt_ids):  # left padding
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
 
     def call(x, m, n):
-        return model.generate(
-            input_ids=x, attention_mask=m, max_new_tokens=n, min_new_tokens=n, do_sample=False
-        )
+        return model.generate(input_ids=x, attention_mask=m, max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
     with torch.inference_mode():
         call(ids[:2], mask[:2], min(4, max_tokens))  # warm-up
@@ -235,11 +231,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON result")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for both sides")
     p.add_argument(
-        "--quick", action="store_true",
+        "--quick",
+        action="store_true",
         help=f"smoke test: {QUICK_NUM_PROMPTS} prompts x {QUICK_MAX_TOKENS} tokens",
     )
     p.add_argument(
-        "--repeats", type=int, default=None,
+        "--repeats",
+        type=int,
+        default=None,
         help="timed runs per side after the warm-up; the fastest is reported, all are kept in the "
         "JSON (default 3, or 1 with --quick)",
     )
@@ -381,10 +380,14 @@ def print_table(r: dict[str, Any]) -> None:
     rows = [("pagekeeper LLM.generate", r["pagekeeper_s"], r["pagekeeper_tok_s"], 1.0)]
     rows.append(("HF generate loop (bs=1)", r["hf_loop_s"], r["hf_loop_tok_s"], r["hf_loop_s"] / r["pagekeeper_s"]))
     if "hf_static_batch_s" in r:
-        rows.append((
-            "HF generate static batch", r["hf_static_batch_s"], r["hf_static_batch_tok_s"],
-            r["hf_static_batch_s"] / r["pagekeeper_s"],
-        ))
+        rows.append(
+            (
+                "HF generate static batch",
+                r["hf_static_batch_s"],
+                r["hf_static_batch_tok_s"],
+                r["hf_static_batch_s"] / r["pagekeeper_s"],
+            )
+        )
     print(f"{'run':<26} {'wall s':>9} {'out tok/s':>10} {'pk speedup':>11}")
     print("-" * 59)
     for name, s, tps, sp in rows:

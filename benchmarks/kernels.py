@@ -140,8 +140,11 @@ def paged_setup(batch: int, context: int, block_size: int, q_len: int = 1, seed:
 def _sdpa_backends():
     from torch.nn.attention import SDPBackend
 
-    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    return {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
 
 
 def _sdpa_times(fn) -> tuple[float, dict[str, float | str]]:
@@ -174,7 +177,7 @@ def decode_row(batch: int, context: int, block_size: int, copy: float) -> dict:
     from kernels import triton_backend
 
     cache, tables, query, seq_lens, qsl, k, v = paged_setup(batch, context, block_size)
-    scale = D ** -0.5
+    scale = D**-0.5
 
     def paged():
         return triton_backend.paged_attention(query, cache, tables, seq_lens, qsl, scale, 1, context)
@@ -190,16 +193,26 @@ def decode_row(batch: int, context: int, block_size: int, copy: float) -> dict:
     paged_eager_ms, contiguous_eager_ms = _bench_eager(paged), _bench_eager(sdpa)
     bytes_read = _decode_bytes_read(cache, query, tables, seq_lens, batch, context)
     achieved = (bytes_read + query.numel() * query.element_size()) / (paged_ms * 1e-3) / 1e12  # + the output
-    del cache, k, v
-    return dict(batch=batch, context=context, block_size=block_size, paged_ms=round(paged_ms, 5),
-                contiguous_ms=round(contiguous_ms, 5),
-                paged_eager_ms=round(paged_eager_ms, 5), contiguous_eager_ms=round(contiguous_eager_ms, 5),
-                contiguous_backend_ms={n: (round(t, 5) if isinstance(t, float) else t) for n, t in per_backend.items()},
-                contiguous_best_ms=round(_best(contiguous_ms, per_backend), 5),
-                bytes_read=bytes_read, achieved_TBps=round(achieved, 4), copy_TBps=round(copy, 4),
-                pct_of_copy=round(100 * achieved / copy, 1), paged_over_contiguous=round(paged_ms / contiguous_ms, 3),
-                paged_over_best_contiguous=round(paged_ms / _best(contiguous_ms, per_backend), 3),
-                num_splits=pa.num_decode_splits(batch, HKV, context, query.device), rel_err_vs_sdpa=err)
+    cache = k = v = None  # frees the memory now (a closure above still names it)
+    return dict(
+        batch=batch,
+        context=context,
+        block_size=block_size,
+        paged_ms=round(paged_ms, 5),
+        contiguous_ms=round(contiguous_ms, 5),
+        paged_eager_ms=round(paged_eager_ms, 5),
+        contiguous_eager_ms=round(contiguous_eager_ms, 5),
+        contiguous_backend_ms={n: (round(t, 5) if isinstance(t, float) else t) for n, t in per_backend.items()},
+        contiguous_best_ms=round(_best(contiguous_ms, per_backend), 5),
+        bytes_read=bytes_read,
+        achieved_TBps=round(achieved, 4),
+        copy_TBps=round(copy, 4),
+        pct_of_copy=round(100 * achieved / copy, 1),
+        paged_over_contiguous=round(paged_ms / contiguous_ms, 3),
+        paged_over_best_contiguous=round(paged_ms / _best(contiguous_ms, per_backend), 3),
+        num_splits=pa.num_decode_splits(batch, HKV, context, query.device),
+        rel_err_vs_sdpa=err,
+    )
 
 
 def _decode_bytes_read(cache, query, tables, seq_lens, batch: int, context: int) -> int:
@@ -211,13 +224,14 @@ def prefill_row(batch: int, chunk: int, context: int, block_size: int) -> dict:
     from kernels import paged_attention as pa
 
     cache, tables, query, seq_lens, qsl, k, v = paged_setup(batch, context, block_size, q_len=chunk)
-    scale = D ** -0.5
+    scale = D**-0.5
 
     def paged():
         return pa.paged_attention_prefill(query, cache, tables, seq_lens, qsl, scale, chunk)
 
     q4 = query.view(batch, chunk, HQ, D).transpose(1, 2)
     if chunk == context:
+
         def sdpa():
             return F.scaled_dot_product_attention(q4, k, v, scale=scale, is_causal=True, enable_gqa=True)
     else:
@@ -235,14 +249,23 @@ def prefill_row(batch: int, chunk: int, context: int, block_size: int) -> dict:
     sdpa_ms, per_backend = _sdpa_times(sdpa) if chunk == context else (_bench(sdpa), {})
     prior = context - chunk
     flops = 4 * batch * HQ * D * (chunk * prior + chunk * (chunk + 1) / 2)
-    del cache, k, v
-    return dict(batch=batch, chunk=chunk, context=context, block_size=block_size, paged_ms=round(paged_ms, 5),
-                sdpa_ms=round(sdpa_ms, 5), paged_eager_ms=round(paged_eager_ms, 5),
-                sdpa_backend_ms={n: (round(t, 5) if isinstance(t, float) else t) for n, t in per_backend.items()},
-                sdpa_best_ms=round(_best(sdpa_ms, per_backend), 5),
-                paged_over_sdpa=round(paged_ms / sdpa_ms, 3),
-                paged_over_best_sdpa=round(paged_ms / _best(sdpa_ms, per_backend), 3), paged_TFLOPs=round(flops / paged_ms / 1e9, 1),
-                sdpa_TFLOPs=round(flops / sdpa_ms / 1e9, 1), rel_err_vs_sdpa=err)
+    cache = k = v = None  # frees the memory now (a closure above still names it)
+    return dict(
+        batch=batch,
+        chunk=chunk,
+        context=context,
+        block_size=block_size,
+        paged_ms=round(paged_ms, 5),
+        sdpa_ms=round(sdpa_ms, 5),
+        paged_eager_ms=round(paged_eager_ms, 5),
+        sdpa_backend_ms={n: (round(t, 5) if isinstance(t, float) else t) for n, t in per_backend.items()},
+        sdpa_best_ms=round(_best(sdpa_ms, per_backend), 5),
+        paged_over_sdpa=round(paged_ms / sdpa_ms, 3),
+        paged_over_best_sdpa=round(paged_ms / _best(sdpa_ms, per_backend), 3),
+        paged_TFLOPs=round(flops / paged_ms / 1e9, 1),
+        sdpa_TFLOPs=round(flops / sdpa_ms / 1e9, 1),
+        rel_err_vs_sdpa=err,
+    )
 
 
 def sweep(copy: float) -> dict:
@@ -250,52 +273,68 @@ def sweep(copy: float) -> dict:
     from kernels import paged_attention as pa
 
     out: dict = {"decode_tiles": [], "decode_splits": [], "prefill_tiles": []}
-    scale = D ** -0.5
+    scale = D**-0.5
     batch, context, bs = 64, 4096, 16
     cache, tables, query, seq_lens, qsl, k, v = paged_setup(batch, context, bs)
-    del k, v
+    k = v = None  # frees the memory now (a closure above still names it)
     moved = _decode_bytes_read(cache, query, tables, seq_lens, batch, context) + query.numel() * query.element_size()
     configs = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2), (128, 4, 3), (128, 8, 3), (32, 4, 3)]
     for block_n, warps, stages in configs:
         for splits in (1, 2):
             cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
             try:
-                ms = _bench(lambda: pa.paged_attention_decode(query, cache, tables, seq_lens, scale, context,
-                                                              num_splits=splits, config=cfg))
+                ms = _bench(
+                    lambda: pa.paged_attention_decode(
+                        query, cache, tables, seq_lens, scale, context, num_splits=splits, config=cfg
+                    )
+                )
                 pct = round(100 * moved / (ms * 1e-3) / 1e12 / copy, 1)
                 out["decode_tiles"].append(dict(cfg, num_splits=splits, paged_ms=round(ms, 5), pct_of_copy=pct))
                 print("sweep decode", cfg, splits, round(ms, 4), pct, flush=True)
             except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
                 out["decode_tiles"].append(dict(cfg, num_splits=splits, error=str(e)[:200]))
-    del cache
+    cache = None  # frees the memory now (a closure above still names it)
     for batch, context in ((1, 8192), (4, 8192), (16, 8192), (16, 2048), (32, 4096)):
         cache, tables, query, seq_lens, qsl, k, v = paged_setup(batch, context, bs)
-        del k, v
+        k = v = None  # frees the memory now (a closure above still names it)
         moved = _decode_bytes_read(cache, query, tables, seq_lens, batch, context) + query.numel() * 2
         row = dict(batch=batch, context=context, heuristic=pa.num_decode_splits(batch, HKV, context, query.device))
         for splits in (1, 2, 4, 8, 16, 32, 64):
-            ms = _bench(lambda: pa.paged_attention_decode(query, cache, tables, seq_lens, scale, context,
-                                                          num_splits=splits))
+            ms = _bench(
+                lambda: pa.paged_attention_decode(query, cache, tables, seq_lens, scale, context, num_splits=splits)
+            )
             row[f"splits_{splits}_ms"] = round(ms, 5)
             row[f"splits_{splits}_pct_of_copy"] = round(100 * moved / (ms * 1e-3) / 1e12 / copy, 1)
         print("sweep splits", row, flush=True)
         out["decode_splits"].append(row)
-        del cache
+        cache = None  # frees the memory now (a closure above still names it)
     batch, chunk = 4, 2048
     cache, tables, query, seq_lens, qsl, k, v = paged_setup(batch, chunk, bs, q_len=chunk)
     del k, v
-    for bm, bn, warps, stages in ((128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 4, 4), (128, 32, 4, 2),
-                                  (128, 64, 4, 4), (128, 64, 4, 2), (64, 32, 4, 3), (64, 64, 4, 3),
-                                  (64, 64, 4, 2), (128, 32, 8, 3), (128, 128, 8, 3), (128, 16, 4, 3)):
+    for bm, bn, warps, stages in (
+        (128, 64, 8, 3),
+        (128, 32, 4, 3),
+        (128, 32, 4, 4),
+        (128, 32, 4, 2),
+        (128, 64, 4, 4),
+        (128, 64, 4, 2),
+        (64, 32, 4, 3),
+        (64, 64, 4, 3),
+        (64, 64, 4, 2),
+        (128, 32, 8, 3),
+        (128, 128, 8, 3),
+        (128, 16, 4, 3),
+    ):
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
         try:
-            ms = _bench(lambda: pa.paged_attention_prefill(query, cache, tables, seq_lens, qsl, scale, chunk,
-                                                           config=cfg))
+            ms = _bench(
+                lambda: pa.paged_attention_prefill(query, cache, tables, seq_lens, qsl, scale, chunk, config=cfg)
+            )
             out["prefill_tiles"].append(dict(cfg, paged_ms=round(ms, 5)))
             print("sweep prefill", cfg, round(ms, 4), flush=True)
         except Exception as e:  # noqa: BLE001
             out["prefill_tiles"].append(dict(cfg, error=str(e)[:200]))
-    del cache
+    cache = None  # frees the memory now (a closure above still names it)
     return out
 
 
@@ -313,16 +352,21 @@ def host_overheads() -> dict:
     x = torch.empty(1, device=DEVICE)
     out = {"empty_triton_kernel": host_overhead_us(lambda: _empty[(1,)](x))}
     del tl
-    scale = D ** -0.5
-    for name, batch, context, q_len in (("decode_one_kernel", 64, 64, 1), ("decode_split_two_kernels", 1, 512, 1),
-                                        ("prefill", 1, 64, 64)):
+    scale = D**-0.5
+    for name, batch, context, q_len in (
+        ("decode_one_kernel", 64, 64, 1),
+        ("decode_split_two_kernels", 1, 512, 1),
+        ("prefill", 1, 64, 64),
+    ):
         cache, tables, query, seq_lens, qsl, k, v = paged_setup(batch, context, 16, q_len=q_len)
         out[name] = host_overhead_us(
-            lambda: triton_backend.paged_attention(query, cache, tables, seq_lens, qsl, scale, q_len, context))
+            lambda: triton_backend.paged_attention(query, cache, tables, seq_lens, qsl, scale, q_len, context)
+        )
         if name == "decode_one_kernel":
             q4 = query.view(batch, HQ, 1, D)
             out["sdpa_decode"] = host_overhead_us(
-                lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True))
+                lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
+            )
             slots = torch.arange(batch, device=DEVICE)
             kk = torch.randn(batch, HKV, D, device=DEVICE, dtype=DTYPE)
             out["write_kv"] = host_overhead_us(lambda: triton_backend.write_kv(kk, kk, cache, slots))
@@ -348,13 +392,24 @@ def main(argv: list[str] | None = None) -> int:
     copy = copy_tbps()
     print(f"{name}: device-to-device copy {copy:.3f} TB/s (read + write)", flush=True)
     result: dict = dict(
-        gpu=name, date=_dt.date.today().isoformat(), torch=torch.__version__, triton=triton.__version__,
-        dtype="bfloat16", num_heads=HQ, num_kv_heads=HKV, head_dim=D,
-        timing=("*_ms: median of 100 CUDA-graph replays timed with CUDA events, L2 flushed before each; "
-                "*_eager_ms: triton.testing.do_bench median of eager calls (includes host launch cost when "
-                "the kernel is shorter than it)"),
-        copy_TBps=round(copy, 4), decode_config_bs16=pa.decode_config(D, 16, DTYPE),
-        prefill_config=pa.prefill_config(D, 16, DTYPE), decode=[], prefill=[],
+        gpu=name,
+        date=_dt.date.today().isoformat(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        dtype="bfloat16",
+        num_heads=HQ,
+        num_kv_heads=HKV,
+        head_dim=D,
+        timing=(
+            "*_ms: median of 100 CUDA-graph replays timed with CUDA events, L2 flushed before each; "
+            "*_eager_ms: triton.testing.do_bench median of eager calls (includes host launch cost when "
+            "the kernel is shorter than it)"
+        ),
+        copy_TBps=round(copy, 4),
+        decode_config_bs16=pa.decode_config(D, 16, DTYPE),
+        prefill_config=pa.prefill_config(D, 16, DTYPE),
+        decode=[],
+        prefill=[],
     )
     if args.sweep:
         result["sweep"] = sweep(copy)
@@ -367,19 +422,25 @@ def main(argv: list[str] | None = None) -> int:
     for batch, context, bs in shapes:
         r = decode_row(batch, context, bs, copy)
         result["decode"].append(r)
-        print(f"decode b={batch:4d} ctx={context:5d} bs={bs:2d}: paged {r['paged_ms']:.4f} ms, "
-              f"sdpa {r['contiguous_ms']:.4f} ms ({r['paged_over_contiguous']:.2f}x), eager "
-              f"{r['paged_eager_ms']:.4f}/{r['contiguous_eager_ms']:.4f} ms, "
-              f"{r['achieved_TBps']:.3f} TB/s = {r['pct_of_copy']:.1f}% of copy, splits {r['num_splits']}, "
-              f"err {r['rel_err_vs_sdpa']:.1e}", flush=True)
+        print(
+            f"decode b={batch:4d} ctx={context:5d} bs={bs:2d}: paged {r['paged_ms']:.4f} ms, "
+            f"sdpa {r['contiguous_ms']:.4f} ms ({r['paged_over_contiguous']:.2f}x), eager "
+            f"{r['paged_eager_ms']:.4f}/{r['contiguous_eager_ms']:.4f} ms, "
+            f"{r['achieved_TBps']:.3f} TB/s = {r['pct_of_copy']:.1f}% of copy, splits {r['num_splits']}, "
+            f"err {r['rel_err_vs_sdpa']:.1e}",
+            flush=True,
+        )
         torch.cuda.empty_cache()
     if not args.no_prefill:
         for batch, chunk, context in ((1, 2048, 2048), (4, 2048, 2048), (1, 2048, 4096), (4, 2048, 4096)):
             r = prefill_row(batch, chunk, context, 16)
             result["prefill"].append(r)
-            print(f"prefill b={batch} chunk={chunk} ctx={context}: paged {r['paged_ms']:.3f} ms "
-                  f"({r['paged_TFLOPs']} TFLOP/s), sdpa {r['sdpa_ms']:.3f} ms ({r['sdpa_TFLOPs']} TFLOP/s), "
-                  f"{r['paged_over_sdpa']:.2f}x, err {r['rel_err_vs_sdpa']:.1e}", flush=True)
+            print(
+                f"prefill b={batch} chunk={chunk} ctx={context}: paged {r['paged_ms']:.3f} ms "
+                f"({r['paged_TFLOPs']} TFLOP/s), sdpa {r['sdpa_ms']:.3f} ms ({r['sdpa_TFLOPs']} TFLOP/s), "
+                f"{r['paged_over_sdpa']:.2f}x, err {r['rel_err_vs_sdpa']:.1e}",
+                flush=True,
+            )
             torch.cuda.empty_cache()
 
     key = next((r for r in result["decode"] if (r["batch"], r["context"], r["block_size"]) == (64, 4096, 16)), None)

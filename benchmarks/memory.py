@@ -30,10 +30,22 @@ from engine.default_model import DEFAULT_MODEL_DIR
 from engine.kv.kv_cache_manager import blocks_for_tokens
 
 LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu",
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
 }
 
 
@@ -66,15 +78,17 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
-def run_utilization(model: str, common: dict, block_size: int, reqs: list[tuple[list[int], int]],
-                    bar: Any) -> dict[str, Any]:
+def run_utilization(
+    model: str, common: dict, block_size: int, reqs: list[tuple[list[int], int]], bar: Any
+) -> dict[str, Any]:
     """Run the workload; token utilization is averaged over steps (tokens stored / slots held)."""
     llm = LLM(model, block_size=block_size, **common)
     engine = llm.llm_engine
     core = engine.core
     for i, (ids, out) in enumerate(reqs):
-        engine.add_request(str(i), {"prompt_token_ids": ids}, SamplingParams(max_tokens=out, temperature=0,
-                                                                             ignore_eos=True))
+        engine.add_request(
+            str(i), {"prompt_token_ids": ids}, SamplingParams(max_tokens=out, temperature=0, ignore_eos=True)
+        )
     samples, peak_running, done = [], 0, 0
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -84,8 +98,10 @@ def run_utilization(model: str, common: dict, block_size: int, reqs: list[tuple[
         peak_running = max(peak_running, core.scheduler.num_running)
         bar(f"block {block_size}: {done}/{len(reqs)}")
     result = {
-        "token_utilization": sum(samples) / len(samples), "peak_running": peak_running,
-        "num_blocks": core.kv.num_blocks, "kv_bytes": core.kv_plan.kv_bytes,
+        "token_utilization": sum(samples) / len(samples),
+        "peak_running": peak_running,
+        "num_blocks": core.kv.num_blocks,
+        "kv_bytes": core.kv_plan.kv_bytes,
         "bytes_per_token": core.kv_plan.bytes_per_block // block_size,
         "preemptions": core.scheduler.num_preemptions,
         "fragmentation_buffer_bytes": core.kv_plan.fragmentation_buffer_bytes,
@@ -93,7 +109,7 @@ def run_utilization(model: str, common: dict, block_size: int, reqs: list[tuple[
         "profile_peak_allocated_bytes": core.kv_plan.profile.peak_allocated_bytes if core.kv_plan.profile else 0,
         "memory_plan": core.kv_plan.table(),
     }
-    del llm, engine, core
+    llm = engine = core = None  # frees the memory now (a closure above still names it)
     release()
     return result
 
@@ -106,8 +122,11 @@ def run_burst(model: str, common: dict, max_len: int, vocab: int, bar: Any) -> d
     n = 2 * capacity
     rng = random.Random(2)
     for i in range(n):
-        engine.add_request(f"b{i}", {"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(max_len - 1)]},
-                           SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        engine.add_request(
+            f"b{i}",
+            {"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(max_len - 1)]},
+            SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+        )
     completed = ooms = 0
     while engine.has_unfinished_requests():
         try:
@@ -116,14 +135,19 @@ def run_burst(model: str, common: dict, max_len: int, vocab: int, bar: Any) -> d
             ooms += 1
             break
         bar(f"burst: {completed}/{n}")
-    del llm, engine
+    llm = engine = None  # frees the memory now (a closure above still names it)
     release()
-    return {"burst_capacity_sequences": capacity, "burst_requests": n, "burst_completed": completed,
-            "burst_oom_count": ooms}
+    return {
+        "burst_capacity_sequences": capacity,
+        "burst_requests": n,
+        "burst_completed": completed,
+        "burst_oom_count": ooms,
+    }
 
 
-def run_soak(model: str, common: dict, seconds: float, max_len: int, vocab: int, in_flight: int,
-             scale: float, bar: Any) -> dict[str, Any]:
+def run_soak(
+    model: str, common: dict, seconds: float, max_len: int, vocab: int, in_flight: int, scale: float, bar: Any
+) -> dict[str, Any]:
     """Mixed traffic for `seconds` after a warm-up; reserved memory must not grow."""
     llm = LLM(model, block_size=16, **common)
     engine = llm.llm_engine
@@ -136,8 +160,11 @@ def run_soak(model: str, common: dict, seconds: float, max_len: int, vocab: int,
         nonlocal counter
         while engine.num_unfinished_requests() < in_flight:
             ((ids, out),) = workload(rng, 1, max_len, vocab, scale)
-            engine.add_request(f"s{counter}", {"prompt_token_ids": ids},
-                               SamplingParams(max_tokens=out, temperature=0.8, ignore_eos=True))
+            engine.add_request(
+                f"s{counter}",
+                {"prompt_token_ids": ids},
+                SamplingParams(max_tokens=out, temperature=0.8, ignore_eos=True),
+            )
             counter += 1
 
     warm_until = time.monotonic() + min(30.0, seconds / 4)
@@ -155,15 +182,26 @@ def run_soak(model: str, common: dict, seconds: float, max_len: int, vocab: int,
             last_sample = t
             alloc = torch.cuda.memory_allocated() if cuda else 0
             res = torch.cuda.memory_reserved() if cuda else 0
-            timeline.append({"t": round(t, 1), "allocated": alloc, "reserved": res,
-                             "efficiency": round(alloc / res, 4) if res else 1.0})
+            timeline.append(
+                {
+                    "t": round(t, 1),
+                    "allocated": alloc,
+                    "reserved": res,
+                    "efficiency": round(alloc / res, 4) if res else 1.0,
+                }
+            )
             bar(f"soak: {t:.0f}/{seconds:.0f}s, {counter} requests")
     reserved1 = torch.cuda.memory_reserved() if cuda else 0
     max_reserved = max((p["reserved"] for p in timeline), default=0)
-    del llm, engine
+    llm = engine = None  # frees the memory now (a closure above still names it)
     release()
-    return {"soak_seconds": seconds, "soak_requests": counter, "soak_reserved_growth_bytes": reserved1 - reserved0,
-            "soak_max_reserved_growth_bytes": max_reserved - reserved0, "soak_timeline": timeline}
+    return {
+        "soak_seconds": seconds,
+        "soak_requests": counter,
+        "soak_reserved_growth_bytes": reserved1 - reserved0,
+        "soak_max_reserved_growth_bytes": max_reserved - reserved0,
+        "soak_timeline": timeline,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,8 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--soak-seconds", type=float, default=600.0)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--burst-gpu-memory-utilization", type=float, default=0.3,
-                    help="a smaller budget for the burst, so that 2x capacity stays quick to run")
+    ap.add_argument(
+        "--burst-gpu-memory-utilization",
+        type=float,
+        default=0.3,
+        help="a smaller budget for the burst, so that 2x capacity stays quick to run",
+    )
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
 
@@ -189,14 +231,23 @@ def main(argv: list[str] | None = None) -> int:
     if quick:
         base.update(kv_cache_memory_bytes=64 * 32768)
     else:
-        base.update(load_format="dummy", dtype="bfloat16", max_num_batched_tokens=8192,
-                    gpu_memory_utilization=args.gpu_memory_utilization)
+        base.update(
+            load_format="dummy",
+            dtype="bfloat16",
+            max_num_batched_tokens=8192,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
 
     def bar(msg: str) -> None:
         print(f"\r  {msg:<60}", end="", file=sys.stderr, flush=True)
 
-    result: dict[str, Any] = {"gpu": gpu, "date": dt.date.today().isoformat(), "quick": quick,
-                              "torch": torch.__version__, "command": "python -m benchmarks.memory " + " ".join(argv or sys.argv[1:])}
+    result: dict[str, Any] = {
+        "gpu": gpu,
+        "date": dt.date.today().isoformat(),
+        "quick": quick,
+        "torch": torch.__version__,
+        "command": "python -m benchmarks.memory " + " ".join(argv or sys.argv[1:]),
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "cpu" if gpu == "cpu" else gpu.replace("NVIDIA ", "").replace(" ", "-")
@@ -209,8 +260,11 @@ def main(argv: list[str] | None = None) -> int:
 
     rng = random.Random(1)
     reqs = workload(rng, n, max_len, vocab, scale)
-    result["workload"] = {"requests": n, "mean_prompt_tokens": sum(len(p) for p, _ in reqs) / n,
-                          "mean_output_tokens": sum(o for _, o in reqs) / n}
+    result["workload"] = {
+        "requests": n,
+        "mean_prompt_tokens": sum(len(p) for p, _ in reqs) / n,
+        "mean_output_tokens": sum(o for _, o in reqs) / n,
+    }
 
     util: dict[str, float] = {}
     for bs in (8, 16, 32):
@@ -224,10 +278,23 @@ def main(argv: list[str] | None = None) -> int:
     mean_blocks = sum(blocks_for_tokens(len(p) + o, 16) for p, o in reqs) / n
     paged = b16["num_blocks"] / mean_blocks
     contiguous = b16["kv_bytes"] / (max_len * b16["bytes_per_token"])
-    result.update({k: b16[k] for k in ("fragmentation_buffer_bytes", "profile_peak_reserved_bytes",
-                                       "profile_peak_allocated_bytes", "memory_plan")})
-    result.update(paged_sequences_fit=round(paged, 1), contiguous_sequences_fit=round(contiguous, 1),
-                  concurrency_ratio=round(paged / contiguous, 2), peak_running_observed=b16["peak_running"])
+    result.update(
+        {
+            k: b16[k]
+            for k in (
+                "fragmentation_buffer_bytes",
+                "profile_peak_reserved_bytes",
+                "profile_peak_allocated_bytes",
+                "memory_plan",
+            )
+        }
+    )
+    result.update(
+        paged_sequences_fit=round(paged, 1),
+        contiguous_sequences_fit=round(contiguous, 1),
+        concurrency_ratio=round(paged / contiguous, 2),
+        peak_running_observed=b16["peak_running"],
+    )
     save("concurrency")
 
     burst_common = dict(base)
@@ -238,9 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     result.update(run_soak(model, base, 5.0 if quick else args.soak_seconds, max_len, vocab, 64, scale, bar))
     save("soak")
     print(file=sys.stderr)
-    for k in ("token_utilization", "concurrency_ratio", "burst_requests", "burst_completed", "burst_oom_count",
-              "soak_seconds", "soak_reserved_growth_bytes", "fragmentation_buffer_bytes",
-              "profile_peak_reserved_bytes", "profile_peak_allocated_bytes"):
+    for k in (
+        "token_utilization",
+        "concurrency_ratio",
+        "burst_requests",
+        "burst_completed",
+        "burst_oom_count",
+        "soak_seconds",
+        "soak_reserved_growth_bytes",
+        "fragmentation_buffer_bytes",
+        "profile_peak_reserved_bytes",
+        "profile_peak_allocated_bytes",
+    ):
         print(f"{k:32} {result[k]}")
     print(f"wrote {path}")
     return 0

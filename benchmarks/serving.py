@@ -99,7 +99,7 @@ def split_server_args(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" not in argv:
         return list(argv), []
     i = argv.index("--")
-    return list(argv[:i]), list(argv[i + 1:])
+    return list(argv[:i]), list(argv[i + 1 :])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,47 +110,88 @@ def build_parser() -> argparse.ArgumentParser:
     )
     target = p.add_argument_group("target")
     target.add_argument("--url", default=None, help=f"running server to load (loopback only; default {DEFAULT_URL})")
-    target.add_argument("--start-server", action="store_true",
-                        help="start `python -m engine.server` on a free 127.0.0.1 port with the flags after '--'")
-    target.add_argument("--server-timeout", type=float, default=600.0,
-                        help="seconds to wait for the started server's GET /health == 200 (default 600)")
+    target.add_argument(
+        "--start-server",
+        action="store_true",
+        help="start `python -m engine.server` on a free 127.0.0.1 port with the flags after '--'",
+    )
+    target.add_argument(
+        "--server-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the started server's GET /health == 200 (default 600)",
+    )
     target.add_argument("--server-log", default=None, help="log file of the started server (default: a temp file)")
-    target.add_argument("--api-key", default=os.environ.get("PAGEKEEPER_API_KEY"),
-                        help="Bearer key for /v1/* (env PAGEKEEPER_API_KEY)")
+    target.add_argument(
+        "--api-key", default=os.environ.get("PAGEKEEPER_API_KEY"), help="Bearer key for /v1/* (env PAGEKEEPER_API_KEY)"
+    )
     target.add_argument("--model-name", default=None, help="`model` of the requests (default: from GET /v1/models)")
 
     load = p.add_argument_group("arrivals")
     mode = load.add_mutually_exclusive_group()
-    mode.add_argument("--request-rate", type=float, nargs="+", default=None, metavar="R",
-                      help="Poisson arrivals at R requests/s ('inf': all at once); several rates run in turn")
-    mode.add_argument("--concurrency", type=int, nargs="+", default=None, metavar="C",
-                      help="keep C requests in flight; several values run in turn")
+    mode.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="R",
+        help="Poisson arrivals at R requests/s ('inf': all at once); several rates run in turn",
+    )
+    mode.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="C",
+        help="keep C requests in flight; several values run in turn",
+    )
     load.add_argument("--num-prompts", type=int, default=200, help="requests per rate / concurrency (default 200)")
     load.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request (default 300)")
-    load.add_argument("--max-duration", type=float, default=1800.0,
-                      help="cap in seconds on the whole benchmark after start-up (default 1800)")
-    load.add_argument("--warmup", type=int, default=1,
-                      help=f"untimed warm-up requests ({WARMUP_PROMPT_LEN} -> {WARMUP_MAX_TOKENS} tokens) first")
+    load.add_argument(
+        "--max-duration",
+        type=float,
+        default=1800.0,
+        help="cap in seconds on the whole benchmark after start-up (default 1800)",
+    )
+    load.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help=f"untimed warm-up requests ({WARMUP_PROMPT_LEN} -> {WARMUP_MAX_TOKENS} tokens) first",
+    )
 
     work = p.add_argument_group("workload")
     work.add_argument("--input-len", type=int, default=256, help="median prompt length in tokens (default 256)")
     work.add_argument("--output-len", type=int, default=128, help="median output length in tokens (default 128)")
     work.add_argument("--max-input-len", type=int, default=1024, help="cap on prompt length (default 1024)")
     work.add_argument("--max-output-len", type=int, default=1024, help="cap on output length (default 1024)")
-    work.add_argument("--len-sigma", type=float, default=0.8,
-                      help="sigma of log(length) of the lognormal lengths; 0 gives fixed lengths (default 0.8)")
+    work.add_argument(
+        "--len-sigma",
+        type=float,
+        default=0.8,
+        help="sigma of log(length) of the lognormal lengths; 0 gives fixed lengths (default 0.8)",
+    )
     work.add_argument("--vocab", type=int, default=1000, help="token ids are drawn below this (default 1000)")
-    work.add_argument("--min-token-id", type=int, default=10,
-                      help="token ids are drawn from this up (skips special tokens; default 10)")
+    work.add_argument(
+        "--min-token-id",
+        type=int,
+        default=10,
+        help="token ids are drawn from this up (skips special tokens; default 10)",
+    )
     work.add_argument("--seed", type=int, default=0)
 
     out = p.add_argument_group("output")
-    out.add_argument("--out", default=None,
-                     help="JSON path (default benchmarks/results/serving-<gpu-or-cpu>-<date>.json)")
+    out.add_argument(
+        "--out", default=None, help="JSON path (default benchmarks/results/serving-<gpu-or-cpu>-<date>.json)"
+    )
     out.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
     out.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
-    out.add_argument("--plot-only", default=None, metavar="RESULT.json",
-                     help="only redraw the PNG of an existing result (to --plot or RESULT.png)")
+    out.add_argument(
+        "--plot-only",
+        default=None,
+        metavar="RESULT.json",
+        help="only redraw the PNG of an existing result (to --plot or RESULT.png)",
+    )
     out.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     return p
 
@@ -298,16 +339,18 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log_path: Pat
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was healthy; "
-                               f"log {log_path}:\n{log_tail(log_path)}")
+            raise RuntimeError(
+                f"the server exited with {proc.returncode} before it was healthy; log {log_path}:\n{log_tail(log_path)}"
+            )
         try:
             if httpx.get(url + "/health", timeout=2.0, trust_env=False).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"the server was not healthy after {timeout:.0f}s (--server-timeout); "
-                       f"log {log_path}:\n{log_tail(log_path)}")
+    raise TimeoutError(
+        f"the server was not healthy after {timeout:.0f}s (--server-timeout); log {log_path}:\n{log_tail(log_path)}"
+    )
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
@@ -467,7 +510,7 @@ def take_chunk(rec: RequestRecord, chunk: dict[str, Any], t: float) -> None:
     if usage:
         rec.output_tokens = int(usage.get("completion_tokens") or 0)
         rec.prompt_tokens = usage.get("prompt_tokens")
-    for choice in chunk.get("choices") or []:
+    for _choice in chunk.get("choices") or []:
         # The server sends a chunk whenever tokens were generated, even when their text is still
         # empty (special tokens, half a UTF-8 character, random-weight models): a token is a token.
         rec.chunk_times.append(t)
@@ -492,14 +535,19 @@ async def read_stream(resp: httpx.Response, rec: RequestRecord, t0: float) -> No
     rec.ok = rec.error is None
 
 
-async def send_request(client: httpx.AsyncClient, target: Target, item: WorkItem, rec: RequestRecord,
-                       t0: float) -> None:
+async def send_request(
+    client: httpx.AsyncClient, target: Target, item: WorkItem, rec: RequestRecord, t0: float
+) -> None:
     """POST one streaming completion and fill `rec`; never raises except for cancellation."""
     rec.send = time.perf_counter() - t0
     try:
         async with asyncio.timeout(target.request_timeout):
-            async with client.stream("POST", target.url + "/v1/completions", headers=target.headers,
-                                     json=completion_payload(target.model, item)) as resp:
+            async with client.stream(
+                "POST",
+                target.url + "/v1/completions",
+                headers=target.headers,
+                json=completion_payload(target.model, item),
+            ) as resp:
                 rec.status = resp.status_code
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode(errors="replace")
@@ -571,8 +619,15 @@ def make_progress(total: int, label: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=label, unit="req", disable=not enabled, mininterval=0.5, file=sys.stderr)
 
 
-async def run_one(client: httpx.AsyncClient, target: Target, spec: RunSpec, items: list[WorkItem],
-                  seed: int, time_left: float, progress: bool) -> tuple[list[RequestRecord], float, bool]:
+async def run_one(
+    client: httpx.AsyncClient,
+    target: Target,
+    spec: RunSpec,
+    items: list[WorkItem],
+    seed: int,
+    time_left: float,
+    progress: bool,
+) -> tuple[list[RequestRecord], float, bool]:
     """Run one rate / concurrency; returns the records, the run's duration and whether it was cut off."""
     records = [RequestRecord(i, len(it.prompt_ids), it.max_tokens) for i, it in enumerate(items)]
     bar = make_progress(len(items), spec.label, progress)
@@ -607,16 +662,16 @@ async def warm_up(client: httpx.AsyncClient, target: Target, w: Workload, count:
     rng = random.Random(f"{w.seed}-warmup")
     for _ in range(count):
         n_in = min(WARMUP_PROMPT_LEN, w.max_input_len)
-        item = WorkItem([rng.randrange(w.min_token_id, w.vocab) for _ in range(n_in)],
-                        min(WARMUP_MAX_TOKENS, w.max_output_len))
+        item = WorkItem(
+            [rng.randrange(w.min_token_id, w.vocab) for _ in range(n_in)], min(WARMUP_MAX_TOKENS, w.max_output_len)
+        )
         rec = RequestRecord(-1, n_in, item.max_tokens)
         await send_request(client, target, item, rec, time.perf_counter())
         if not rec.ok:
             raise RuntimeError(f"warm-up request failed: {rec.error}")
 
 
-async def run_all(target: Target, w: Workload, specs: list[RunSpec],
-                  args: argparse.Namespace) -> list[dict[str, Any]]:
+async def run_all(target: Target, w: Workload, specs: list[RunSpec], args: argparse.Namespace) -> list[dict[str, Any]]:
     deadline = time.monotonic() + args.max_duration
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
@@ -631,15 +686,16 @@ async def run_all(target: Target, w: Workload, specs: list[RunSpec],
             if left <= 0:
                 records, duration, cut = skipped_records(items), 0.0, True
             else:
-                records, duration, cut = await run_one(client, target, spec, items, w.seed, left,
-                                                       not args.no_progress)
+                records, duration, cut = await run_one(client, target, spec, items, w.seed, left, not args.no_progress)
             runs.append(run_result(spec, records, duration, cut))
     return runs
 
 
 def skipped_records(items: list[WorkItem]) -> list[RequestRecord]:
-    return [RequestRecord(i, len(it.prompt_ids), it.max_tokens, error="not sent: --max-duration reached")
-            for i, it in enumerate(items)]
+    return [
+        RequestRecord(i, len(it.prompt_ids), it.max_tokens, error="not sent: --max-duration reached")
+        for i, it in enumerate(items)
+    ]
 
 
 # ------------------------------------------------------------------------------------------- metrics
@@ -753,9 +809,11 @@ def print_table(result: dict[str, Any]) -> None:
     runs = result["runs"]
     w = result["workload"]
     print()
-    print(f"serving benchmark: {result['server']['model']} on {result['gpu']}, {w['num_prompts']} requests per run, "
-          f"input median/cap {w['input_len']}/{w['max_input_len']}, "
-          f"output median/cap {w['output_len']}/{w['max_output_len']}")
+    print(
+        f"serving benchmark: {result['server']['model']} on {result['gpu']}, {w['num_prompts']} requests per run, "
+        f"input median/cap {w['input_len']}/{w['max_input_len']}, "
+        f"output median/cap {w['output_len']}/{w['max_output_len']}"
+    )
     labels = [r["label"] for r in runs]
     width = max(12, *(len(s) for s in labels)) + 2
     print(f"{'':<30}" + "".join(f"{s:>{width}}" for s in labels))
@@ -766,15 +824,19 @@ def print_table(result: dict[str, Any]) -> None:
         if r["error_counts"]:
             print(f"{r['label']}: errors {r['error_counts']}")
         if r["output_len_mismatch"]:
-            print(f"{r['label']}: {r['output_len_mismatch']} request(s) returned another number of tokens "
-                  "than max_tokens")
+            print(
+                f"{r['label']}: {r['output_len_mismatch']} request(s) returned another number of tokens than max_tokens"
+            )
 
 
 def device_label(server_args: list[str]) -> str:
     """'cpu' when the server was told --device cpu or there is no GPU, else the GPU's name as a slug."""
     for i, a in enumerate(server_args):
-        value = a.split("=", 1)[1] if a.startswith("--device=") else (
-            server_args[i + 1] if a == "--device" and i + 1 < len(server_args) else None)
+        value = (
+            a.split("=", 1)[1]
+            if a.startswith("--device=")
+            else (server_args[i + 1] if a == "--device" and i + 1 < len(server_args) else None)
+        )
         if value == "cpu":
             return "cpu"
     try:
@@ -818,16 +880,20 @@ def plot_result(result: dict[str, Any], png: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("warning: matplotlib is not installed; no plot (pip install matplotlib, then --plot-only)",
-              file=sys.stderr, flush=True)
+        print(
+            "warning: matplotlib is not installed; no plot (pip install matplotlib, then --plot-only)",
+            file=sys.stderr,
+            flush=True,
+        )
         return False
     metrics = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"))
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
     for ax, (key, name) in zip(axes[0], metrics):
         draw_cdfs(ax, result["runs"], key, name)
     server = result.get("server") or {}
-    fig.suptitle(f"pagekeeper serving: {server.get('model', '?')} on {result.get('gpu', '?')}, "
-                 f"{result.get('date', '')}")
+    fig.suptitle(
+        f"pagekeeper serving: {server.get('model', '?')} on {result.get('gpu', '?')}, {result.get('date', '')}"
+    )
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
@@ -874,8 +940,9 @@ def reproduce_command(argv: list[str]) -> list[str]:
     return ["python3", "-m", "benchmarks.serving", *argv]
 
 
-def build_result(args: argparse.Namespace, argv: list[str], server: dict[str, Any],
-                 runs: list[dict[str, Any]]) -> dict[str, Any]:
+def build_result(
+    args: argparse.Namespace, argv: list[str], server: dict[str, Any], runs: list[dict[str, Any]]
+) -> dict[str, Any]:
     return {
         "gpu": device_label(args.server_args),
         "date": _dt.date.today().isoformat(),
@@ -895,8 +962,9 @@ def build_result(args: argparse.Namespace, argv: list[str], server: dict[str, An
     }
 
 
-def benchmark(args: argparse.Namespace, url: str,
-              server_extra: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def benchmark(
+    args: argparse.Namespace, url: str, server_extra: dict[str, Any]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     info = {**server_info(url, args.api_key), **server_extra}
     w = Workload.from_args(args)
     check_fits(w, info.get("max_model_len"))

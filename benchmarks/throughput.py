@@ -66,7 +66,7 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     t = _median_time(lambda: dst.copy_(src), device)
-    del src, dst
+    src = dst = None  # frees the memory now (a closure above still names it)
     return 2 * nbytes / t
 
 
@@ -75,15 +75,23 @@ def matmul_rate(device: torch.device, n: int, dtype: torch.dtype) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     t = _median_time(lambda: a @ b, device)
-    del a, b
+    a = b = None  # frees the memory now (a closure above still names it)
     return 2 * n**3 / t
 
 
 # -- the roofline ------------------------------------------------------------------------------
 
 
-def roofline_seconds(cfg: dict[str, Any], num_prompts: int, input_len: int, output_len: int, max_num_seqs: int,
-                     dtype_bytes: int, matmul_flops: float, copy_bytes_per_s: float) -> dict[str, float]:
+def roofline_seconds(
+    cfg: dict[str, Any],
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    max_num_seqs: int,
+    dtype_bytes: int,
+    matmul_flops: float,
+    copy_bytes_per_s: float,
+) -> dict[str, float]:
     """The fastest any engine could run this workload on this device (see the module docstring)."""
     h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     heads, kv_heads, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
@@ -105,8 +113,13 @@ def roofline_seconds(cfg: dict[str, Any], num_prompts: int, input_len: int, outp
         left -= batch
     prefill_s = prefill_flops / matmul_flops
     decode_s = decode_bytes / copy_bytes_per_s
-    return {"prefill_flops": prefill_flops, "decode_bytes": decode_bytes, "prefill_s": prefill_s,
-            "decode_s": decode_s, "total_s": prefill_s + decode_s}
+    return {
+        "prefill_flops": prefill_flops,
+        "decode_bytes": decode_bytes,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "total_s": prefill_s + decode_s,
+    }
 
 
 # -- pagekeeper --------------------------------------------------------------------------------
@@ -117,8 +130,12 @@ def prompts_for(num: int, length: int, vocab: int, seed: int) -> list[list[int]]
     return torch.randint(10, vocab, (num, length), generator=g).tolist()
 
 
-def run_pagekeeper(model: str, engine_args: dict[str, Any], prompts: list[list[int]], output_len: int,
-                   ) -> tuple[LLM, float, float]:
+def run_pagekeeper(
+    model: str,
+    engine_args: dict[str, Any],
+    prompts: list[list[int]],
+    output_len: int,
+) -> tuple[LLM, float, float]:
     """(llm, cold start seconds, generate seconds) for one configuration."""
     t = time.perf_counter()
     llm = LLM(model, **engine_args)
@@ -141,8 +158,14 @@ def cold_start_in_fresh_process(eager: bool, passthrough: list[str]) -> float:
     what a restart costs, free of this process's already-compiled kernels."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "benchmarks.throughput", "--cold-start-only", "eager" if eager else "graphs",
-           *passthrough]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.throughput",
+        "--cold-start-only",
+        "eager" if eager else "graphs",
+        *passthrough,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         raise RuntimeError(f"cold-start child failed ({r.returncode}): {r.stderr[-2000:]}")
@@ -173,8 +196,9 @@ def profile_summary(llm: LLM, prompts: list[list[int]], output_len: int, top: in
         "wall_ms": round(wall_us / 1e3, 1),
         "gpu_busy_ms": round(busy_us / 1e3, 1),
         "gpu_idle_fraction": round(1 - busy_us / wall_us, 4) if kernels else None,
-        "top_kernels": [{"name": n[:120], "ms": round(us / 1e3, 2), "share": round(us / total_kernel, 4)}
-                        for n, us in ranked],
+        "top_kernels": [
+            {"name": n[:120], "ms": round(us / 1e3, 2), "share": round(us / total_kernel, 4)} for n, us in ranked
+        ],
     }
 
 
@@ -208,8 +232,14 @@ def build_hf(model: str, dtype: torch.dtype, device: torch.device) -> Any:
 def _no_eos_config(hf: Any, output_len: int) -> Any:
     from transformers import GenerationConfig
 
-    return GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                            eos_token_id=None, pad_token_id=0, bos_token_id=None)
+    return GenerationConfig(
+        max_new_tokens=output_len,
+        min_new_tokens=output_len,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
 
 
 def hf_static(hf: Any, prompts: list[list[int]], output_len: int, batch: int, device: torch.device) -> float:
@@ -282,8 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     model = model_dir(quick=not gpu)
     cfg = LLAMA3_8B if gpu else json.loads((Path(model) / "config.json").read_text())
     engine_args: dict[str, Any] = dict(
-        device=device.type, dtype="bfloat16" if gpu else "float32", max_num_seqs=args.max_num_seqs,
-        max_model_len=-(-(in_len + out_len) // 256) * 256, max_num_on_the_fly_batches=2, swap_space=0,
+        device=device.type,
+        dtype="bfloat16" if gpu else "float32",
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=-(-(in_len + out_len) // 256) * 256,
+        max_num_on_the_fly_batches=2,
+        swap_space=0,
     )
     if gpu:
         engine_args["load_format"] = "dummy"
@@ -295,11 +329,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-") if gpu else "cpu"
     result: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name() if gpu else "cpu", "date": dt.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name() if gpu else "cpu",
+        "date": dt.date.today().isoformat(),
         "command": "python -m benchmarks.throughput " + " ".join(sys.argv[1:] if argv is None else argv),
-        "torch": torch.__version__, "model_shape": cfg.get("architectures", ["?"])[0] + (" (Llama-3-8B shape)" if gpu else " (embedded)"),
+        "torch": torch.__version__,
+        "model_shape": cfg.get("architectures", ["?"])[0] + (" (Llama-3-8B shape)" if gpu else " (embedded)"),
         "dtype": str(dtype).removeprefix("torch."),
-        "workload": {"num_prompts": num, "input_len": in_len, "output_len": out_len, "greedy": True, "ignore_eos": True},
+        "workload": {
+            "num_prompts": num,
+            "input_len": in_len,
+            "output_len": out_len,
+            "greedy": True,
+            "ignore_eos": True,
+        },
         "engine_args": engine_args,
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -322,15 +364,19 @@ def main(argv: list[str] | None = None) -> int:
     result["pagekeeper_s"] = round(elapsed, 3)
     result["pagekeeper_tok_s"] = round(total_tokens / elapsed, 1)
     plan = llm.llm_engine.core.kv_plan
-    result["memory_plan"] = {"kv_bytes": plan.kv_bytes, "num_blocks": plan.num_blocks,
-                             "graph_bytes": plan.graph_bytes, "activation_bytes": plan.activation_bytes}
+    result["memory_plan"] = {
+        "kv_bytes": plan.kv_bytes,
+        "num_blocks": plan.num_blocks,
+        "graph_bytes": plan.graph_bytes,
+        "activation_bytes": plan.activation_bytes,
+    }
     save()
     phases.update()
     # 3. where the time goes
     if args.profile_output_len:
         result["profile"] = profile_summary(llm, prompts, args.profile_output_len)
         save()
-    del llm
+    llm = None  # frees the memory now (a closure above still names it)
     _free()
     phases.update()
     # 4. eager (no CUDA graphs), for the cold-start comparison
@@ -338,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         llm, cold, elapsed = run_pagekeeper(model, {**engine_args, "enforce_eager": True}, prompts, out_len)
         result["cold_start_eager_s"] = round(cold, 2)
         result["pagekeeper_eager_tok_s"] = round(total_tokens / elapsed, 1)
-        del llm
+        llm = None  # frees the memory now (a closure above still names it)
         _free()
         save()
     phases.update()
@@ -347,8 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     result["cold_start_eager_in_process_s"] = result.pop("cold_start_eager_s", None)
     result["cold_start_s"] = round(cold_start_in_fresh_process(False, passthrough), 2)
     result["cold_start_eager_s"] = round(cold_start_in_fresh_process(True, passthrough), 2)
-    result["cold_start_note"] = ("LLM() to ready in a fresh process, random weights generated on the device "
-                                 "(no checkpoint read from disk), Triton's disk cache warm")
+    result["cold_start_note"] = (
+        "LLM() to ready in a fresh process, random weights generated on the device "
+        "(no checkpoint read from disk), Triton's disk cache warm"
+    )
     save()
     # 5. transformers on the same device
     if not args.skip_hf:
@@ -368,12 +416,20 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
 
         result["transformers"] = transformers.__version__
-        del hf
+        hf = None  # frees the memory now (a closure above still names it)
         _free()
     phases.update()
     # 6. the roofline
-    roof = roofline_seconds(cfg, num, in_len, out_len, args.max_num_seqs, torch.empty((), dtype=dtype).element_size(),
-                            result["matmul_TFLOPs"] * 1e12, result["copy_TBps"] * 1e12)
+    roof = roofline_seconds(
+        cfg,
+        num,
+        in_len,
+        out_len,
+        args.max_num_seqs,
+        torch.empty((), dtype=dtype).element_size(),
+        result["matmul_TFLOPs"] * 1e12,
+        result["copy_TBps"] * 1e12,
+    )
     result["roofline"] = {k: (round(v, 4) if k.endswith("_s") else v) for k, v in roof.items()}
     result["roofline_tok_s"] = round(total_tokens / roof["total_s"], 1)
     result["roofline_fraction"] = round(result["pagekeeper_tok_s"] / result["roofline_tok_s"], 4)
@@ -389,11 +445,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_table(r: dict[str, Any]) -> None:
-    rows = [(k, r.get(k)) for k in ("gpu", "copy_TBps", "matmul_TFLOPs", "pagekeeper_tok_s", "pagekeeper_eager_tok_s",
-                                    "hf_static_bs64_tok_s", "hf_static_bs256_tok_s", "hf_static_bs8_tok_s",
-                                    "hf_static_bs32_tok_s", "hf_generate_batch_tok_s", "roofline_tok_s",
-                                    "roofline_fraction", "speedup_vs_best_hf_static", "cold_start_s",
-                                    "cold_start_eager_s") if k in r]
+    rows = [
+        (k, r.get(k))
+        for k in (
+            "gpu",
+            "copy_TBps",
+            "matmul_TFLOPs",
+            "pagekeeper_tok_s",
+            "pagekeeper_eager_tok_s",
+            "hf_static_bs64_tok_s",
+            "hf_static_bs256_tok_s",
+            "hf_static_bs8_tok_s",
+            "hf_static_bs32_tok_s",
+            "hf_generate_batch_tok_s",
+            "roofline_tok_s",
+            "roofline_fraction",
+            "speedup_vs_best_hf_static",
+            "cold_start_s",
+            "cold_start_eager_s",
+        )
+        if k in r
+    ]
     if "profile" in r:
         rows.append(("profile gpu_idle_fraction", r["profile"]["gpu_idle_fraction"]))
     width = max(len(k) for k, _ in rows)

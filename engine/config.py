@@ -35,9 +35,7 @@ class EngineConfig:
         default=None,
         metadata=_flag("Path of a local HF checkpoint directory; empty means the embedded default model."),
     )
-    tokenizer: str | None = field(
-        default=None, metadata=_flag("Tokenizer directory if it differs from --model.")
-    )
+    tokenizer: str | None = field(default=None, metadata=_flag("Tokenizer directory if it differs from --model."))
     served_model_name: str | None = field(
         default=None,
         metadata=_flag("Model name reported by the API and in metric labels (default: the model directory's name)."),
@@ -46,17 +44,13 @@ class EngineConfig:
         default="auto",
         metadata=_flag("Weight and activation dtype; auto follows the checkpoint.", choices=DTYPES),
     )
-    device: str = field(
-        default="auto", metadata=_flag("cpu, cuda, cuda:N, or auto (cuda when available).")
-    )
+    device: str = field(default="auto", metadata=_flag("cpu, cuda, cuda:N, or auto (cuda when available)."))
     seed: int = field(default=0, metadata=_flag("Seed for requests that do not bring their own."))
     max_model_len: int | None = field(
         default=None,
         metadata=_flag("Longest prompt + output in tokens (default: the checkpoint's max_position_embeddings)."),
     )
-    block_size: int = field(
-        default=16, metadata=_flag("Tokens per KV block.", choices=BLOCK_SIZES)
-    )
+    block_size: int = field(default=16, metadata=_flag("Tokens per KV block.", choices=BLOCK_SIZES))
     gpu_memory_utilization: float = field(
         default=0.9, metadata=_flag("Fraction of GPU memory the engine may use in total (0, 1].")
     )
@@ -68,9 +62,7 @@ class EngineConfig:
         default=0.1,
         metadata=_flag("On CPU without --kv-cache-memory-bytes: fraction of available RAM for the KV cache."),
     )
-    swap_space: float = field(
-        default=4.0, metadata=_flag("GiB of pinned CPU memory for swapped-out KV blocks.")
-    )
+    swap_space: float = field(default=4.0, metadata=_flag("GiB of pinned CPU memory for swapped-out KV blocks."))
     preemption_mode: Literal["swap", "recompute"] | None = field(
         default=None,
         metadata=_flag(
@@ -78,9 +70,7 @@ class EngineConfig:
             choices=("swap", "recompute"),
         ),
     )
-    max_num_seqs: int = field(
-        default=256, metadata=_flag("Most sequences in one step (the batch size cap).")
-    )
+    max_num_seqs: int = field(default=256, metadata=_flag("Most sequences in one step (the batch size cap)."))
     max_num_batched_tokens: int | None = field(
         default=None,
         metadata=_flag(
@@ -91,25 +81,25 @@ class EngineConfig:
     enable_chunked_prefill: bool = field(
         default=True, metadata=_flag("Split long prompts into chunks that share steps with decodes.")
     )
-    enable_prefix_caching: bool = field(
-        default=False, metadata=_flag("Reuse KV blocks of identical prompt prefixes.")
-    )
-    enforce_eager: bool = field(
-        default=False, metadata=_flag("Never capture CUDA graphs.")
-    )
+    enable_prefix_caching: bool = field(default=False, metadata=_flag("Reuse KV blocks of identical prompt prefixes."))
+    enforce_eager: bool = field(default=False, metadata=_flag("Never capture CUDA graphs."))
     load_format: str = field(
         default="auto",
-        metadata=_flag("auto reads the checkpoint's safetensors; dummy fills random weights (benchmarks, no download).",
-                       choices=("auto", "dummy")),
+        metadata=_flag(
+            "auto reads the checkpoint's safetensors; dummy fills random weights (benchmarks, no download).",
+            choices=("auto", "dummy"),
+        ),
     )
     trust_remote_code: bool = field(
         default=False, metadata=_flag("Passed to transformers when reading the config and tokenizer.")
     )
     max_num_on_the_fly_batches: int = field(
         default=2,
-        metadata=_flag("Steps queued on the device at once: 1 is synchronous; 2 schedules and queues step k+1 "
-                       "before step k's tokens are read (async scheduling), then accepts and detokenizes step k "
-                       "while the device computes k+1. Deeper is treated as 2."),
+        metadata=_flag(
+            "Steps queued on the device at once: 1 is synchronous; 2 schedules and queues step k+1 "
+            "before step k's tokens are read (async scheduling), then accepts and detokenizes step k "
+            "while the device computes k+1. Deeper is treated as 2."
+        ),
     )
     tensor_parallel_size: int = field(
         default=1, metadata=_flag("GPUs to shard the model over (only 1 is supported yet).")
@@ -129,13 +119,9 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(
-                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0.0 < self.cpu_kv_cache_fraction < 1.0:
-            raise ConfigError(
-                f"--cpu-kv-cache-fraction must be in (0, 1), got {self.cpu_kv_cache_fraction}"
-            )
+            raise ConfigError(f"--cpu-kv-cache-fraction must be in (0, 1), got {self.cpu_kv_cache_fraction}")
         _positive("--max-num-seqs", self.max_num_seqs)
         _positive("--max-num-on-the-fly-batches", self.max_num_on_the_fly_batches)
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
@@ -148,13 +134,9 @@ class EngineConfig:
         if self.swap_space < 0:
             raise ConfigError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
         if self.fragmentation_buffer_factor < 0:
-            raise ConfigError(
-                f"--fragmentation-buffer-factor must be >= 0, got {self.fragmentation_buffer_factor}"
-            )
+            raise ConfigError(f"--fragmentation-buffer-factor must be >= 0, got {self.fragmentation_buffer_factor}")
         if self.preemption_mode not in (None, "swap", "recompute"):
-            raise ConfigError(
-                f"--preemption-mode must be swap or recompute, got {self.preemption_mode!r}"
-            )
+            raise ConfigError(f"--preemption-mode must be swap or recompute, got {self.preemption_mode!r}")
         if self.tensor_parallel_size > 1:
             raise ConfigError(
                 f"--tensor-parallel-size {self.tensor_parallel_size} is not supported yet: "

@@ -14,9 +14,10 @@ import dataclasses
 import os
 import re
 import stat
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from engine.config import ConfigError, EngineConfig
 from engine.schema import validate_section
@@ -59,8 +60,10 @@ def _check_private(path: Path) -> None:
     """A file that holds a key is as secret as a key file: readable by its owner only."""
     mode = stat.S_IMODE(os.stat(path).st_mode)
     if mode & 0o077:
-        raise ConfigError(f"{path} holds [engine] api_key/admin_key but has mode {mode:04o}: others can read the key; "
-                          f"`chmod 600 {path}`, or move the key to api_key_file / PAGEKEEPER_API_KEY")
+        raise ConfigError(
+            f"{path} holds [engine] api_key/admin_key but has mode {mode:04o}: others can read the key; "
+            f"`chmod 600 {path}`, or move the key to api_key_file / PAGEKEEPER_API_KEY"
+        )
 
 
 def validate_engine_section(values: dict[str, Any], source: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -32,9 +32,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched by the scheduler; outputs in prompt order."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (text, dict, or a list of token ids)
         prompts = list(prompts)
         if sampling_params is None:
@@ -51,7 +49,7 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 rid = str(next(self._ids))
-                engine.add_request(rid, prompt, params)
+                engine.add_request(rid, prompt, params, output_kind=RequestOutputKind.FINAL_ONLY)
                 order[rid] = i
             results: list[RequestOutput | None] = [None] * len(prompts)
             with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as bar:

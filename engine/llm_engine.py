@@ -8,16 +8,19 @@ with an error naming the parameter, instead of sitting in the queue forever.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Any, Union
 
 from engine.config import EngineConfig
-from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.engine_core import EngineCore
-from engine.core.request import Request
+from engine.core.plan import SamplingSpec
+from engine.core.request import Request, RequestStatus
 from engine.kv.kv_cache_manager import blocks_for_tokens
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.metrics import EngineSnapshot
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 
 PromptType = Union[str, dict[str, Any], list[int]]
 
@@ -26,15 +29,24 @@ class RequestRejected(SamplingParamsError):
     """The request can never be served as given; `param` names what to change."""
 
 
-@dataclass(eq=False)
-class ParentRequest:
-    request_id: str
+@dataclass(frozen=True)
+class Limits:
+    """What a request is checked against; fixed at start-up, so any thread may read it."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A prompt and parameters that passed `LLMEngine.validate`: `add_request` takes it as it is."""
+
     prompt: str | None
     prompt_token_ids: list[int]
-    seqs: list[Request]
-
-    def finished(self) -> bool:
-        return all(s.status.finished for s in self.seqs)
+    params: SamplingParams
+    max_tokens: int  # the effective limit (max_model_len - prompt when max_tokens is None)
 
 
 class LLMEngine:
@@ -42,14 +54,20 @@ class LLMEngine:
         self.config = config
         self.core = EngineCore(config)
         self.tokenizer = self.core.tokenizer
-        self._parents: dict[str, ParentRequest] = {}
+        self.outputs = OutputProcessor(self.tokenizer)
+        assert config.max_model_len is not None
+        self.limits = Limits(
+            int(self.core.model_info.hf_config.vocab_size),
+            config.max_model_len,
+            config.block_size,
+            self.core.kv.num_blocks,
+        )
+        self._seq_ids: dict[str, list[str]] = {}  # request id -> its sequences' ids
         self._arrival = itertools.count()
-        self._seed_counter = itertools.count()
 
     @property
     def max_model_len(self) -> int:
-        assert self.config.max_model_len is not None
-        return self.config.max_model_len
+        return self.limits.max_model_len
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -62,36 +80,50 @@ class LLMEngine:
             raise RequestRejected("prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'")
         return None, [int(t) for t in prompt]
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None) -> ParentRequest:
-        if request_id in self._parents:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType | ValidRequest,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        output_kind: RequestOutputKind | None = None,
+    ) -> list[str]:
+        """Queue a request (validated here unless it is a `ValidRequest` already); its sequence ids."""
+        if request_id in self.outputs:
             raise RequestRejected("request_id", f"request id {request_id!r} is already in flight")
-        text, ids = self.tokenize(prompt)
-        max_tokens = self.validate(ids, params)
-        parent = ParentRequest(request_id, text, ids, [])
-        for i in range(params.n):
-            seq = self._make_sequence(parent, i, params, max_tokens, arrival_time)
-            parent.seqs.append(seq)
-        leader, siblings = parent.seqs[0], parent.seqs[1:]
+        if isinstance(prompt, ValidRequest):
+            valid = prompt
+        else:
+            assert params is not None
+            text, ids = self.tokenize(prompt)
+            valid = self.validate(ids, params, text)
+        params = valid.params
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = [self._make_sequence(request_id, i, valid, arrival) for i in range(params.n)]
+        leader, siblings = seqs[0], seqs[1:]
         # Only the first sequence computes the prompt; the others fork its blocks when it is done.
         leader.forks = list(siblings)
         for seq in siblings:
             seq.held_by = leader
+        self.outputs.add(
+            request_id, valid.prompt, valid.prompt_token_ids, params, output_kind or params.output_kind, arrival
+        )
         self.core.add(leader)
-        self._parents[request_id] = parent
-        return parent
+        self._seq_ids[request_id] = [s.seq_id for s in seqs]
+        return self._seq_ids[request_id]
 
-    def validate(self, ids: list[int], params: SamplingParams) -> int:
-        """Raise RequestRejected unless the request can be served; returns its effective max_tokens.
+    def validate(self, ids: list[int], params: SamplingParams, prompt: str | None = None) -> ValidRequest:
+        """Raise RequestRejected unless the request can be served.
 
         Reads only settings fixed at start-up, so any thread may call it.
         """
         if not ids:
             raise RequestRejected("prompt", "the prompt is empty")
-        vocab = self.core.model_info.hf_config.vocab_size
+        lim = self.limits
+        vocab = lim.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestRejected("prompt", f"prompt token ids must be in [0, {vocab})")
-        limit = self.max_model_len
+        limit = lim.max_model_len
         if params.max_tokens is None:
             if len(ids) >= limit:
                 raise RequestRejected("prompt", f"the prompt has {len(ids)} tokens; max_model_len is {limit}")
@@ -105,117 +137,62 @@ class LLMEngine:
                     f"exceeds max_model_len {limit}; shorten the prompt or lower max_tokens",
                 )
         # The last sampled token never needs KV, so a sequence holds at most prompt + max_tokens - 1.
-        blocks = blocks_for_tokens(len(ids) + max_tokens - 1, self.config.block_size)
-        if blocks > self.core.kv.num_blocks:
+        blocks = blocks_for_tokens(len(ids) + max_tokens - 1, lim.block_size)
+        if blocks > lim.num_blocks:
             raise RequestRejected(
                 "max_tokens",
-                f"prompt + max_tokens needs {blocks} KV blocks but the whole cache has {self.core.kv.num_blocks}",
+                f"prompt + max_tokens needs {blocks} KV blocks but the whole cache has {lim.num_blocks}",
             )
-        return max_tokens
+        return ValidRequest(prompt, ids, params, max_tokens)
 
-    def _make_sequence(self, parent: ParentRequest, index: int, params: SamplingParams,
-                       max_tokens: int, arrival_time: float | None) -> Request:
-        generator = None
-        if params.seed is not None:
-            generator = self.core.runner.make_generator(params.seed + index)
-        seq = Request(
-            seq_id=f"{parent.request_id}#{index}",
-            parent_id=parent.request_id,
+    def _make_sequence(self, request_id: str, index: int, valid: ValidRequest, arrival: float) -> Request:
+        p = valid.params
+        return Request(
+            seq_id=f"{request_id}#{index}",
+            parent_id=request_id,
             index=index,
-            prompt_token_ids=parent.prompt_token_ids,
-            params=params,
-            max_tokens=max_tokens,
-            eos_token_id=None,
+            prompt_token_ids=valid.prompt_token_ids,
+            params=p,
+            max_tokens=valid.max_tokens,
             arrival_order=next(self._arrival),
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, parent.prompt_token_ids, params.skip_special_tokens,
-                params.stop_strings, params.include_stop_str_in_output,
+            sampling=SamplingSpec(
+                p.temperature, p.top_p, p.top_k, p.logprobs, None if p.seed is None else p.seed + index
             ),
-            generator=generator,
+            arrival_time=arrival,
         )
-        if arrival_time is not None:
-            seq.arrival_time = arrival_time
-        return seq
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        parent = self._parents.pop(request_id, None)
-        if parent is None:
+        seq_ids = self._seq_ids.pop(request_id, None)
+        if seq_ids is None:
             return None
-        for seq in parent.seqs:
-            self.core.abort(seq)
-        return self._output(parent)
+        for sid in seq_ids:
+            self.core.finish(sid, RequestStatus.FINISHED_ABORTED)
+        return self.outputs.abort(request_id, time.monotonic())
 
     def request_ids(self) -> list[str]:
-        return list(self._parents)
+        return self.outputs.request_ids()
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished()
 
     def num_unfinished_requests(self) -> int:
-        return len(self._parents)
+        return len(self.outputs)
+
+    def stats(self) -> EngineSnapshot:
+        """Plain numbers for the metrics layer, taken between steps."""
+        return self.core.snapshot()
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """One engine step; outputs for every request that advanced, finished ones last seen here.
-
-        `finished_only` skips building outputs for requests still running (the offline API reads
-        only final outputs; building one per token per request costs more than the step's bookkeeping).
-        """
-        touched = self.core.step()
-        seen: dict[str, ParentRequest] = {}
-        for seq in touched:
-            parent = self._parents.get(seq.parent_id)
-            if parent is not None:
-                seen[parent.request_id] = parent
-        outputs = []
-        for parent in seen.values():
-            finished = parent.finished() and not any(self.core.has_pending_output(s) for s in parent.seqs)
-            if finished:
-                del self._parents[parent.request_id]
-            elif finished_only:
-                continue
-            outputs.append(self._output(parent, finished))
+        """One engine step; outputs for every request that advanced (as its output kind asks),
+        finished ones last seen here.  `finished_only` keeps only the finished ones."""
+        deltas = self.core.step()
+        processed = self.outputs.process(deltas, time.monotonic())
+        for seq_id, stop in processed.stopped:
+            self.core.finish(seq_id, RequestStatus.FINISHED_STOPPED, stop)
+        outputs = processed.outputs
+        for out in outputs:
+            if out.finished:
+                self._seq_ids.pop(out.request_id, None)
+        if finished_only:
+            return [o for o in outputs if o.finished]
         return outputs
-
-    def _output(self, parent: ParentRequest, finished: bool | None = None) -> RequestOutput:
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=[_completion(s) for s in parent.seqs],
-            finished=parent.finished() if finished is None else finished,
-            metrics=_timing(parent.seqs),
-        )
-
-
-def _completion(seq: Request) -> CompletionOutput:
-    wants_logprobs = seq.params.logprobs is not None
-    logprobs = None
-    if wants_logprobs:
-        logprobs = []
-        for tok, lp, top in zip(seq.output_token_ids, seq.output_logprobs, seq.output_top_logprobs):
-            entry = {t: Logprob(v, rank=r + 1) for r, (t, v) in enumerate(top.items())}
-            entry.setdefault(tok, Logprob(lp))
-            logprobs.append(entry)
-    return CompletionOutput(
-        index=seq.index,
-        text=seq.output_text,
-        token_ids=list(seq.output_token_ids),
-        cumulative_logprob=sum(seq.output_logprobs) if wants_logprobs else None,
-        logprobs=logprobs,
-        finish_reason=seq.status.value if seq.status.finished else None,
-        stop_reason=seq.stop_reason,
-    )
-
-
-def _timing(seqs: list[Request]) -> RequestMetrics:
-    def first(values: list[float | None]) -> float | None:
-        present = [v for v in values if v is not None]
-        return min(present) if present else None
-
-    finished = [s.finished_time for s in seqs]
-    return RequestMetrics(
-        arrival_time=min(s.arrival_time for s in seqs),
-        first_scheduled_time=first([s.first_scheduled_time for s in seqs]),
-        first_token_time=first([s.first_token_time for s in seqs]),
-        finished_time=max(finished) if all(f is not None for f in finished) else None,  # type: ignore[type-var]
-    )

@@ -17,12 +17,74 @@ from prometheus_client.exposition import generate_latest
 disable_created_metrics()
 
 # vLLM's bucket choices, so that dashboards built for vLLM read the same histograms.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+TPOT_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 FINISHED_REASONS = ("stop", "length", "abort")
 FAILURE_REASONS = ("rejected", "invalid", "error")
@@ -53,8 +115,13 @@ class EngineSnapshot:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, cache_config: dict[str, str], fragmentation_buffer_bytes: int,
-                 registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        cache_config: dict[str, str],
+        fragmentation_buffer_bytes: int,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         r, m = self.registry, ["model_name"]
@@ -68,11 +135,14 @@ class EngineMetrics:
         self.running = gauge("vllm_num_requests_running", "Requests in the running batch")
         self.waiting = gauge("vllm_num_requests_waiting", "Requests waiting to be scheduled")
         self.swapped = gauge("vllm_num_requests_swapped", "Requests swapped out to CPU")
-        self.oldest_waiting = gauge("vllm_oldest_waiting_seconds",
-                                    "Age of the oldest request waiting or swapped out (0 when none): a backlog "
-                                    "is requests that age, not a queue that exists for an instant")
-        self.gpu_cache_usage = gauge("vllm_gpu_cache_usage_perc",
-                                     "KV blocks held by live requests / all KV blocks (0-1)")
+        self.oldest_waiting = gauge(
+            "vllm_oldest_waiting_seconds",
+            "Age of the oldest request waiting or swapped out (0 when none): a backlog "
+            "is requests that age, not a queue that exists for an instant",
+        )
+        self.gpu_cache_usage = gauge(
+            "vllm_gpu_cache_usage_perc", "KV blocks held by live requests / all KV blocks (0-1)"
+        )
         self.cpu_cache_usage = gauge("vllm_cpu_cache_usage_perc", "Swap blocks in use / all swap blocks (0-1)")
         self.prefix_used = gauge("vllm_prefix_cache_blocks_used", "KV blocks holding cached prefixes")
         self.prefix_total = gauge("vllm_prefix_cache_blocks_total", "KV blocks the prefix cache may use")
@@ -84,16 +154,26 @@ class EngineMetrics:
         self.prompt_tokens = counter("vllm_prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("vllm_generation_tokens", "Tokens generated")
         self.preemptions = counter("vllm_num_preemptions", "Sequences preempted")
-        self.ttft = Histogram("vllm_time_to_first_token_seconds", "Time to first token", m,
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("vllm_time_per_output_token_seconds", "Mean time per output token after the first",
-                              m, buckets=TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm_e2e_request_latency_seconds", "Arrival to finish", m,
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("vllm_request_queue_time_seconds", "Arrival to first scheduled", m,
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.token_utilization = gauge("vllm_kv_cache_token_utilization",
-                                       "Tokens stored / token slots of allocated blocks (internal fragmentation)")
+        self.ttft = Histogram(
+            "vllm_time_to_first_token_seconds", "Time to first token", m, buckets=TTFT_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "vllm_time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            m,
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm_e2e_request_latency_seconds", "Arrival to finish", m, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_time = Histogram(
+            "vllm_request_queue_time_seconds", "Arrival to first scheduled", m, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.token_utilization = gauge(
+            "vllm_kv_cache_token_utilization",
+            "Tokens stored / token slots of allocated blocks (internal fragmentation)",
+        )
         self.allocated = gauge("vllm_gpu_memory_allocated_bytes", "Device memory held by live tensors")
         self.reserved = gauge("vllm_gpu_memory_reserved_bytes", "Device memory reserved by the allocator")
         self.efficiency = gauge("vllm_gpu_allocator_efficiency", "allocated / reserved (< 0.7 is severe fragmentation)")
@@ -143,8 +223,15 @@ class EngineMetrics:
             counter.labels(n).inc(max(0, now - before))
         self._last = s
 
-    def request_finished(self, reason: str, arrival: float, first_scheduled: float | None,
-                         first_token: float | None, finished: float, num_output_tokens: int) -> None:
+    def request_finished(
+        self,
+        reason: str,
+        arrival: float,
+        first_scheduled: float | None,
+        first_token: float | None,
+        finished: float,
+        num_output_tokens: int,
+    ) -> None:
         n = self.model_name
         self.success.labels(n, reason).inc()
         self.e2e.labels(n).observe(max(0.0, finished - arrival))

@@ -34,6 +34,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    output_token_counts: list[int] = field(default_factory=list)  # per output sequence, set when finished
 
 
 @dataclass

@@ -30,8 +30,9 @@ def _shown(value: Any) -> str:
     return json.dumps(value, default=str) if isinstance(value, (str, bool, int, float)) else repr(value)
 
 
-def validate_section(cls: type, values: dict[str, Any], where: str, flag_style: bool = False,
-                     exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+def validate_section(
+    cls: type, values: dict[str, Any], where: str, flag_style: bool = False, exclude: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """The values, checked against `cls`'s schema; the first mistake as one ConfigError line."""
     schema = _schema(cls, exclude)
     try:

@@ -18,8 +18,11 @@ def attention_backend(device: torch.device | str) -> ModuleType:
         try:
             from kernels import triton_backend
         except ImportError as e:  # pragma: no cover - depends on the installation
-            warnings.warn(f"Triton is not available ({e}); attention runs on the slow torch reference path",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"Triton is not available ({e}); attention runs on the slow torch reference path",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         else:
             return triton_backend
     from kernels import reference

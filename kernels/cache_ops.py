@@ -29,9 +29,18 @@ def _next_pow2(n: int) -> int:
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_ch, stride_cs,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ch,
+    stride_cs,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
@@ -56,8 +65,14 @@ def _write_kv_kernel(
 
 @triton.jit
 def _copy_blocks_kernel(
-    src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr,
-    src_stride_kv, src_stride_blk, dst_stride_kv, dst_stride_blk,
+    src_ptr,
+    dst_ptr,
+    src_idx_ptr,
+    dst_idx_ptr,
+    src_stride_kv,
+    src_stride_blk,
+    dst_stride_kv,
+    dst_stride_blk,
     BLOCK_NUMEL: tl.constexpr,
     CHUNK: tl.constexpr,
     HAS_SRC_IDX: tl.constexpr,
@@ -82,7 +97,7 @@ def _copy_blocks_kernel(
 
 def _inner_contiguous(t: torch.Tensor) -> bool:
     """The (heads, block_size, head_dim) part of each block is one contiguous run of elements."""
-    _, _, h, bs, d = t.shape
+    _, _, _, bs, d = t.shape
     return t.stride(4) == 1 and t.stride(3) == d and t.stride(2) == bs * d
 
 
@@ -97,15 +112,25 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         value = value.contiguous()
     _, _, num_heads, block_size, head_dim = kv_cache.shape
     if key.shape[1:] != (num_heads, head_dim) or value.shape != key.shape:
-        raise ValueError(f"key/value {tuple(key.shape)}/{tuple(value.shape)} do not fit a cache of "
-                         f"{num_heads} heads x {head_dim}")
+        raise ValueError(
+            f"key/value {tuple(key.shape)}/{tuple(value.shape)} do not fit a cache of {num_heads} heads x {head_dim}"
+        )
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache's last dimension must be contiguous")
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,
         HEADS_PAD=_next_pow2(num_heads),
@@ -115,8 +140,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     )
 
 
-def _copy(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor | None, dst_idx: torch.Tensor | None,
-          n: int) -> None:
+def _copy(
+    src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor | None, dst_idx: torch.Tensor | None, n: int
+) -> None:
     if n == 0:
         return
     if not (_inner_contiguous(src) and _inner_contiguous(dst)):
@@ -125,10 +151,14 @@ def _copy(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor | None, ds
     chunk = min(_next_pow2(numel), 4096)
     dummy = src_idx if src_idx is not None else dst_idx
     _copy_blocks_kernel[(n, 2, _cdiv(numel, chunk))](
-        src, dst,
+        src,
+        dst,
         src_idx if src_idx is not None else dummy,
         dst_idx if dst_idx is not None else dummy,
-        src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
+        src.stride(0),
+        src.stride(1),
+        dst.stride(0),
+        dst.stride(1),
         BLOCK_NUMEL=numel,
         CHUNK=chunk,
         HAS_SRC_IDX=src_idx is not None,

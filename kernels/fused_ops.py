@@ -23,9 +23,17 @@ from kernels.cache_ops import _next_pow2
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro,
-    n_cols, eps,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    n_cols,
+    eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -47,7 +55,11 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _silu_mul_kernel(
-    gate_up_ptr, out_ptr, stride_in, stride_out, n_cols,
+    gate_up_ptr,
+    out_ptr,
+    stride_in,
+    stride_out,
+    n_cols,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -62,10 +74,21 @@ def _silu_mul_kernel(
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
-    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -90,8 +113,9 @@ def _rotary_kernel(
         tl.store(p1 + HALF, (x2 * c + x1 * s).to(base.dtype.element_ty), mask=mask)
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half rotary embedding of q ``[T, Hq, D]`` and k ``[T, Hk, D]`` in place (strided views of
     the fused QKV projection are fine); ``cos``/``sin`` are ``[positions, D/2]`` float32 tables."""
     num_tokens, hq, d = q.shape
@@ -99,10 +123,22 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch
     if num_tokens and q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1:
         half = d // 2
         _rotary_kernel[(num_tokens,)](
-            q, k, positions, cos, sin,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-            NUM_Q_HEADS=hq, NUM_K_HEADS=hk, HEADS_PAD=_next_pow2(max(hq, hk)),
-            HALF=half, HALF_PAD=_next_pow2(half), num_warps=4,
+            q,
+            k,
+            positions,
+            cos,
+            sin,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos.stride(0),
+            NUM_Q_HEADS=hq,
+            NUM_K_HEADS=hk,
+            HEADS_PAD=_next_pow2(max(hq, hk)),
+            HALF=half,
+            HALF_PAD=_next_pow2(half),
+            num_warps=4,
         )
         return q, k
     from kernels import reference
@@ -116,8 +152,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm of ``x`` (or of ``x + residual``); returns (normed, the new residual or None)."""
     shape = x.shape
     x2 = _rows(x)
@@ -131,9 +168,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if n_rows:
         block = _next_pow2(n_cols)
         _rms_norm_kernel[(n_rows,)](
-            x2, r2, weight, out, r_out,
-            x2.stride(0), r2.stride(0), out.stride(0), r_out.stride(0),
-            n_cols, eps,
+            x2,
+            r2,
+            weight,
+            out,
+            r_out,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            r_out.stride(0),
+            n_cols,
+            eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
@@ -151,7 +196,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if n_rows:
         block = min(1024, _next_pow2(n_cols))
         _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
-            g2, out, g2.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4,
+            g2,
+            out,
+            g2.stride(0),
+            out.stride(0),
+            n_cols,
+            BLOCK=block,
+            num_warps=4,
         )
     return out.view(*gate_up.shape[:-1], n_cols)
 

@@ -29,14 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-# Host-side integer helpers (triton.cdiv / next_power_of_2 go through JIT-function dispatch: slow per call).
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+from kernels.cache_ops import _cdiv, _next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -57,18 +50,66 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
         return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
+@triton.jit
+def _online_softmax_step(
+    m_i,
+    l_i,
+    acc,
+    s,
+    v,
+    M_FLOOR: tl.constexpr,
+    PV_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    """One step of the streaming (online) softmax: fold a tile of scores into the running state.
+
+    ``s`` ``[R, N]`` are scores in log2 units (masked entries -inf), ``v`` ``[N, D]`` their values;
+    the state is the running max ``m_i`` ``[R]``, the running sum of exponentials ``l_i`` ``[R]`` and
+    the unnormalised output ``acc`` ``[R, D]`` (float32).  Returns the new ``(m_i, l_i, acc)``.
+
+    M_FLOOR: clamp the max to -1e30, so that a row that has seen only masked scores keeps a finite
+    max and never forms NaN (-inf - -inf).  PV_DOT: ``p @ v`` as a tensor-core dot; otherwise
+    ``N == 1`` and ``p * v`` broadcasts (the split combine, where the "values" are partial outputs).
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if M_FLOOR:
+        m_new = tl.maximum(m_new, -1.0e30)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if PV_DOT:
+        pv = _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+    else:
+        pv = p * v
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
 # Arguments that vary with the batch's lengths are never specialised (Triton would otherwise compile
 # variants for values equal to 1 or divisible by 16): the block-table width, the split geometry.
 @triton.jit(do_not_specialize=["stride_bt", "stride_pb", "stride_ph", "tokens_per_split"])
 def _decode_kernel(
-    out_ptr, part_o_ptr, part_lse_ptr,
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
     qk_scale,
-    stride_qt, stride_qh,
-    stride_ot, stride_oh,
-    stride_cb, stride_ch, stride_cs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ch,
+    stride_cs,
     stride_bt,
-    stride_pb, stride_ph, stride_ps,
+    stride_pb,
+    stride_ph,
+    stride_ps,
     tokens_per_split,
     QUERY_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -96,8 +137,11 @@ def _decode_kernel(
         mask_g = offs_g < QUERY_GROUP
         mask_d = offs_d < HEAD_DIM
 
-        q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_g[:, None] & mask_d[None, :],
+            other=0.0,
+        )
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -117,12 +161,9 @@ def _decode_kernel(
 
             s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
             s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(
+                m_i, l_i, acc, s, v, M_FLOOR=False, PV_DOT=True, DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST
+            )
 
         o = acc / l_i[:, None]
         if SPLIT:
@@ -131,15 +172,24 @@ def _decode_kernel(
             tl.store(part_o_ptr + p_row[:, None] * HEAD_DIM_PAD + offs_d[None, :], o, mask=mask_g[:, None])
             tl.store(part_lse_ptr + p_row, m_i + tl.log2(l_i), mask=mask_g)
         else:
-            tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+            tl.store(
+                out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=mask_g[:, None] & mask_d[None, :],
+            )
 
 
 @triton.jit(do_not_specialize=["stride_pb", "stride_ph", "tokens_per_split"])
 def _decode_reduce_kernel(
-    out_ptr, part_o_ptr, part_lse_ptr, seq_lens_ptr,
-    stride_ot, stride_oh,
-    stride_pb, stride_ph, stride_ps,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    stride_ot,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
     tokens_per_split,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -151,30 +201,43 @@ def _decode_reduce_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     base = seq.to(tl.int64) * stride_pb + head * stride_ph
 
+    # The online softmax over the splits, one "key" per step: its score is the split's log2-sum-exp,
+    # its value the split's normalised output (state as one row: [1], [1], [1, HEAD_DIM_PAD]).
     m = tl.full([1], float("-inf"), dtype=tl.float32)
     total = tl.zeros([1], dtype=tl.float32)
-    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    acc = tl.zeros([1, HEAD_DIM_PAD], dtype=tl.float32)
     for s in range(0, num_splits):
         lse = tl.load(part_lse_ptr + base + s * stride_ps + tl.zeros([1], dtype=tl.int32))
         o = tl.load(part_o_ptr + (base + s * stride_ps) * HEAD_DIM_PAD + offs_d)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        total = total * alpha + w
-        acc = acc * alpha + w * o
-        m = m_new
-    out = acc / total
-    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+        m, total, acc = _online_softmax_step(
+            m, total, acc, lse[:, None], o[None, :], M_FLOOR=False, PV_DOT=False, DOT_PRECISION="ieee", DOT_UPCAST=False
+        )
+    out = acc / total[:, None]
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d[None, :] < HEAD_DIM,
+    )
 
 
 @triton.jit(do_not_specialize=["stride_bt", "first_seq"])
 def _prefill_kernel(
-    out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale, first_seq,
-    stride_qt, stride_qh,
-    stride_ot, stride_oh,
-    stride_cb, stride_ch, stride_cs,
+    out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,
+    first_seq,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ch,
+    stride_cs,
     stride_bt,
     QUERY_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -202,8 +265,11 @@ def _prefill_kernel(
         mask_m = offs_m < q_len
         mask_d = offs_d < HEAD_DIM
         rows = (q_start + offs_m).to(tl.int64)
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+            mask=mask_m[:, None] & mask_d[None, :],
+            other=0.0,
+        )
         q_pos = ctx + offs_m
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -224,12 +290,9 @@ def _prefill_kernel(
             k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
             v = tl.load(v_base + row[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
             s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(
+                m_i, l_i, acc, s, v, M_FLOOR=False, PV_DOT=True, DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST
+            )
 
         # The diagonal band: causal mask and the end of the context.
         band_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
@@ -245,17 +308,17 @@ def _prefill_kernel(
             visible = (pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
             s = tl.where(visible, s, float("-inf"))
             # Every row sees key 0 of the band or an earlier key, except padding rows past q_len,
-            # which may see nothing: keep their max finite so no NaN is ever formed.
-            m_new = tl.maximum(tl.maximum(m_i, tl.max(s, 1)), -1.0e30)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-            m_i = m_new
+            # which may see nothing: M_FLOOR keeps their max finite so no NaN is ever formed.
+            m_i, l_i, acc = _online_softmax_step(
+                m_i, l_i, acc, s, v, M_FLOOR=True, PV_DOT=True, DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST
+            )
 
         o = acc / l_i[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+        tl.store(
+            out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,7 +382,9 @@ def num_decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
 
 def _check_cache(kv_cache: torch.Tensor, query: torch.Tensor) -> None:
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"kv_cache must be [2, num_blocks, num_kv_heads, block_size, head_dim], got {tuple(kv_cache.shape)}")
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, num_kv_heads, block_size, head_dim], got {tuple(kv_cache.shape)}"
+        )
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache's last dimension must be contiguous")
     if query.shape[-1] != kv_cache.shape[-1]:
@@ -330,15 +395,9 @@ def _check_cache(kv_cache: torch.Tensor, query: torch.Tensor) -> None:
         raise ValueError(f"query dtype {query.dtype} != kv_cache dtype {kv_cache.dtype}")
 
 
-# Tests set this to NaN so that a partial result nobody wrote would show.
-_SCRATCH_FILL: float | None = None
-
-
 def _scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    t = torch.empty(shape, dtype=torch.float32, device=device)
-    if _SCRATCH_FILL is not None:
-        t.fill_(_SCRATCH_FILL)
-    return t
+    """The split-K partials (float32, uninitialised: the decode kernel writes every entry the combine reads)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def paged_attention_decode(
@@ -382,12 +441,22 @@ def paged_attention_decode(
         p_strides = (0, 0, 0)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        out, part_o, part_lse,
-        query, k_cache, v_cache, block_tables, seq_lens,
+        out,
+        part_o,
+        part_lse,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
         scale * LOG2E,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
         *p_strides,
         tokens_per_split,
@@ -404,8 +473,12 @@ def paged_attention_decode(
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
-            out, part_o, part_lse, seq_lens,
-            out.stride(0), out.stride(1),
+            out,
+            part_o,
+            part_lse,
+            seq_lens,
+            out.stride(0),
+            out.stride(1),
             *p_strides,
             tokens_per_split,
             HEAD_DIM=head_dim,
@@ -449,11 +522,22 @@ def paged_attention_prefill(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_heads, _cdiv(max_query_len, block_m), batch)
     _prefill_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        scale * LOG2E, first_seq,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * LOG2E,
+        first_seq,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
         QUERY_GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
@@ -468,5 +552,9 @@ def paged_attention_prefill(
 
 
 __all__ = [
-    "decode_config", "prefill_config", "num_decode_splits", "paged_attention_decode", "paged_attention_prefill",
+    "decode_config",
+    "prefill_config",
+    "num_decode_splits",
+    "paged_attention_decode",
+    "paged_attention_prefill",
 ]

@@ -31,9 +31,7 @@ import torch.nn.functional as F
 _MAX_SCORE_ELEMENTS = 1 << 26
 
 
-def write_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store key/value ``[T, num_kv_heads, head_dim]`` into their slots of ``kv_cache``."""
     block_size = kv_cache.shape[3]
     valid = slot_mapping >= 0
@@ -87,8 +85,9 @@ def paged_attention(
         end = start + 1
         while end < num_seqs and (end + 1 - start) * max_query_len * max_seq_len * heads <= _MAX_SCORE_ELEMENTS:
             end += 1
-        _attend_group(query, kv_cache, block_tables[start:end], seq_lens[start:end],
-                      query_start_loc[start : end + 1], scale, out)
+        _attend_group(
+            query, kv_cache, block_tables[start:end], seq_lens[start:end], query_start_loc[start : end + 1], scale, out
+        )
         start = end
     return out
 
@@ -149,8 +148,9 @@ def scatter_blocks(kv_cache: torch.Tensor, src: torch.Tensor, block_ids: torch.T
     kv_cache[:, torch.as_tensor(block_ids, device=kv_cache.device).long()] = src.to(kv_cache.device, kv_cache.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm of ``x`` (or of ``x + residual``, rounded to x's dtype first, as HF adds); returns
     (normed, the new residual or None).  Float32 statistics, as the HF Llama/Qwen reference."""
     if residual is not None:
@@ -168,8 +168,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half rotary embedding (the form HF Llama/Qwen checkpoints are stored for) of q
     ``[T, Hq, D]`` and k ``[T, Hk, D]``; ``cos``/``sin`` are ``[positions, D/2]`` float32 tables."""
     c = torch.cat([cos[positions]] * 2, dim=-1)[:, None, :]  # [T, 1, D]

@@ -51,12 +51,14 @@ def paged_attention(
         if max_query_len == 1 and query.shape[0] == batch:
             return paged_attention_decode(query, kv_cache, block_tables, seq_lens, scale, max_seq_len, out=out)
         if not 0 < num_decodes < batch:
-            return paged_attention_prefill(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                                           max_query_len, out=out)
+            return paged_attention_prefill(
+                query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out=out
+            )
         if out is None:
             out = torch.empty_like(query)
         d = num_decodes  # rows 0..d-1 are the decodes' queries; the slices below keep aligned bases
         paged_attention_decode(query[:d], kv_cache, block_tables[:d], seq_lens[:d], scale, max_seq_len, out=out[:d])
-        paged_attention_prefill(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
-                                out=out, first_seq=d)
+        paged_attention_prefill(
+            query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out=out, first_seq=d
+        )
         return out

@@ -4,7 +4,8 @@
 supervisor left serving); it returns once the engine serves, or says in one line why it does not.
 Every other command talks to the running supervisor over its control socket.
 
-Exit codes, for automation (`opsctl status` is 0 only when the engine serves, like `systemctl is-active`):
+Exit codes, for automation (`opsctl status` is 0 only when the engine serves, like `systemctl is-active`;
+opsctl/state.py maps each engine state to its code):
 
 | code | status                                       | start                                   |
 |------|----------------------------------------------|-----------------------------------------|
@@ -39,25 +40,12 @@ import click
 from engine.config import ConfigError
 from opsctl import control
 from opsctl.config import PagekeeperConfig, load_config
-from opsctl.instances import INSTANCE_PATTERN, pid_alive, port_clash, running_instances
+from opsctl.constants import COMMAND_TIMEOUT_S, ENGINE_LOG_NAME, EXIT_ALREADY_RUNNING, PID_NAME, SUPERVISOR_LOG_NAME
+from opsctl.instances import INSTANCE_PATTERN, instance_record, pid_alive, port_clash, running_instances
 from opsctl.launcher import recorded_engine, stop_unsupervised
-from opsctl.runtime import open_private, prepare_runtime_dir
-from opsctl.supervisor import (ENGINE_LOG_NAME, EXIT_ALREADY_RUNNING, PID_NAME, SUPERVISOR_LOG_NAME,
-                               instance_record, read_last_failure)
-
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_NOT_RUNNING = 3
-EXIT_TRANSITION = 4
-EXIT_DRAINING = 5
-EXIT_GAVE_UP = 6
-EXIT_UNSUPERVISED = 7
-EXIT_UNHEALTHY = 8
-
-STATE_EXIT = {"serving": 0, "starting": EXIT_TRANSITION, "restarting": EXIT_TRANSITION,
-              "stopping": EXIT_TRANSITION, "draining": EXIT_DRAINING, "gave_up": EXIT_GAVE_UP,
-              "failed": EXIT_GAVE_UP, "exited": EXIT_UNHEALTHY, "stalled": EXIT_UNHEALTHY,
-              "unresponsive": EXIT_UNHEALTHY}
+from opsctl.runtime import open_private, prepare_runtime_dir, read_last_failure
+from opsctl.state import EXIT_DRAINING, EXIT_ERROR, EXIT_GAVE_UP, EXIT_NOT_RUNNING, EXIT_USAGE, EngineState
+from opsctl.status import Status
 
 
 def _version() -> str:
@@ -78,9 +66,10 @@ class Ctx:
         if self._config is not None and not supervisor_overrides:
             return self._config
         try:
-            cfg = load_config(self.config_path, {"supervisor": {"runtime_dir": self.runtime_dir,
-                                                                "instance": self.instance,
-                                                                **supervisor_overrides}})
+            cfg = load_config(
+                self.config_path,
+                {"supervisor": {"runtime_dir": self.runtime_dir, "instance": self.instance, **supervisor_overrides}},
+            )
         except ConfigError as e:
             _fail(str(e), EXIT_USAGE)
         if not supervisor_overrides:
@@ -96,7 +85,7 @@ def _fail(message: str, code: int = EXIT_ERROR) -> None:
     sys.exit(code)
 
 
-def _send(ctx: Ctx, cmd: str, args: dict[str, Any] | None = None, timeout: float = 900.0) -> dict[str, Any]:
+def _send(ctx: Ctx, cmd: str, args: dict[str, Any] | None = None, timeout: float = COMMAND_TIMEOUT_S) -> dict[str, Any]:
     try:
         reply = control.send(ctx.runtime(), cmd, args, timeout)
     except control.SupervisorNotRunning as e:
@@ -106,8 +95,13 @@ def _send(ctx: Ctx, cmd: str, args: dict[str, Any] | None = None, timeout: float
     return reply
 
 
-_INSTANCE = click.option("--instance", "sub_instance", default=None, callback=lambda c, p, v: _check_instance(v),
-                         help="Instance name (as before the subcommand).")
+_INSTANCE = click.option(
+    "--instance",
+    "sub_instance",
+    default=None,
+    callback=lambda c, p, v: _check_instance(v),
+    help="Instance name (as before the subcommand).",
+)
 
 
 def _check_instance(value: str | None) -> str | None:
@@ -123,8 +117,9 @@ def _location_options(f: Callable[..., Any]) -> Callable[..., Any]:
     @click.option("--runtime-dir", "sub_runtime", default=None, help="Runtime dir (as before the subcommand).")
     @_INSTANCE
     @functools.wraps(f)
-    def wrapper(*args: Any, sub_config: str | None, sub_runtime: str | None, sub_instance: str | None,
-                **kwargs: Any) -> Any:
+    def wrapper(
+        *args: Any, sub_config: str | None, sub_runtime: str | None, sub_instance: str | None, **kwargs: Any
+    ) -> Any:
         ctx: Ctx = click.get_current_context().obj
         if sub_config:
             ctx.config_path, ctx._config = sub_config, None
@@ -139,13 +134,27 @@ def _location_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 @click.group()
 @click.version_option(_version(), prog_name="opsctl")
-@click.option("--config", "config_path", envvar="PAGEKEEPER_CONFIG", default=None,
-              help="TOML config file (default /etc/pagekeeper/pagekeeper.toml, else built-in defaults).")
-@click.option("--runtime-dir", envvar="PAGEKEEPER_RUNTIME_DIR", default=None,
-              help="Where the control socket, pid file and logs live (default: from the instance name).")
-@click.option("--instance", envvar="PAGEKEEPER_INSTANCE", default=None, callback=lambda c, p, v: _check_instance(v),
-              help="Run several deployments on one host: the name scopes the runtime dir, the systemd units "
-                   "(pagekeeper-engine@NAME) and the default config file (/etc/pagekeeper/NAME.toml).")
+@click.option(
+    "--config",
+    "config_path",
+    envvar="PAGEKEEPER_CONFIG",
+    default=None,
+    help="TOML config file (default /etc/pagekeeper/pagekeeper.toml, else built-in defaults).",
+)
+@click.option(
+    "--runtime-dir",
+    envvar="PAGEKEEPER_RUNTIME_DIR",
+    default=None,
+    help="Where the control socket, pid file and logs live (default: from the instance name).",
+)
+@click.option(
+    "--instance",
+    envvar="PAGEKEEPER_INSTANCE",
+    default=None,
+    callback=lambda c, p, v: _check_instance(v),
+    help="Run several deployments on one host: the name scopes the runtime dir, the systemd units "
+    "(pagekeeper-engine@NAME) and the default config file (/etc/pagekeeper/NAME.toml).",
+)
 @click.pass_context
 def main(click_ctx: click.Context, config_path: str | None, runtime_dir: str | None, instance: str | None) -> None:
     """Operate the pagekeeper inference engine.
@@ -159,14 +168,14 @@ def main(click_ctx: click.Context, config_path: str | None, runtime_dir: str | N
     click_ctx.obj = Ctx(config_path, runtime_dir, instance)
 
 
-def _status_or_none(runtime: Path) -> dict[str, Any] | None:
+def _status_or_none(runtime: Path) -> Status | None:
     try:
-        return control.status(runtime)
+        return control.read_status(runtime)
     except (control.SupervisorNotRunning, OSError, ValueError):
         return None
 
 
-def _wait_until_serving(ctx: Ctx, proc: subprocess.Popen | None, timeout: float, what: str) -> dict[str, Any]:
+def _wait_until_serving(ctx: Ctx, proc: subprocess.Popen | None, timeout: float, what: str) -> Status:
     """Follow the supervisor until the engine serves; every other outcome is one line and its exit code."""
     runtime = ctx.runtime()
     start = time.monotonic()
@@ -178,17 +187,18 @@ def _wait_until_serving(ctx: Ctx, proc: subprocess.Popen | None, timeout: float,
             _supervisor_exited(ctx, proc.returncode, timeout - waited)
             proc = None  # another supervisor won the race for this runtime dir: follow that one
         st = _status_or_none(runtime)
-        state = st["engine"]["state"] if st else "starting supervisor"
-        if state == "serving":
+        state = st.engine.state if st else "starting supervisor"
+        if st is not None and state == EngineState.SERVING:
             if tty:
                 click.echo("", err=True)
-            return st  # type: ignore[return-value]
-        if state in ("gave_up", "failed"):
-            assert st is not None
-            kind = "failed permanently" if state == "failed" else \
-                f"keeps failing; the supervisor gave up after {st['restarts']['total']} restart(s)"
-            _fail(f"the engine {kind}: {one_line(st['crash_loop']['reason'])}; fix it, then `opsctl restart`",
-                  EXIT_GAVE_UP)
+            return st
+        if st is not None and st.engine.state.gave_up:
+            kind = (
+                "failed permanently"
+                if state == EngineState.FAILED
+                else f"keeps failing; the supervisor gave up after {st.restarts.total} restart(s)"
+            )
+            _fail(f"the engine {kind}: {one_line(st.crash_loop.reason)}; fix it, then `opsctl restart`", EXIT_GAVE_UP)
         if st is None and proc is None and waited > 5:
             _fail("the supervisor is gone; see `opsctl logs --supervisor`", EXIT_ERROR)
         if waited > timeout:
@@ -231,8 +241,12 @@ def one_line(text: str | None) -> str:
 @click.option("--foreground", is_flag=True, help="Run the supervisor in this terminal (Ctrl-C stops everything).")
 @click.option("--dry-run", is_flag=True, help="The supervisor decides and logs, but never acts.")
 @click.option("--launcher", type=click.Choice(["auto", "process", "systemd"]), default=None)
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Seconds to wait for the engine (default ready_timeout).")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Seconds to wait for the engine (default ready_timeout).",
+)
 @click.pass_obj
 def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeout: float | None) -> None:
     """Start the supervisor, which starts (or adopts) the engine; return when it serves."""
@@ -240,26 +254,33 @@ def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeo
     runtime = cfg.supervisor.runtime_path()
     st = _status_or_none(runtime)
     if st is not None:
-        state = st["engine"]["state"]
-        where = f"{st['engine']['url']} (supervisor pid {st['supervisor']['pid']})"
-        running_config = st["supervisor"].get("config")
+        state = st.engine.state
+        where = f"{st.engine.url} (supervisor pid {st.supervisor.pid})"
+        running_config = st.supervisor.config
         if running_config != cfg.source:
-            _fail(f"instance {cfg.supervisor.instance!r} already runs from {running_config} at {where}; "
-                  f"to run {cfg.source} beside it, give it its own instance name "
-                  f"(`opsctl --instance NAME start`, or [supervisor] instance)", EXIT_USAGE)
-        if state in ("gave_up", "failed"):
-            _fail(f"already running but the supervisor gave up at {where}: {one_line(st['crash_loop']['reason'])}; "
-                  f"`opsctl restart` retries, `opsctl stop` stops", EXIT_GAVE_UP)
-        if state == "draining":
+            _fail(
+                f"instance {cfg.supervisor.instance!r} already runs from {running_config} at {where}; "
+                f"to run {cfg.source} beside it, give it its own instance name "
+                f"(`opsctl --instance NAME start`, or [supervisor] instance)",
+                EXIT_USAGE,
+            )
+        if state.gave_up:
+            _fail(
+                f"already running but the supervisor gave up at {where}: {one_line(st.crash_loop.reason)}; "
+                f"`opsctl restart` retries, `opsctl stop` stops",
+                EXIT_GAVE_UP,
+            )
+        if state == EngineState.DRAINING:
             _fail(f"already running at {where} but drained (admits nothing); `opsctl resume` undoes it", EXIT_DRAINING)
-        if state != "serving":
+        if state != EngineState.SERVING:
             st = _wait_until_serving(ctx, None, timeout or cfg.supervisor.ready_timeout, "already starting")
         click.echo(f"already running: serving at {where}")
         return
     try:
         prepare_runtime_dir(runtime)
-        clash = port_clash(instance_record(cfg, runtime, cfg.supervisor.metrics_port, os.getpid()),
-                           running_instances(runtime))
+        clash = port_clash(
+            instance_record(cfg, runtime, cfg.supervisor.metrics_port, os.getpid()), running_instances(runtime)
+        )
         if clash:
             raise ConfigError(clash)
         open_private(runtime / ENGINE_LOG_NAME).close()  # both logs are checked before anything starts
@@ -282,13 +303,18 @@ def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeo
         sys.exit(supervisor_main(args[3:]))
     adopting = recorded_engine(runtime) is not None
     with log:
-        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     st = _wait_until_serving(ctx, proc, timeout or cfg.supervisor.ready_timeout, "starting")
     verb = "adopted the engine that was serving" if adopting else "serving"
-    click.echo(f"pagekeeper is {verb} {st['engine']['model']} at {st['engine']['url']}")
-    click.echo(f"  supervisor pid {st['supervisor']['pid']}, metrics {st['supervisor']['metrics_url']}, "
-               f"logs: opsctl logs")
+    click.echo(f"pagekeeper is {verb} {st.engine.model} at {st.engine.url}")
+    click.echo(f"  supervisor pid {st.supervisor.pid}, metrics {st.supervisor.metrics_url}, logs: opsctl logs")
 
 
 def _drain_args(no_drain: bool, drain_timeout: float | None) -> dict[str, Any]:
@@ -298,9 +324,13 @@ def _drain_args(no_drain: bool, drain_timeout: float | None) -> dict[str, Any]:
     return args
 
 
-_DRAIN_TIMEOUT = click.option("--drain-timeout", type=click.FloatRange(min=0), default=None,
-                              help="Seconds the old engine gets to finish in-flight requests (default "
-                                   "[supervisor] drain_timeout); then it is killed.")
+_DRAIN_TIMEOUT = click.option(
+    "--drain-timeout",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Seconds the old engine gets to finish in-flight requests (default "
+    "[supervisor] drain_timeout); then it is killed.",
+)
 
 
 @main.command()
@@ -319,8 +349,10 @@ def stop(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
             click.echo("not running")
             return
         retired = stop_unsupervised(orphan, drain=not no_drain, timeout=timeout)
-        click.echo(f"stopped the engine (pid {orphan.pid}) that ran without a supervisor"
-                   + (f"; {retired.lost} request(s) in flight were lost" if retired.lost else ""))
+        click.echo(
+            f"stopped the engine (pid {orphan.pid}) that ran without a supervisor"
+            + (f"; {retired.lost} request(s) in flight were lost" if retired.lost else "")
+        )
         return
     pid = int(pid_file.read_text()) if pid_file.exists() else None
     _send(ctx, "stop", _drain_args(no_drain, drain_timeout), timeout=timeout + 60)
@@ -332,17 +364,25 @@ def stop(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
 
 @main.command()
 @_location_options
-@click.option("--no-drain", is_flag=True,
-              help="Do not wait for in-flight requests: they are answered with a 503 at once (new requests "
-                   "still wait for the new engine, none is refused).")
+@click.option(
+    "--no-drain",
+    is_flag=True,
+    help="Do not wait for in-flight requests: they are answered with a 503 at once (new requests "
+    "still wait for the new engine, none is refused).",
+)
 @_DRAIN_TIMEOUT
 @click.pass_obj
 def restart(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
     """Hand over to a new engine (no request refused); return when it serves."""
     timeout = drain_timeout if drain_timeout is not None else ctx.config().supervisor.drain_timeout
-    _send(ctx, "restart", _drain_args(no_drain, drain_timeout), timeout=timeout + ctx.config().supervisor.ready_timeout + 60)
+    _send(
+        ctx,
+        "restart",
+        _drain_args(no_drain, drain_timeout),
+        timeout=timeout + ctx.config().supervisor.ready_timeout + 60,
+    )
     st = _wait_until_serving(ctx, None, ctx.config().supervisor.ready_timeout, "restarting")
-    click.echo(f"restarted: serving at {st['engine']['url']}")
+    click.echo(f"restarted: serving at {st.engine.url}")
 
 
 @main.command()
@@ -400,73 +440,84 @@ def status(ctx: Ctx, as_json: bool) -> None:
     if st is None:
         orphan = recorded_engine(runtime)
         failure = read_last_failure(runtime)
+        state = EngineState.UNSUPERVISED if orphan is not None else EngineState.NOT_RUNNING
         if as_json:
-            click.echo(json.dumps({"supervisor": None, "engine": {
-                "state": "unsupervised" if orphan else "not_running", "pid": orphan.pid if orphan else None},
-                "last_failure": failure}))
+            click.echo(
+                json.dumps(
+                    {
+                        "supervisor": None,
+                        "engine": {"state": state.value, "pid": orphan.pid if orphan else None},
+                        "last_failure": failure,
+                    }
+                )
+            )
         elif orphan is not None:
-            click.echo(f"engine      serving without a supervisor (pid {orphan.pid}); "
-                       f"`opsctl start` adopts it, `opsctl stop` stops it")
+            click.echo(
+                f"engine      serving without a supervisor (pid {orphan.pid}); "
+                f"`opsctl start` adopts it, `opsctl stop` stops it"
+            )
         else:
             click.echo("not running" + (f" (last failure: {one_line(failure['reason'])})" if failure else ""))
-        sys.exit(EXIT_UNSUPERVISED if orphan is not None else EXIT_NOT_RUNNING)
-    code = STATE_EXIT.get(st["engine"]["state"], EXIT_ERROR)
+        sys.exit(state.exit_code)
+    code = st.engine.state.exit_code
     if as_json:
-        click.echo(json.dumps(st, indent=2, default=str))
+        click.echo(json.dumps(st.to_json(), indent=2, default=str))
         sys.exit(code)
     for line in _status_lines(st):
         click.echo(line)
     sys.exit(code)
 
 
-def _status_lines(st: dict[str, Any]) -> list[str]:
+def _status_lines(st: Status) -> list[str]:
     """The human view: integers, nothing it does not know, one line per topic."""
-    e, d, r, c, s = st["engine"], st["last_decision"], st["restarts"], st["crash_loop"], st["supervisor"]
-    head = [f"engine      {e['state']}"]
-    if e.get("pid"):
-        head.append(f"pid {e['pid']}")
-    if e.get("uptime_s") is not None:
-        head.append(f"up {_fmt_seconds(e['uptime_s'])}")
-    head.append(e["url"])
-    if e.get("model"):
-        head.append(f"model {e['model']}")
+    e, d, r, c, s = st.engine, st.last_decision, st.restarts, st.crash_loop, st.supervisor
+    head = [f"engine      {e.state}"]
+    if e.pid:
+        head.append(f"pid {e.pid}")
+    if e.uptime_s is not None:
+        head.append(f"up {_fmt_seconds(e.uptime_s)}")
+    head.append(e.url)
+    if e.model:
+        head.append(f"model {e.model}")
     lines = ["  ".join(head)]
     queue = []
-    if e.get("kv_cache_usage") is not None:
-        queue.append(f"kv cache {e['kv_cache_usage'] * 100:.1f}% used")
-    for key in ("running", "waiting"):
-        if e.get(key) is not None:
-            queue.append(f"{key} {int(e[key])}")
-    if e.get("oldest_waiting_s"):
-        queue.append(f"oldest waiting {e['oldest_waiting_s']:.1f}s")
+    if e.kv_cache_usage is not None:
+        queue.append(f"kv cache {e.kv_cache_usage * 100:.1f}% used")
+    for key, value in (("running", e.running), ("waiting", e.waiting)):
+        if value is not None:
+            queue.append(f"{key} {int(value)}")
+    if e.oldest_waiting_s:
+        queue.append(f"oldest waiting {e.oldest_waiting_s:.1f}s")
     if queue:
         lines.append("requests    " + "  ".join(queue))
-    if e.get("metrics_error") and e["state"] not in ("exited",):
-        lines.append(f"probe       {e['metrics_error']}")
-    gpu = st["gpu"]
-    for g in gpu["devices"]:
-        parts = [g["name"], f"{g['memory_used_bytes'] / 2**30:.1f} / {g['memory_total_bytes'] / 2**30:.1f} GiB"]
-        if g.get("utilization_ratio") is not None:
-            parts.append(f"util {int(g['utilization_ratio'] * 100)}%")
-        if g.get("temperature_celsius") is not None:
-            parts.append(f"{int(g['temperature_celsius'])} C")
-        parts.append(f"xid {int(g['xid_errors_total'])}")
-        lines.append(f"gpu {g['index']}       " + "  ".join(parts))
-    if not gpu["devices"]:
-        lines.append(f"gpu         {gpu['detail']}")
+    if e.metrics_error and e.state != EngineState.EXITED:
+        lines.append(f"probe       {e.metrics_error}")
+    gpu = st.gpu
+    for g in gpu.devices:
+        parts = [g.name, f"{g.memory_used_bytes / 2**30:.1f} / {g.memory_total_bytes / 2**30:.1f} GiB"]
+        if g.utilization_ratio is not None:
+            parts.append(f"util {int(g.utilization_ratio * 100)}%")
+        if g.temperature_celsius is not None:
+            parts.append(f"{int(g.temperature_celsius)} C")
+        parts.append(f"xid {int(g.xid_errors_total)}")
+        lines.append(f"gpu {g.index}       " + "  ".join(parts))
+    if not gpu.devices:
+        lines.append(f"gpu         {gpu.detail}")
     if d:
-        evidence = ", ".join(f"{k}={v}" for k, v in (d.get("evidence") or {}).items() if v is not None)
-        lines.append(f"decision    {d['action']} ({d['reason']})" + (f": {evidence}" if evidence else ""))
-    if c["gave_up"]:
-        guard = ("FAILED: " if c.get("permanent") else "GAVE UP: ") + one_line(c["reason"])
+        evidence = ", ".join(f"{k}={v}" for k, v in (d.evidence or {}).items() if v is not None)
+        lines.append(f"decision    {d.action} ({d.reason})" + (f": {evidence}" if evidence else ""))
+    if c.gave_up:
+        guard = ("FAILED: " if c.permanent else "GAVE UP: ") + one_line(c.reason)
     else:
-        guard = f"ok (max {int(c['max_restarts'])} in {_fmt_seconds(c['restart_window_s'])})"
-    lines.append(f"restarts    {int(r['total'])}  crash loop: {guard}")
-    if e.get("last_exit") and not c["gave_up"]:
-        lines.append(f"last exit   {one_line(e['last_exit'])}")
-    instance = f"  instance {s['instance']}" if s.get("instance") not in (None, "default") else ""
-    lines.append(f"supervisor  pid {s['pid']}{instance}  launcher {s['launcher']}  handover {s.get('handover', '?')}"
-                 f"{'  DRY-RUN' if s['dry_run'] else ''}  metrics {s['metrics_url']}")
+        guard = f"ok (max {int(c.max_restarts)} in {_fmt_seconds(c.restart_window_s)})"
+    lines.append(f"restarts    {int(r.total)}  crash loop: {guard}")
+    if e.last_exit and not c.gave_up:
+        lines.append(f"last exit   {one_line(e.last_exit)}")
+    instance = f"  instance {s.instance}" if s.instance not in (None, "default") else ""
+    lines.append(
+        f"supervisor  pid {s.pid}{instance}  launcher {s.launcher}  handover {s.handover}"
+        f"{'  DRY-RUN' if s.dry_run else ''}  metrics {s.metrics_url}"
+    )
     return lines
 
 
@@ -481,8 +532,11 @@ def logs(ctx: Ctx, follow: bool, which: str | None, lines: int) -> None:
     cfg = ctx.config()
     runtime = cfg.supervisor.runtime_path()
     if which != "supervisor" and cfg.supervisor.launcher == "systemd":
-        os.execvp("journalctl", ["journalctl", "-u", cfg.supervisor.engine_unit(), "-n", str(lines)] + (["-f"] if follow else []))
-    path = runtime / (SUPERVISOR_LOG_NAME if which == "supervisor" else "engine.log")
+        os.execvp(
+            "journalctl",
+            ["journalctl", "-u", cfg.supervisor.engine_unit(), "-n", str(lines)] + (["-f"] if follow else []),
+        )
+    path = runtime / (SUPERVISOR_LOG_NAME if which == "supervisor" else ENGINE_LOG_NAME)
     if not path.exists():
         _fail(f"no log at {path} yet")
     with open(path, errors="replace") as f:
@@ -508,8 +562,13 @@ def doctor(ctx: Ctx) -> None:
 
 
 @main.command()
-@click.option("--prefix", default="/", show_default=True, type=click.Path(file_okay=False),
-              help="Root every path under this directory (packaging, tests); file contents name the final paths.")
+@click.option(
+    "--prefix",
+    default="/",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Root every path under this directory (packaging, tests); file contents name the final paths.",
+)
 @click.option("--dry-run", is_flag=True, help="Show what would be written (and the rendered units); write nothing.")
 @click.option("--python", "python", default=None, help="Interpreter for ExecStart= (default: the one running opsctl).")
 @click.pass_obj
@@ -518,11 +577,18 @@ def install(ctx: Ctx, prefix: str, dry_run: bool, python: str | None) -> None:
 
     The config file comes from --config when given (and none is installed yet), else a commented default.
     """
-    from opsctl.install import InstallError, install as do_install
+    from opsctl.install import InstallError
+    from opsctl.install import install as do_install
 
     try:
-        do_install(prefix, dry_run=dry_run, config_source=ctx.config_path, python=python, echo=click.echo,
-                   instance=ctx.instance)
+        do_install(
+            prefix,
+            dry_run=dry_run,
+            config_source=ctx.config_path,
+            python=python,
+            echo=click.echo,
+            instance=ctx.instance,
+        )
     except InstallError as e:
         _fail(str(e), EXIT_USAGE)
 
@@ -534,7 +600,8 @@ def install(ctx: Ctx, prefix: str, dry_run: bool, python: str | None) -> None:
 @click.pass_obj
 def uninstall(ctx: Ctx, prefix: str, dry_run: bool, purge: bool) -> None:
     """Stop and disable the units (on this machine's systemd), then remove what `opsctl install` wrote."""
-    from opsctl.install import InstallError, uninstall as do_uninstall
+    from opsctl.install import InstallError
+    from opsctl.install import uninstall as do_uninstall
 
     try:
         do_uninstall(prefix, dry_run=dry_run, purge=purge, echo=click.echo, instance=ctx.instance)

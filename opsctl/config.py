@@ -20,13 +20,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from engine.config import ConfigError
-from engine.config_file import (SECTIONS, SERVER_KEYS, engine_args, engine_env, read_config_file,
-                                validate_engine_section)
+from engine.config_file import SECTIONS, SERVER_KEYS, engine_args, engine_env, read_config_file, validate_engine_section
 from engine.schema import validate_section
 from opsctl.instances import DEFAULT_INSTANCE, INSTANCE_PATTERN, config_path_for, engine_unit_for, runtime_dir_for
 from opsctl.policy import PolicyConfig
-
-
 
 
 @dataclass(frozen=True)
@@ -69,14 +66,17 @@ class SupervisorConfig(PolicyConfig):
     def validate(self) -> None:
         """What one key's range cannot say: combinations that would blind a rule or be ignored."""
         if self.launcher == "systemd" and self.handover == "overlap":
-            raise ConfigError("[supervisor] handover = \"overlap\" needs the process launcher: systemd runs one "
-                              "engine unit at a time (its socket unit queues connections meanwhile); use "
-                              "handover = \"auto\" or launcher = \"process\"")
+            raise ConfigError(
+                '[supervisor] handover = "overlap" needs the process launcher: systemd runs one '
+                "engine unit at a time (its socket unit queues connections meanwhile); use "
+                'handover = "auto" or launcher = "process"'
+            )
         if self.history_size is not None and self.history_size < self.history_needed():
             raise ConfigError(
                 f"[supervisor] history_size = {self.history_size} keeps {self.history_size * self.poll_interval:.0f} s "
                 f"of polls, shorter than the longest rule window; use at least {self.history_needed()} "
-                "(or leave it out: the default covers every window)")
+                "(or leave it out: the default covers every window)"
+            )
 
 
 @dataclass
@@ -110,7 +110,9 @@ class PagekeeperConfig:
         return {"engine": dict(self.engine), "supervisor": dataclasses.asdict(self.supervisor)}
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> PagekeeperConfig:
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: dict[str, dict[str, Any]] | None = None
+) -> PagekeeperConfig:
     """Read the file (explicit path must exist; the default path may be absent) and apply overrides."""
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     source = "built-in defaults"

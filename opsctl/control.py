@@ -7,7 +7,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from opsctl.supervisor import SOCKET_NAME
+from opsctl.constants import COMMAND_TIMEOUT_S, SOCKET_NAME, STATUS_TIMEOUT_S
+from opsctl.status import Status
 
 
 class SupervisorNotRunning(RuntimeError):
@@ -18,7 +19,9 @@ def socket_path(runtime_dir: Path) -> Path:
     return runtime_dir / SOCKET_NAME
 
 
-def send(runtime_dir: Path, cmd: str, args: dict[str, Any] | None = None, timeout: float = 900.0) -> dict[str, Any]:
+def send(
+    runtime_dir: Path, cmd: str, args: dict[str, Any] | None = None, timeout: float = COMMAND_TIMEOUT_S
+) -> dict[str, Any]:
     path = socket_path(runtime_dir)
     if not path.exists():
         raise SupervisorNotRunning(f"no supervisor socket at {path}")
@@ -41,7 +44,13 @@ def send(runtime_dir: Path, cmd: str, args: dict[str, Any] | None = None, timeou
 
 
 def status(runtime_dir: Path) -> dict[str, Any]:
-    return send(runtime_dir, "status", timeout=10)["status"]
+    """The status as the JSON `opsctl status --json` prints."""
+    return send(runtime_dir, "status", timeout=STATUS_TIMEOUT_S)["status"]
+
+
+def read_status(runtime_dir: Path) -> Status:
+    """The status, typed; ValueError when the reply is not one."""
+    return Status.from_json(status(runtime_dir))
 
 
 def is_running(runtime_dir: Path) -> bool:

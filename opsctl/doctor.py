@@ -38,22 +38,31 @@ def run_checks(cfg: PagekeeperConfig, echo: Callable[[str], None]) -> bool:
         report(True, "nvml", gpu.reason)
         for g in readings:
             free = (g.memory_total_bytes - g.memory_used_bytes) / 2**30
-            report(free > 1, f"gpu {g.index}", f"{g.name}: {free:.1f} GiB free of {g.memory_total_bytes / 2**30:.1f} GiB")
+            report(
+                free > 1, f"gpu {g.index}", f"{g.name}: {free:.1f} GiB free of {g.memory_total_bytes / 2**30:.1f} GiB"
+            )
     else:
         report(None, "nvml", f"{gpu.reason} (fine on a CPU-only machine; GPU readings will be absent)")
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     if conf is None:
         report(None, "allocator", f"PYTORCH_CUDA_ALLOC_CONF unset (recommended on GPUs: {RECOMMENDED_ALLOC_CONF})")
     else:
-        report("expandable_segments:True" in conf, "allocator",
-               f"PYTORCH_CUDA_ALLOC_CONF={conf}" + ("" if "expandable_segments:True" in conf
-                                                     else f" (recommended: {RECOMMENDED_ALLOC_CONF})"))
+        report(
+            "expandable_segments:True" in conf,
+            "allocator",
+            f"PYTORCH_CUDA_ALLOC_CONF={conf}"
+            + ("" if "expandable_segments:True" in conf else f" (recommended: {RECOMMENDED_ALLOC_CONF})"),
+        )
     runtime = cfg.supervisor.runtime_path()
     if control.is_running(runtime):
         report(True, "supervisor", f"running (socket {control.socket_path(runtime)})")
     else:
-        report(_port_free(cfg.host, cfg.port), "port", f"{cfg.host}:{cfg.port} "
-               + ("free" if _port_free(cfg.host, cfg.port) else "in use by another process; change [engine] port"))
+        report(
+            _port_free(cfg.host, cfg.port),
+            "port",
+            f"{cfg.host}:{cfg.port} "
+            + ("free" if _port_free(cfg.host, cfg.port) else "in use by another process; change [engine] port"),
+        )
     ok = _memory_plan(cfg, gpu, report) and ok
     return ok
 
@@ -99,14 +108,25 @@ def _memory_plan(cfg: PagekeeperConfig, gpu, report) -> bool:  # type: ignore[no
     except (ConfigError, OSError, RuntimeError) as e:
         report(False, "model", str(e))
         return False
-    report(True, "model", f"{econf.model_path()} ({plan.architecture}, {plan.dtype}, "
-                          f"weights {plan.weight_bytes / 2**20:.1f} MiB)")
-    report(True, "kv per token", f"{plan.kv_bytes_per_token} bytes; {plan.kv_bytes_per_block} per block of {plan.block_size}")
+    report(
+        True,
+        "model",
+        f"{econf.model_path()} ({plan.architecture}, {plan.dtype}, weights {plan.weight_bytes / 2**20:.1f} MiB)",
+    )
+    report(
+        True,
+        "kv per token",
+        f"{plan.kv_bytes_per_token} bytes; {plan.kv_bytes_per_block} per block of {plan.block_size}",
+    )
     if plan.kv_budget_bytes is None:
         report(None, "kv budget", plan.kv_budget_source)
         return True
     fits = plan.max_concurrency is not None and plan.max_concurrency >= 1
-    report(fits, "kv budget", f"{plan.kv_budget_bytes / 2**30:.2f} GiB ({plan.kv_budget_source}) = "
-                              f"{plan.kv_tokens} tokens, {plan.max_concurrency:.1f} sequences of max_model_len "
-                              f"{plan.max_model_len}" + ("" if fits else "; lower --max-model-len or raise the budget"))
+    report(
+        fits,
+        "kv budget",
+        f"{plan.kv_budget_bytes / 2**30:.2f} GiB ({plan.kv_budget_source}) = "
+        f"{plan.kv_tokens} tokens, {plan.max_concurrency:.1f} sequences of max_model_len "
+        f"{plan.max_model_len}" + ("" if fits else "; lower --max-model-len or raise the budget"),
+    )
     return fits

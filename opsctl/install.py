@@ -89,14 +89,19 @@ def units_source() -> Path:
     for candidate in (Path(__file__).resolve().parents[1] / "systemd", Path(sys.prefix) / "share/pagekeeper/systemd"):
         if all((candidate / unit).is_file() for unit in UNITS):
             return candidate
-    raise InstallError("the systemd unit files are not installed with this copy of pagekeeper "
-                       f"(looked in the source tree and in {Path(sys.prefix) / 'share/pagekeeper/systemd'})")
+    raise InstallError(
+        "the systemd unit files are not installed with this copy of pagekeeper "
+        f"(looked in the source tree and in {Path(sys.prefix) / 'share/pagekeeper/systemd'})"
+    )
 
 
 # -- instances -------------------------------------------------------------------------------------
 
-TEMPLATE_NAMES = {ENGINE_UNIT: "pagekeeper-engine@.service", SOCKET_UNIT: "pagekeeper-engine@.socket",
-                  SUPERVISOR_UNIT: "pagekeeper-supervisor@.service"}
+TEMPLATE_NAMES = {
+    ENGINE_UNIT: "pagekeeper-engine@.service",
+    SOCKET_UNIT: "pagekeeper-engine@.socket",
+    SUPERVISOR_UNIT: "pagekeeper-supervisor@.service",
+}
 DROPIN_NAME = "50-instance.conf"
 
 # What a unit of the default instance names, and what its template names instead (non-comment lines only).
@@ -111,8 +116,11 @@ _TEMPLATE_SUBSTITUTIONS = (
 )
 # Siblings, not subdirectories: with DynamicUser= the default instance's /var/lib/pagekeeper is a link
 # into /var/lib/private owned by its own transient user, and nothing can be created under it.
-_TEMPLATE_KEYS = {"RuntimeDirectory": "pagekeeper@%i", "StateDirectory": "pagekeeper-%i",
-                  "CacheDirectory": "pagekeeper-%i"}
+_TEMPLATE_KEYS = {
+    "RuntimeDirectory": "pagekeeper@%i",
+    "StateDirectory": "pagekeeper-%i",
+    "CacheDirectory": "pagekeeper-%i",
+}
 
 
 def instance_unit(unit: str, instance: str) -> str:
@@ -129,8 +137,10 @@ def env_path_for(instance: str) -> Path:
 
 def as_template(text: str) -> str:
     """A default-instance unit as a template unit (%i = the instance name)."""
-    out = ["# Template for named instances (pagekeeper-*@NAME), rendered by `opsctl --instance NAME install` from",
-           "# the default instance's unit; what differs between instances is in pagekeeper-*@NAME.*.d/" + DROPIN_NAME]
+    out = [
+        "# Template for named instances (pagekeeper-*@NAME), rendered by `opsctl --instance NAME install` from",
+        "# the default instance's unit; what differs between instances is in pagekeeper-*@NAME.*.d/" + DROPIN_NAME,
+    ]
     for line in text.splitlines():
         if line.startswith("#") or "=" not in line:
             out.append(line)
@@ -181,7 +191,7 @@ def add_lines(text: str, section: str, after_key: str, new: list[str]) -> str:
     at = max((i for i in range(start + 1, end) if lines[i].split("=", 1)[0].strip() == after_key), default=None)
     if at is None:
         raise ValueError(f"no {after_key}= in [{section}]")
-    lines[at + 1:at + 1] = new
+    lines[at + 1 : at + 1] = new
     return "\n".join(lines) + "\n"
 
 
@@ -235,8 +245,13 @@ class Layout:
         model = cfg.engine.get("model")
         if model and os.path.isabs(str(model)):
             needed.append(Path(str(model)))
-        hidden = sorted({Path(os.path.abspath(p)) for p in needed
-                         if any(h in Path(os.path.abspath(p)).parents for h in HIDDEN_FROM_SERVICES)})
+        hidden = sorted(
+            {
+                Path(os.path.abspath(p))
+                for p in needed
+                if any(h in Path(os.path.abspath(p)).parents for h in HIDDEN_FROM_SERVICES)
+            }
+        )
         visible = [p for p in hidden if not any(q in p.parents for q in hidden)]  # outermost paths only
         return cls(python=python, code_root=None if in_site else code_root, visible=visible)
 
@@ -246,8 +261,9 @@ def _stop_timeouts(cfg: PagekeeperConfig) -> dict[str, int]:
     return {ENGINE_UNIT: int(engine_drain) + 30, SUPERVISOR_UNIT: int(cfg.supervisor.drain_timeout + engine_drain) + 30}
 
 
-def render_units(cfg: PagekeeperConfig, layout: Layout, source: Path | None = None,
-                 instance: str = DEFAULT_INSTANCE) -> dict[str, str]:
+def render_units(
+    cfg: PagekeeperConfig, layout: Layout, source: Path | None = None, instance: str = DEFAULT_INSTANCE
+) -> dict[str, str]:
     """The unit files (paths relative to the unit dir), rendered for this machine and configuration.
 
     The default instance: the three units with every value in them.  A named one: the three template
@@ -264,7 +280,7 @@ def render_units(cfg: PagekeeperConfig, layout: Layout, source: Path | None = No
         exec_start = get_key(text, "Service", "ExecStart")
         if not exec_start.startswith(TEMPLATE_PYTHON + " "):
             raise InstallError(f"{source / name}: ExecStart= does not start with {TEMPLATE_PYTHON}")
-        text = set_key(text, "Service", "ExecStart", _exec_word(layout.python) + exec_start[len(TEMPLATE_PYTHON):])
+        text = set_key(text, "Service", "ExecStart", _exec_word(layout.python) + exec_start[len(TEMPLATE_PYTHON) :])
         text = add_lines(text, "Service", "Environment", env_lines)
         if not named:
             text = set_key(text, "Service", "TimeoutStopSec", str(stop_timeouts[name]))
@@ -275,9 +291,11 @@ def render_units(cfg: PagekeeperConfig, layout: Layout, source: Path | None = No
         texts[SOCKET_UNIT] = set_key(texts[SOCKET_UNIT], "Socket", "ListenStream", listen)
         return texts
     rendered = {TEMPLATE_NAMES[name]: as_template(text) for name, text in texts.items()}
-    dropins = {ENGINE_UNIT: ["[Service]", f"TimeoutStopSec={stop_timeouts[ENGINE_UNIT]}", *bind_lines],
-               SOCKET_UNIT: ["[Socket]", "ListenStream=", f"ListenStream={listen}"],
-               SUPERVISOR_UNIT: ["[Service]", f"TimeoutStopSec={stop_timeouts[SUPERVISOR_UNIT]}", *bind_lines]}
+    dropins = {
+        ENGINE_UNIT: ["[Service]", f"TimeoutStopSec={stop_timeouts[ENGINE_UNIT]}", *bind_lines],
+        SOCKET_UNIT: ["[Socket]", "ListenStream=", f"ListenStream={listen}"],
+        SUPERVISOR_UNIT: ["[Service]", f"TimeoutStopSec={stop_timeouts[SUPERVISOR_UNIT]}", *bind_lines],
+    }
     for unit, lines in dropins.items():
         header = f"# instance {instance!r} of {TEMPLATE_NAMES[unit]}: written by `opsctl --instance {instance} install`"
         rendered[f"{instance_unit(unit, instance)}.d/{DROPIN_NAME}"] = "\n".join([header, *lines]) + "\n"
@@ -297,12 +315,19 @@ def _rooted(prefix: Path, path: Path) -> Path:
 
 
 def _systemd_running(prefix: Path) -> bool:
-    return prefix.resolve() == Path("/") and Path("/run/systemd/system").is_dir() and shutil.which("systemctl") is not None
+    return (
+        prefix.resolve() == Path("/") and Path("/run/systemd/system").is_dir() and shutil.which("systemctl") is not None
+    )
 
 
-def install(prefix: str | os.PathLike[str] = "/", dry_run: bool = False, config_source: str | None = None,
-            python: str | None = None, echo: Callable[[str], None] = print,
-            instance: str | None = None) -> list[FileAction]:
+def install(
+    prefix: str | os.PathLike[str] = "/",
+    dry_run: bool = False,
+    config_source: str | None = None,
+    python: str | None = None,
+    echo: Callable[[str], None] = print,
+    instance: str | None = None,
+) -> list[FileAction]:
     """Write the units, the config file (if absent) and the environment file under `prefix`."""
     root = Path(prefix)
     instance = instance or DEFAULT_INSTANCE
@@ -315,13 +340,17 @@ def install(prefix: str | os.PathLike[str] = "/", dry_run: bool = False, config_
     elif instance == DEFAULT_INSTANCE:
         config_text, config_from = DEFAULT_CONFIG, "the default configuration"
     else:  # the default one's ports are the default instance's
-        raise InstallError(f"instance {instance!r} needs a config of its own (ports that no other instance uses): "
-                           f"`opsctl --instance {instance} --config FILE install`")
+        raise InstallError(
+            f"instance {instance!r} needs a config of its own (ports that no other instance uses): "
+            f"`opsctl --instance {instance} --config FILE install`"
+        )
     cfg = _parse_config(config_text, config_from)
     if cfg.supervisor.instance not in (DEFAULT_INSTANCE, instance):
-        raise InstallError(f"{config_from} says [supervisor] instance = {cfg.supervisor.instance!r} but this is "
-                           f"instance {instance!r}; remove the key or use `opsctl --instance "
-                           f"{cfg.supervisor.instance} install`")
+        raise InstallError(
+            f"{config_from} says [supervisor] instance = {cfg.supervisor.instance!r} but this is "
+            f"instance {instance!r}; remove the key or use `opsctl --instance "
+            f"{cfg.supervisor.instance} install`"
+        )
     layout = Layout.detect(cfg, python)
     units = render_units(cfg, layout, instance=instance)
     env_file = env_path_for(instance)
@@ -329,10 +358,12 @@ def install(prefix: str | os.PathLike[str] = "/", dry_run: bool = False, config_
     actions += [FileAction(config_file, config_text, False), FileAction(env_file, ENV_CONTENT, False, mode=0o600)]
 
     what = "engine" if instance == DEFAULT_INSTANCE else f"instance {instance!r}: engine"
-    echo(f"{'would install' if dry_run else 'installing'} into {root}: {what} on {cfg.engine_url} "
-         f"(config: {config_from}), python {layout.python}"
-         + (f", PYTHONPATH {layout.code_root}" if layout.code_root else "")
-         + (f", read-only binds {', '.join(map(str, layout.visible))}" if layout.visible else ""))
+    echo(
+        f"{'would install' if dry_run else 'installing'} into {root}: {what} on {cfg.engine_url} "
+        f"(config: {config_from}), python {layout.python}"
+        + (f", PYTHONPATH {layout.code_root}" if layout.code_root else "")
+        + (f", read-only binds {', '.join(map(str, layout.visible))}" if layout.visible else "")
+    )
     for action in actions:
         target = _rooted(root, action.path)
         if target.exists() and not action.overwrite:
@@ -352,13 +383,20 @@ def install(prefix: str | os.PathLike[str] = "/", dry_run: bool = False, config_
         _systemctl(echo, "daemon-reload")
         echo(f"enable and start: systemctl enable --now {enable}")
     else:
-        echo(f"units written to {_rooted(root, UNIT_DIR)}; after copying them into place: systemctl daemon-reload && "
-             f"systemctl enable --now {enable}")
+        echo(
+            f"units written to {_rooted(root, UNIT_DIR)}; after copying them into place: systemctl daemon-reload && "
+            f"systemctl enable --now {enable}"
+        )
     return actions
 
 
-def uninstall(prefix: str | os.PathLike[str] = "/", dry_run: bool = False, purge: bool = False,
-              echo: Callable[[str], None] = print, instance: str | None = None) -> list[Path]:
+def uninstall(
+    prefix: str | os.PathLike[str] = "/",
+    dry_run: bool = False,
+    purge: bool = False,
+    echo: Callable[[str], None] = print,
+    instance: str | None = None,
+) -> list[Path]:
     """Stop and disable the units (real root only), then remove what `install` wrote.
 
     The config file is removed only when it is still the default one, or with `purge`.  A named
@@ -378,8 +416,11 @@ def uninstall(prefix: str | os.PathLike[str] = "/", dry_run: bool = False, purge
         files = [UNIT_DIR / name for name in UNITS]
     else:
         files = [UNIT_DIR / f"{u}.d" / DROPIN_NAME for u in units]
-        others = [d for d in _rooted(root, UNIT_DIR).glob("pagekeeper-engine@*.service.d")
-                  if d.name != f"{instance_unit(ENGINE_UNIT, instance)}.d"]
+        others = [
+            d
+            for d in _rooted(root, UNIT_DIR).glob("pagekeeper-engine@*.service.d")
+            if d.name != f"{instance_unit(ENGINE_UNIT, instance)}.d"
+        ]
         if not others:
             files += [UNIT_DIR / name for name in TEMPLATE_NAMES.values()]
     for path in files + [env_path_for(instance), config_file]:
@@ -436,4 +477,3 @@ def _systemctl(echo: Callable[[str], None], *args: str, check: bool = True) -> N
     r = subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=300)
     if r.returncode != 0 and check:
         raise InstallError(f"systemctl {' '.join(args)} failed: {r.stderr.strip()}")
-

@@ -14,10 +14,15 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from opsctl.constants import INSTANCE_FILE_NAME
+
+if TYPE_CHECKING:  # opsctl.config imports this module
+    from opsctl.config import PagekeeperConfig
 
 DEFAULT_INSTANCE = "default"
 INSTANCE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"
-INSTANCE_FILE_NAME = "instance.json"
 CONFIG_DIR = Path("/etc/pagekeeper")
 
 
@@ -70,6 +75,20 @@ class InstanceRecord:
     metrics_port: int
 
 
+def instance_record(cfg: PagekeeperConfig, runtime: Path, metrics_port: int, pid: int | None = None) -> InstanceRecord:
+    """What this instance claims (ports), as other instances' starts read it from `instance.json`."""
+    return InstanceRecord(
+        instance=cfg.supervisor.instance,
+        config=cfg.source,
+        supervisor_pid=pid or os.getpid(),
+        runtime_dir=str(runtime),
+        host=cfg.host,
+        port=cfg.port,
+        metrics_host=cfg.supervisor.metrics_host,
+        metrics_port=metrics_port,
+    )
+
+
 def write_record(runtime: Path, record: InstanceRecord) -> None:
     from opsctl.runtime import write_private
 
@@ -115,14 +134,17 @@ def port_clash(mine: InstanceRecord, others: list[InstanceRecord]) -> str | None
     for other in others:
         if Path(other.runtime_dir) == Path(mine.runtime_dir) or other.supervisor_pid == mine.supervisor_pid:
             continue
-        wants = [("[engine] port", mine.host, mine.port, other.host, other.port),
-                 ("[engine] port", mine.host, mine.port, other.metrics_host, other.metrics_port),
-                 ("[supervisor] metrics_port", mine.metrics_host, mine.metrics_port, other.host, other.port),
-                 ("[supervisor] metrics_port", mine.metrics_host, mine.metrics_port,
-                  other.metrics_host, other.metrics_port)]
+        wants = [
+            ("[engine] port", mine.host, mine.port, other.host, other.port),
+            ("[engine] port", mine.host, mine.port, other.metrics_host, other.metrics_port),
+            ("[supervisor] metrics_port", mine.metrics_host, mine.metrics_port, other.host, other.port),
+            ("[supervisor] metrics_port", mine.metrics_host, mine.metrics_port, other.metrics_host, other.metrics_port),
+        ]
         for key, host, port, other_host, other_port in wants:
             if port and port == other_port and _same_address(host, other_host):
-                return (f"{key} {port} is already used by instance {other.instance!r} (config {other.config}, "
-                        f"supervisor pid {other.supervisor_pid}); give instance {mine.instance!r} another {key}"
-                        + (" (0 = any free port)" if key.startswith("[supervisor]") else ""))
+                return (
+                    f"{key} {port} is already used by instance {other.instance!r} (config {other.config}, "
+                    f"supervisor pid {other.supervisor_pid}); give instance {mine.instance!r} another {key}"
+                    + (" (0 = any free port)" if key.startswith("[supervisor]") else "")
+                )
     return None

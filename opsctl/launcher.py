@@ -29,9 +29,9 @@ import signal
 import subprocess
 import sys
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import psutil
 import structlog
@@ -39,15 +39,18 @@ import structlog
 from engine.server import control
 from engine.server.handover import InflightFile
 from engine.server.sockets import bind
+from opsctl.constants import (
+    ADOPT_TIMEOUT_S,
+    ENGINE_CONTROL_TIMEOUT_S,
+    ENGINE_STATE_NAME,
+    EXIT_CONFIG_ERROR,
+    STOP_NOW_GRACE_S,
+)
 from opsctl.runtime import open_private, write_private
 
 log = structlog.get_logger("pagekeeper.supervisor")
 
 _LOG_TAIL_BYTES = 4096
-ENGINE_STATE_NAME = "engine.json"
-EXIT_CONFIG_ERROR = 2  # the engine's "a person must fix this" exit code: never retried
-_CONTROL_TIMEOUT_S = 3.0
-_STOP_NOW_GRACE_S = 5.0
 
 
 @dataclass
@@ -59,19 +62,45 @@ class Retired:
     successor_serving: bool = False  # the new engine was already serving when the old one left (overlap)
 
 
-class Launcher(Protocol):
-    name: str
+class Launcher(ABC):
+    """What the supervisor needs from whatever runs the engine.  The differences between a child process
+    and a systemd unit that the supervisor must know about are attributes here, never type checks."""
 
+    name: str
+    overlap: bool = False  # a restart starts the new engine before the old one leaves (handover = "overlap")
+    engine_outlives_supervisor: bool = False  # the supervisor's own exit (a signal) leaves the engine running
+    drain_timeout_per_command: bool = True  # `--drain-timeout` can bound one restart/stop's drain
+
+    def __init__(self) -> None:
+        self._last_exit: str | None = None  # how the engine last exited, for status and the give-up reason
+        self._last_code: int | None = None
+
+    @abstractmethod
     def start(self) -> None: ...
+    @abstractmethod
     def restart(self, drain: bool, timeout: float, ready_timeout: float) -> Retired: ...
+    @abstractmethod
     def stop(self, drain: bool, timeout: float) -> Retired: ...
+    @abstractmethod
     def pid(self) -> int | None: ...
+    @abstractmethod
     def alive(self) -> bool: ...
-    def exit_summary(self) -> str | None: ...
-    def exit_is_permanent(self) -> bool: ...
-    def forget_exit(self) -> None: ...
+    @abstractmethod
     def log_path(self) -> Path | None: ...
+    @abstractmethod
     def close(self) -> None: ...
+
+    def exit_summary(self) -> str | None:
+        return self._last_exit
+
+    def exit_is_permanent(self) -> bool:
+        """The engine exited with 2: a mistake a person must fix, never retried."""
+        return self._last_code == EXIT_CONFIG_ERROR
+
+    def forget_exit(self) -> None:
+        """The exit has been dealt with (a restart): the next one is news."""
+        self._last_exit = None
+        self._last_code = None
 
 
 def tail(path: Path | None, max_bytes: int = _LOG_TAIL_BYTES) -> str:
@@ -106,8 +135,14 @@ def last_error_line(log_text: str) -> str:
 class EngineProcess:
     """One engine process: started by this supervisor (a child) or adopted from a predecessor."""
 
-    def __init__(self, pid: int, control_path: Path, inflight_path: Path, popen: subprocess.Popen | None,
-                 create_time: float | None = None) -> None:
+    def __init__(
+        self,
+        pid: int,
+        control_path: Path,
+        inflight_path: Path,
+        popen: subprocess.Popen | None,
+        create_time: float | None = None,
+    ) -> None:
         self.pid = pid
         self.control_path = control_path
         self.inflight_path = inflight_path
@@ -147,7 +182,7 @@ class EngineProcess:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def request(self, cmd: str, timeout: float = _CONTROL_TIMEOUT_S, **args: object) -> dict:
+    def request(self, cmd: str, timeout: float = ENGINE_CONTROL_TIMEOUT_S, **args: object) -> dict:
         return control.request(self.control_path, cmd, timeout, **args)
 
     def state(self) -> str | None:
@@ -171,8 +206,12 @@ class EngineProcess:
             path.unlink(missing_ok=True)
 
     def as_json(self) -> dict:
-        return {"pid": self.pid, "create_time": self.create_time, "control": str(self.control_path),
-                "inflight": str(self.inflight_path)}
+        return {
+            "pid": self.pid,
+            "create_time": self.create_time,
+            "control": str(self.control_path),
+            "inflight": str(self.inflight_path),
+        }
 
 
 def _create_time(pid: int) -> float | None:
@@ -186,8 +225,13 @@ def recorded_engine(runtime: Path) -> EngineProcess | None:
     """The live engine `engine.json` names (one a dead supervisor left serving), or None."""
     try:
         recorded = json.loads((runtime / ENGINE_STATE_NAME).read_text())
-        engine = EngineProcess(int(recorded["pid"]), Path(recorded["control"]), Path(recorded["inflight"]),
-                               None, recorded.get("create_time"))
+        engine = EngineProcess(
+            int(recorded["pid"]),
+            Path(recorded["control"]),
+            Path(recorded["inflight"]),
+            None,
+            recorded.get("create_time"),
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return engine if engine.alive() else None
@@ -200,19 +244,26 @@ def stop_unsupervised(engine: EngineProcess, drain: bool, timeout: float) -> Ret
     return retired
 
 
-class ProcessLauncher:
+class ProcessLauncher(Launcher):
     name = "process"
 
-    def __init__(self, engine_args: list[str], host: str, port: int, runtime: Path, log_file: Path,
-                 overlap: bool, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        engine_args: list[str],
+        host: str,
+        port: int,
+        runtime: Path,
+        log_file: Path,
+        overlap: bool,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.engine_args = engine_args
         self.runtime = runtime
         self.log_file = log_file
         self.overlap = overlap
         self.env = env
+        super().__init__()
         self.engine: EngineProcess | None = None
-        self._last_exit: str | None = None
-        self._last_code: int | None = None
         self._lost_at_exit = 0
         self._serial = 0
         self.sock = self._adopt() or bind(host, port, hint="change [engine] port")
@@ -228,7 +279,7 @@ class ProcessLauncher:
             return None
         engine.signal_group(signal.SIGCONT)
         try:
-            sock = control.receive_listening_socket(engine.control_path, timeout=5.0)
+            sock = control.receive_listening_socket(engine.control_path, timeout=ADOPT_TIMEOUT_S)
         except (OSError, ValueError) as e:
             # Alive but not answering: it cannot be handed a successor, so it is stopped like a hung one.
             log.warning("adoption_failed", pid=engine.pid, error=str(e), action="stopping it")
@@ -236,8 +287,11 @@ class ProcessLauncher:
             state_file.unlink(missing_ok=True)
             return None
         self.engine = engine
-        log.warning("engine_adopted", pid=engine.pid,
-                    detail="the previous supervisor died; this one took over its running engine")
+        log.warning(
+            "engine_adopted",
+            pid=engine.pid,
+            detail="the previous supervisor died; this one took over its running engine",
+        )
         return sock
 
     # -- starting ---------------------------------------------------------------------------------
@@ -249,14 +303,31 @@ class ProcessLauncher:
         control_path = self.runtime / f"eng-{token}.sock"
         inflight_path = self.runtime / f"eng-{token}.inflight"
         fd = self.sock.fileno()
-        cmd = [sys.executable, "-m", "engine.server", *self.engine_args, "--listen-fd", str(fd),
-               "--control-socket", str(control_path), "--inflight-file", str(inflight_path)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "engine.server",
+            *self.engine_args,
+            "--listen-fd",
+            str(fd),
+            "--control-socket",
+            str(control_path),
+            "--inflight-file",
+            str(inflight_path),
+        ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         with open_private(self.log_file) as logf:
             logf.write(f"\n--- engine start {time.strftime('%Y-%m-%dT%H:%M:%S')} ---\n".encode())
             logf.flush()
-            popen = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, pass_fds=(fd,), start_new_session=True)
+            popen = subprocess.Popen(
+                cmd,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                pass_fds=(fd,),
+                start_new_session=True,
+            )
         log.info("engine_started", launcher=self.name, pid=popen.pid)
         return EngineProcess(popen.pid, control_path, inflight_path, popen)
 
@@ -298,11 +369,11 @@ class ProcessLauncher:
         cmd = "drain_exit" if drain else "stop_now"
         aborted = 0
         try:
-            reply = engine.request(cmd, timeout=_CONTROL_TIMEOUT_S, timeout_s=timeout)
+            reply = engine.request(cmd, timeout=ENGINE_CONTROL_TIMEOUT_S, timeout_s=timeout)
             aborted = 0 if drain else int(reply.get("in_flight") or 0)
         except (OSError, ValueError):
             os.kill(engine.pid, signal.SIGTERM if drain else signal.SIGINT)
-        grace = timeout + 2.0 if drain else _STOP_NOW_GRACE_S
+        grace = timeout + 2.0 if drain else STOP_NOW_GRACE_S
         if engine.wait(grace):
             aborted = engine.aborted() or aborted  # the engine's own count includes late arrivals
             result = Retired(aborted, "no_drain" if aborted else "")
@@ -332,8 +403,10 @@ class ProcessLauncher:
             if not self._wait_serving(new, ready_timeout):
                 self.retire(new, drain=False, timeout=0)
                 code = new.returncode()
-                raise RestartFailed(f"the new engine did not come up ({_describe(code)}: "
-                                    f"{last_error_line(tail(self.log_file))}); the old one keeps serving")
+                raise RestartFailed(
+                    f"the new engine did not come up ({_describe(code)}: "
+                    f"{last_error_line(tail(self.log_file))}); the old one keeps serving"
+                )
             self.engine = new
             self._record()
             retired = self.retire(old, drain, timeout)
@@ -377,15 +450,8 @@ class ProcessLauncher:
         log.info("engine_exited", pid=engine.pid, how=what, in_flight=self._lost_at_exit)
         engine.cleanup()
 
-    def exit_summary(self) -> str | None:
-        return self._last_exit
-
-    def exit_is_permanent(self) -> bool:
-        return self._last_code == EXIT_CONFIG_ERROR
-
     def forget_exit(self) -> None:
-        self._last_exit = None
-        self._last_code = None
+        super().forget_exit()
         self._lost_at_exit = 0
 
     def log_path(self) -> Path | None:
@@ -411,13 +477,15 @@ def _describe(code: int | None) -> str:
     return f"exit code {code}"
 
 
-class SystemdLauncher:
+class SystemdLauncher(Launcher):
     name = "systemd"
+    overlap = False  # systemd runs one engine unit at a time; its socket unit queues connections meanwhile
+    engine_outlives_supervisor = True  # the engine is a unit of its own
+    drain_timeout_per_command = False  # the engine drains for its own drain_timeout, bounded by TimeoutStopSec=
 
     def __init__(self, unit: str) -> None:
+        super().__init__()
         self.unit = unit
-        self._last_exit: str | None = None
-        self._last_code: int | None = None
 
     def _ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(["systemctl", *args], capture_output=True, text=True, check=check, timeout=600)
@@ -466,16 +534,6 @@ class SystemdLauncher:
         self._last_code = int(status) if status.isdigit() else None
         self._last_exit = f"unit {state}: result {values.get('Result', '?')}, exit status {status or '?'}"
         return False
-
-    def exit_summary(self) -> str | None:
-        return self._last_exit
-
-    def exit_is_permanent(self) -> bool:
-        return self._last_code == EXIT_CONFIG_ERROR
-
-    def forget_exit(self) -> None:
-        self._last_exit = None
-        self._last_code = None
 
     def log_path(self) -> Path | None:
         return None  # journalctl -u <unit>

@@ -47,7 +47,6 @@ from typing import Annotated, Any, Sequence
 
 from pydantic import Field  # range metadata on the thresholds only; the policy itself does no I/O
 
-
 Seconds = Annotated[float, Field(gt=0, le=7 * 86400)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
 
@@ -99,13 +98,59 @@ class Observation:
 
 @dataclass(frozen=True)
 class Action:
+    """One decision.  `reason` is the label (logs, metrics, status); what the supervisor does with the
+    action is in the other fields, so that it never has to match on reason strings."""
+
     kind: str  # none | restart | drain_restart | give_up
     reason: str
     evidence: dict[str, Any] = field(default_factory=dict)
+    drains: bool = False  # hand over: the old engine finishes its in-flight requests before it leaves
+    counts_as_crash: bool = False  # the restart counts towards the crash-loop guard (max_restarts)
+    permanent: bool = False  # give_up only: a person must fix something (exit code 2); never retried
+    drain_cap_s: float | None = None  # sequential handover only: bound the drain, the successor needs the GPU
 
     @property
     def acts(self) -> bool:
         return self.kind != "none"
+
+
+@dataclass(frozen=True)
+class Effect:
+    """What an acting rule's action does, besides its kind: one row per reason (see the table above)."""
+
+    kind: str
+    drains: bool = False
+    counts_as_crash: bool = False
+    permanent: bool = False
+    drain_cap_s: float | None = None
+
+
+# Every acting reason the policy can decide, and its effect.  A hung engine is drained (it may resume and
+# finish its work) but briefly when one engine runs at a time: it holds the memory its successor needs.
+EFFECTS: dict[str, Effect] = {
+    "engine_exited": Effect("restart", counts_as_crash=True),
+    "hang": Effect("restart", drains=True, counts_as_crash=True, drain_cap_s=10.0),
+    "start_timeout": Effect("restart", counts_as_crash=True),
+    "high_cache": Effect("drain_restart", drains=True),
+    "backlog": Effect("drain_restart", drains=True),
+    "fragmentation": Effect("drain_restart", drains=True),
+    "crash_loop": Effect("give_up"),
+    "permanent_failure": Effect("give_up", permanent=True),
+}
+
+
+def act(reason: str, evidence: dict[str, Any]) -> Action:
+    """The acting action for `reason`, with the effect EFFECTS gives it."""
+    e = EFFECTS[reason]
+    return Action(
+        e.kind,
+        reason,
+        evidence,
+        drains=e.drains,
+        counts_as_crash=e.counts_as_crash,
+        permanent=e.permanent,
+        drain_cap_s=e.drain_cap_s,
+    )
 
 
 NOTHING = Action("none", "healthy")
@@ -130,27 +175,34 @@ def decide(history: Sequence[Observation], state: PolicyState, cfg: PolicyConfig
     last = history[-1]
 
     if not last.process_alive and last.exit_permanent:
-        return Action("give_up", "permanent_failure", {"health": last.health})
+        return act("permanent_failure", {"health": last.health})
     wanted = _wanted(history, state, cfg, now, last)
     if not wanted.acts:
         return wanted
     recent = [t for t in state.restarts if now - t <= cfg.restart_window]
     if len(recent) >= cfg.max_restarts:
-        return Action("give_up", "crash_loop", {
-            "restarts_in_window": len(recent), "restart_window_s": cfg.restart_window,
-            "max_restarts": cfg.max_restarts, "wanted": wanted.reason, **wanted.evidence,
-        })
+        return act(
+            "crash_loop",
+            {
+                "restarts_in_window": len(recent),
+                "restart_window_s": cfg.restart_window,
+                "max_restarts": cfg.max_restarts,
+                "wanted": wanted.reason,
+                **wanted.evidence,
+            },
+        )
     return wanted
 
 
-def _wanted(history: Sequence[Observation], state: PolicyState, cfg: PolicyConfig, now: float,
-            last: Observation) -> Action:
+def _wanted(
+    history: Sequence[Observation], state: PolicyState, cfg: PolicyConfig, now: float, last: Observation
+) -> Action:
     if not last.process_alive:
-        return Action("restart", "engine_exited", {"health": last.health})
+        return act("engine_exited", {"health": last.health})
     if state.ready_at is None:
         waited = now - state.started_at
         if waited >= cfg.ready_timeout:
-            return Action("restart", "start_timeout", {"waited_s": round(waited, 1), "health": last.health})
+            return act("start_timeout", {"waited_s": round(waited, 1), "health": last.health})
         return Action("none", "starting", {"waited_s": round(waited, 1)})
     hang = _hang(history, cfg, now)
     if hang.acts:
@@ -189,17 +241,26 @@ def _hang(history: Sequence[Observation], cfg: PolicyConfig, now: float) -> Acti
         i = next(i for i, o in enumerate(history) if o.t == first_silent)
         since = history[i - 1].t if i > 0 else first_silent
         if now - since >= cfg.hang_seconds:
-            return Action("restart", "hang", {"health": last.health, "for_s": round(now - since, 1)})
+            return act("hang", {"health": last.health, "for_s": round(now - since, 1)})
 
     # Steps frozen while requests wait: the metrics say the loop does not advance.
     if last.steps_total is not None and (last.waiting or 0) + (last.running or 0) > 0:
         frozen = [o for o in history if o.steps_total is not None and now - o.t <= cfg.hang_seconds + 1e-9]
         span = now - frozen[0].t if frozen else 0.0
-        if span >= cfg.hang_seconds and all(o.steps_total == last.steps_total for o in frozen) and all(
-            (o.waiting or 0) + (o.running or 0) > 0 for o in frozen
+        if (
+            span >= cfg.hang_seconds
+            and all(o.steps_total == last.steps_total for o in frozen)
+            and all((o.waiting or 0) + (o.running or 0) > 0 for o in frozen)
         ):
-            return Action("restart", "hang", {"steps_total": last.steps_total, "waiting": last.waiting,
-                                              "running": last.running, "for_s": round(span, 1)})
+            return act(
+                "hang",
+                {
+                    "steps_total": last.steps_total,
+                    "waiting": last.waiting,
+                    "running": last.running,
+                    "for_s": round(span, 1),
+                },
+            )
     return NOTHING
 
 
@@ -208,23 +269,28 @@ def _aged(o: Observation, seconds: float) -> bool:
 
 
 def _over_ratio(o: Observation, cfg: PolicyConfig) -> bool:
-    return o.waiting is not None and o.running is not None and o.waiting > 0 and \
-        o.waiting > cfg.backlog_factor * o.running
+    return (
+        o.waiting is not None and o.running is not None and o.waiting > 0 and o.waiting > cfg.backlog_factor * o.running
+    )
 
 
 def _pressure(o: Observation, before: Observation | None, cfg: PolicyConfig) -> bool:
     """Cache usage above the threshold while it costs something: preemptions, or requests kept out."""
     if o.cache_usage is None or o.cache_usage <= cfg.cache_usage_threshold:
         return False
-    preempted = o.preemptions is not None and before is not None and before.preemptions is not None and \
-        o.preemptions > before.preemptions
+    preempted = (
+        o.preemptions is not None
+        and before is not None
+        and before.preemptions is not None
+        and o.preemptions > before.preemptions
+    )
     kept_out = (o.waiting or 0) > 0 and _aged(o, cfg.pressure_wait_seconds)
     return preempted or kept_out
 
 
 def _growing_backlog(window: Sequence[Observation], cfg: PolicyConfig) -> bool:
     """The queue grew at each of the last events_to_act polls and its oldest request waited through them."""
-    tail = list(window[-cfg.events_to_act:])
+    tail = list(window[-cfg.events_to_act :])
     if len(tail) < max(2, cfg.events_to_act):
         return False
     if not all(_over_ratio(o, cfg) for o in tail):
@@ -254,11 +320,20 @@ def _events(history: Sequence[Observation], cfg: PolicyConfig, now: float) -> Ac
         return NOTHING
     reason = "high_cache" if pressure >= cfg.events_to_act else "backlog"
     last = history[-1]
-    return Action("drain_restart", reason, {
-        "pressure_events": pressure, "backlog_events": backlog, "growing_queue": growing,
-        "window_s": cfg.event_window, "peak_cache_usage": peak_usage, "oldest_waiting_s": round(peak_age, 1),
-        "preemptions_in_window": preempted, "waiting": last.waiting, "running": last.running,
-    })
+    return act(
+        reason,
+        {
+            "pressure_events": pressure,
+            "backlog_events": backlog,
+            "growing_queue": growing,
+            "window_s": cfg.event_window,
+            "peak_cache_usage": peak_usage,
+            "oldest_waiting_s": round(peak_age, 1),
+            "preemptions_in_window": preempted,
+            "waiting": last.waiting,
+            "running": last.running,
+        },
+    )
 
 
 def _fragmentation(history: Sequence[Observation], cfg: PolicyConfig, now: float) -> Action:
@@ -272,6 +347,11 @@ def _fragmentation(history: Sequence[Observation], cfg: PolicyConfig, now: float
     load = (last.running or 0) + (last.waiting or 0)
     if load > cfg.low_traffic_requests:
         return Action("none", "fragmentation_waiting_for_low_traffic", {"load": load})
-    return Action("drain_restart", "fragmentation", {
-        "allocator_efficiency": last.allocator_efficiency, "for_s": round(now - since, 1), "load": load,
-    })
+    return act(
+        "fragmentation",
+        {
+            "allocator_efficiency": last.allocator_efficiency,
+            "for_s": round(now - since, 1),
+            "load": load,
+        },
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
@@ -87,8 +87,9 @@ class EngineProbe:
 
     def drain(self, timeout: float) -> dict[str, Any]:
         """A load balancer's drain: the engine answers 503 to new requests until resumed."""
-        r = self.client.post(self.url + "/drain", params={"timeout": timeout}, timeout=timeout + 10,
-                             headers=self.admin_headers)
+        r = self.client.post(
+            self.url + "/drain", params={"timeout": timeout}, timeout=timeout + 10, headers=self.admin_headers
+        )
         r.raise_for_status()
         return r.json()
 
@@ -182,15 +183,22 @@ class NvmlGpuProbe:
         out = []
         for i, h in enumerate(self._handles):
             mem = n.nvmlDeviceGetMemoryInfo(h)
-            out.append(GpuReading(
-                index=i, name=_text(n.nvmlDeviceGetName(h)),
-                memory_used_bytes=int(mem.used), memory_total_bytes=int(mem.total),
-                utilization_ratio=_maybe(lambda: n.nvmlDeviceGetUtilizationRates(h).gpu / 100.0),
-                temperature_celsius=_maybe(lambda: float(n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU))),
-                xid_errors_total=self._xids.get(i, 0),
-                ecc_errors_total=_maybe(lambda: int(n.nvmlDeviceGetTotalEccErrors(
-                    h, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC))),
-            ))
+            out.append(
+                GpuReading(
+                    index=i,
+                    name=_text(n.nvmlDeviceGetName(h)),
+                    memory_used_bytes=int(mem.used),
+                    memory_total_bytes=int(mem.total),
+                    utilization_ratio=_maybe(lambda: n.nvmlDeviceGetUtilizationRates(h).gpu / 100.0),
+                    temperature_celsius=_maybe(lambda: float(n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU))),
+                    xid_errors_total=self._xids.get(i, 0),
+                    ecc_errors_total=_maybe(
+                        lambda: int(
+                            n.nvmlDeviceGetTotalEccErrors(h, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC)
+                        )
+                    ),
+                )
+            )
         return out
 
     def _drain_xid_events(self) -> None:
@@ -270,11 +278,12 @@ class ProcessProbe:
                 self._proc.cpu_percent(None)  # prime the CPU counter
             status = self._proc.status()
             alive = self._proc.is_running() and status != psutil.STATUS_ZOMBIE
-            return ProcessReading(alive=alive, pid=pid, status=status, rss_bytes=self._proc.memory_info().rss,
-                                  cpu_percent=self._proc.cpu_percent(None))
+            return ProcessReading(
+                alive=alive,
+                pid=pid,
+                status=status,
+                rss_bytes=self._proc.memory_info().rss,
+                cpu_percent=self._proc.cpu_percent(None),
+            )
         except psutil.Error:
             return ProcessReading(alive=False, pid=pid, status="gone")
-
-
-def as_dict(obj: Any) -> dict[str, Any]:
-    return asdict(obj)

@@ -8,12 +8,15 @@ to this user and be writable by nobody else; files are opened without following 
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from engine.config import ConfigError
+from opsctl.constants import LAST_FAILURE_NAME
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -23,14 +26,19 @@ def prepare_runtime_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode):
-        raise ConfigError(f"runtime dir {path} is a symlink; point --runtime-dir (or [supervisor] runtime_dir) "
-                          "at a real directory")
+        raise ConfigError(
+            f"runtime dir {path} is a symlink; point --runtime-dir (or [supervisor] runtime_dir) at a real directory"
+        )
     if info.st_uid != os.geteuid():
-        raise ConfigError(f"runtime dir {path} belongs to uid {info.st_uid}, not to you (uid {os.geteuid()}); "
-                          "use a directory of your own (--runtime-dir)")
+        raise ConfigError(
+            f"runtime dir {path} belongs to uid {info.st_uid}, not to you (uid {os.geteuid()}); "
+            "use a directory of your own (--runtime-dir)"
+        )
     if info.st_mode & 0o022:
-        raise ConfigError(f"runtime dir {path} has mode {stat.S_IMODE(info.st_mode):04o}: others can write to it; "
-                          f"`chmod 700 {path}` or use another --runtime-dir")
+        raise ConfigError(
+            f"runtime dir {path} has mode {stat.S_IMODE(info.st_mode):04o}: others can write to it; "
+            f"`chmod 700 {path}` or use another --runtime-dir"
+        )
     return path
 
 
@@ -57,3 +65,15 @@ def write_private(path: Path, text: str) -> None:
     with open_private(tmp, "wb") as f:
         f.write(text.encode())
     tmp.replace(path)
+
+
+def write_last_failure(runtime: Path, detail: str) -> None:
+    """Why the supervisor exited before the engine served, for `opsctl start` and `opsctl status` to say."""
+    write_private(runtime / LAST_FAILURE_NAME, json.dumps({"time": time.time(), "reason": detail}))
+
+
+def read_last_failure(runtime: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((runtime / LAST_FAILURE_NAME).read_text())
+    except (OSError, ValueError):
+        return None

@@ -21,21 +21,54 @@ ARCHS = ("llama", "qwen2", "qwen3", "opt")
 def _config(arch: str, vocab: int):
     from transformers import LlamaConfig, OPTConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=vocab, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
-                  pad_token_id=None, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
     if arch == "llama":
-        return LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, rope_theta=10000.0, **common)
+        return LlamaConfig(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=10000.0,
+            **common,
+        )
     if arch == "qwen2":
-        return Qwen2Config(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, **common)
+        return Qwen2Config(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **common,
+        )
     if arch == "qwen3":
-        return Qwen3Config(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=1, head_dim=32, **common)
+        return Qwen3Config(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            **common,
+        )
     if arch == "opt":
         common.pop("tie_word_embeddings")
-        return OPTConfig(hidden_size=64, ffn_dim=160, num_hidden_layers=2, num_attention_heads=4,
-                         word_embed_proj_dim=64, dropout=0.0, **common)
+        return OPTConfig(
+            hidden_size=64,
+            ffn_dim=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            word_embed_proj_dim=64,
+            dropout=0.0,
+            **common,
+        )
     raise ValueError(arch)
 
 

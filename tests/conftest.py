@@ -68,9 +68,25 @@ def _background_soak(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
     root = tmp_path_factory.mktemp("soak")
     out = root / "soak.json"
     log = open(root / "soak.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.opsctl.soak", "--seconds", str(SOAK_SECONDS),
-                             "--pause", str(SOAK_PAUSE_S), "--root", str(root / "d"), "--out", str(out)],
-                            cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.opsctl.soak",
+            "--seconds",
+            str(SOAK_SECONDS),
+            "--pause",
+            str(SOAK_PAUSE_S),
+            "--root",
+            str(root / "d"),
+            "--out",
+            str(out),
+        ],
+        cwd=str(REPO),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     handle = {"proc": proc, "out": out, "root": root}
     yield handle
     if proc.poll() is None:

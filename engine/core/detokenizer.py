@@ -69,7 +69,7 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         if self._rust_decode is not None:
-            return self._rust_decode(ids, skip_special_tokens=self._skip_special)
-        return self._tokenizer.decode(
-            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
+            return str(self._rust_decode(ids, skip_special_tokens=self._skip_special))
+        return str(
+            self._tokenizer.decode(ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False)
         )

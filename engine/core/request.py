@@ -10,9 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.plan import SamplingSpec
 from engine.sampling_params import SamplingParams
 
 
@@ -37,14 +35,10 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
-    eos_token_id: int | None
     arrival_order: int
-    detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None = None
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)  # what the runner samples with
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
@@ -53,12 +47,15 @@ class Request:
     # (and sample from its logits) the moment the prompt is done.
     forks: list[Request] = field(default_factory=list)
     held_by: Request | None = None
-    num_undetokenized: int = 0  # accepted tokens the detokenizer (and the stop-string check) has not seen
     # Tokens sampled by a step still on the device (async scheduling): they count in num_tokens, so
     # the next step can be scheduled before they are read, and the runner feeds the newest one to
     # the next step from the device, from row `pending_row` of its step's samples.
     num_pending: int = 0
     pending_row: int = -1
+    # What the runner knows of this sequence: whether it has its sampling state, and the block
+    # table it was last sent (a plan sends only the change).
+    known_to_runner: bool = False
+    sent_table: list[int] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -89,11 +86,3 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
-
-    def token_at(self, position: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < p else self.output_token_ids[position - p]
-
-    @property
-    def output_text(self) -> str:
-        return self.detokenizer.text

@@ -18,31 +18,27 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from engine.core.deltas import SeqDelta
+from engine.core.plan import NewSeq, SeqStep, StepPlan
 from engine.core.request import Request, RequestStatus
-from engine.kv.kv_cache_manager import KVCacheManager, KVOps
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.runner.sampler import SamplerOutput
 
 
-@dataclass
-class ScheduledSeq:
+@dataclass(slots=True)
+class _Chosen:
+    """A sequence picked for this step, before the plan is written."""
+
     request: Request
     start: int  # tokens that already had KV before this step
     num_tokens: int  # tokens computed this step
-    samples: bool = field(init=False)  # this step reaches the last token, so a new one is sampled
-
-    def __post_init__(self) -> None:
-        self.samples = self.start + self.num_tokens == self.request.num_tokens
 
 
 @dataclass
-class SchedulerOutput:
-    seqs: list[ScheduledSeq] = field(default_factory=list)
+class _Decision:
+    chosen: list[_Chosen] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
-    ops: KVOps = field(default_factory=KVOps)  # block copies/swaps to run before the forward
-
-    @property
-    def empty(self) -> bool:
-        return not self.seqs and not self.ops
 
 
 def _order(req: Request) -> int:
@@ -57,6 +53,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool,
         preemption_mode: str = "recompute",
+        eos_token_ids: frozenset[int] | set[int] = frozenset(),
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -67,10 +64,17 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by arrival
         self.swapped: list[Request] = []  # sorted by arrival
         self.num_preemptions = 0
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}  # every unfinished sequence, held siblings included
+        self._forget: list[str] = []  # finished sequences the runner still has state for
+        self.num_prompt_tokens_done = 0  # prompts of sequences that produced their first token
 
     # -- queue management ---------------------------------------------------------------------
 
     def add(self, req: Request) -> None:
+        """Queue a sequence (and the n > 1 siblings that wait for its prompt)."""
+        for r in (req, *req.forks):
+            self.requests[r.seq_id] = r
         req.status = RequestStatus.WAITING
         bisect.insort(self.waiting, req, key=_order)
 
@@ -100,6 +104,9 @@ class Scheduler:
         self.kv.free(req.seq_id)
         req.status = status
         req.finished_time = time.monotonic()
+        self.requests.pop(req.seq_id, None)
+        if req.known_to_runner:
+            self._forget.append(req.seq_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -118,8 +125,14 @@ class Scheduler:
 
     # -- the step decision --------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> StepPlan:
+        """Decide the next step and write it down as a plan.
+
+        The plan is final once returned: the runner will run it, and every later step runs after it
+        on the device, so its progress is recorded here (positions count as having KV, the sampling
+        rows' tokens count as pending until `update` reads them).
+        """
+        out = _Decision()
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
@@ -128,16 +141,77 @@ class Scheduler:
             budget = self._schedule_swapped(out, budget)
             if not self.swapped:
                 self._schedule_waiting(out, budget)
-        out.ops = self.kv.take_ops()
+        ops = self.kv.take_ops()
+        plan = StepPlan(
+            finished=self._forget,
+            preempted=[r.seq_id for r in out.preempted],
+            swap_out=ops.swap_out,
+            swap_in=ops.swap_in,
+            copies=ops.copies,
+            num_batched_tokens=out.num_batched_tokens,
+        )
+        self._forget = []
         now = time.monotonic()
-        for s in out.seqs:
-            if s.request.first_scheduled_time is None:
-                s.request.first_scheduled_time = now
-        return out
+        row = 0
+        for c in out.chosen:
+            req = c.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            step = self._seq_step(plan, c)
+            plan.seqs.append(step)
+            # Recorded now: finished or preempted sequences cannot be among the chosen.
+            req.num_computed_tokens = c.start + c.num_tokens
+            self.cache_known_blocks(req)
+            if c.start + c.num_tokens < req.num_tokens:
+                continue  # a prompt chunk that does not reach the end: nothing is sampled
+            for sampler in [req, *req.forks]:
+                if sampler.held_by is not None:
+                    self._fork(sampler)
+                self._register(plan, sampler)
+                step.sample_ids.append(sampler.seq_id)
+                sampler.num_pending += 1
+                sampler.pending_row = row
+                row += 1
+        return plan
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _seq_step(self, plan: StepPlan, c: _Chosen) -> SeqStep:
+        req = c.request
+        self._register(plan, req)
+        end = c.start + c.num_tokens
+        known = min(end, req.num_known_tokens)
+        pending_row = -1
+        if known < end:  # only the newest token can still be on the device
+            assert end - known == 1, "a sequence has more than one token on the device"
+            pending_row = req.pending_row
+        table = self.kv.block_table(req.seq_id)
+        sent = req.sent_table
+        if len(sent) <= len(table) and table[: len(sent)] == sent:
+            start, blocks = len(sent), table[len(sent) :]
+            sent.extend(blocks)
+        else:  # admitted again, swapped in, forked or copied on write: the whole table
+            start, blocks = 0, list(table)
+            req.sent_table = list(table)
+        return SeqStep(req.seq_id, c.start, c.num_tokens, req.token_ids(c.start, known), pending_row, start, blocks)
+
+    def _register(self, plan: StepPlan, req: Request) -> None:
+        if not req.known_to_runner:
+            req.known_to_runner = True
+            plan.new_seqs.append(NewSeq(req.seq_id, req.sampling))
+
+    def _fork(self, req: Request) -> None:
+        """The leader's prompt is done: the sibling shares its blocks and joins the batch."""
+        leader = req.held_by
+        assert leader is not None
+        self.kv.fork(leader.seq_id, req.seq_id)
+        req.num_computed_tokens = leader.num_computed_tokens
+        req.first_scheduled_time = leader.first_scheduled_time
+        leader.forks.remove(req)
+        req.held_by = None
+        self.add_running(req)
+
+    def _schedule_running(self, out: _Decision, budget: int) -> int:
         i = 0
-        while i < len(self.running) and budget > 0 and len(out.seqs) < self.max_num_seqs:
+        while i < len(self.running) and budget > 0 and len(out.chosen) < self.max_num_seqs:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0 or (req.num_pending and req.reaches_max_tokens):
@@ -154,8 +228,8 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(out.seqs) < self.max_num_seqs:
+    def _schedule_swapped(self, out: _Decision, budget: int) -> int:
+        while self.swapped and budget > 0 and len(out.chosen) < self.max_num_seqs:
             req = self.swapped[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.can_swap_in(req.seq_id, req.num_computed_tokens + n):
@@ -169,8 +243,8 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(out.seqs) < self.max_num_seqs:
+    def _schedule_waiting(self, out: _Decision, budget: int) -> None:
+        while self.waiting and budget > 0 and len(out.chosen) < self.max_num_seqs:
             req = self.waiting[0]
             if req.num_pending:  # preempted while its step ran: it returns once that token is read
                 return
@@ -191,8 +265,8 @@ class Scheduler:
             self._take(out, req, n)
             budget -= n
 
-    def _take(self, out: SchedulerOutput, req: Request, n: int) -> None:
-        out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n))
+    def _take(self, out: _Decision, req: Request, n: int) -> None:
+        out.chosen.append(_Chosen(req, req.num_computed_tokens, n))
         out.num_batched_tokens += n
 
     def _preempt(self, req: Request) -> None:
@@ -211,16 +285,46 @@ class Scheduler:
 
     # -- after the step -----------------------------------------------------------------------
 
-    def record_progress(self, out: SchedulerOutput) -> None:
-        """The step is queued on the device: its tokens count as having KV from now on, since every
-        later step runs after it in stream order.  Full blocks join the prefix cache once their token
-        ids are known (a pending token's block is registered when `cache_known_blocks` sees it)."""
-        for s in out.seqs:
-            req = s.request
-            if req.status != RequestStatus.RUNNING:  # finished or preempted while the step ran
+    def update(self, plan: StepPlan, sampled: SamplerOutput, now: float | None = None) -> list[SeqDelta]:
+        """Accept a step's sampled tokens: append them, end sequences by stop id, EOS or max_tokens,
+        and register newly full blocks in the prefix cache.  A sequence that ended (or was aborted)
+        while the step ran drops its token."""
+        deltas: list[SeqDelta] = []
+        cache = self.kv.prefix_caching
+        for i, seq_id in enumerate(plan.sampled_ids()):
+            req = self.requests.get(seq_id)
+            if req is None:  # finished while the step ran
                 continue
-            req.num_computed_tokens = s.start + s.num_tokens
-            self.cache_known_blocks(req)
+            req.num_pending -= 1
+            if req.status.finished:
+                continue
+            token = sampled.token_ids[i]
+            req.output_token_ids.append(token)
+            delta = SeqDelta(seq_id, req.parent_id, req.index, token)
+            wants = req.sampling.logprobs
+            if wants is not None and sampled.logprobs is not None:
+                delta.logprob = sampled.logprobs[i]
+                top = sampled.top_logprobs[i] if sampled.top_logprobs is not None else {}
+                delta.top_logprobs = dict(list(top.items())[:wants])
+            if len(req.output_token_ids) == 1:
+                self.num_prompt_tokens_done += req.num_prompt_tokens
+                delta.first_scheduled_time = req.first_scheduled_time
+                req.first_token_time = time.monotonic() if now is None else now
+            p = req.params
+            if p.stop_token_ids and token in p.stop_token_ids:
+                req.stop_reason = token
+                self.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif not p.ignore_eos and token in self.eos_token_ids:
+                self.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif len(req.output_token_ids) >= req.max_tokens:
+                self.finish(req, RequestStatus.FINISHED_LENGTH)
+            if req.status.finished:
+                delta.finish_reason = req.status.value
+                delta.stop_reason = req.stop_reason
+            elif cache:
+                self.cache_known_blocks(req)
+            deltas.append(delta)
+        return deltas
 
     def cache_known_blocks(self, req: Request) -> None:
         if self.kv.prefix_caching and req.status == RequestStatus.RUNNING:

@@ -108,7 +108,7 @@ def unique_prefixes(lines: list[str]) -> list[tuple[str, str]]:
                 break
         if chosen is None:
             raise ValueError(f"no unique prefix for {line!r}")
-        out.append((chosen, line[len(chosen):]))
+        out.append((chosen, line[len(chosen) :]))
         assert chosen + out[-1][1] == line
     return out
 
@@ -223,9 +223,7 @@ def _portable_tokenizer_config(path: Path) -> None:
 
 
 def dir_size(path: Path) -> int:
-    return sum(
-        f.stat().st_size for f in path.rglob("*") if f.is_file() and "__pycache__" not in f.parts
-    )
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and "__pycache__" not in f.parts)
 
 
 def main(argv=None) -> int:

@@ -7,8 +7,8 @@ copy-on-write for n > 1); a block is returned only when its last owner lets go.
 
 Prefix caching never costs capacity: a full block is identified by a digest of its tokens chained
 with its parent block's digest (so equal keys mean equal prefixes), and when its last owner lets
-go it stays in the cache but counts as free.  Allocation takes never-cached blocks first and then evicts cached ones, least
-recently used first, so the cache only ever holds memory nobody else asked for.
+go it stays in the cache but counts as free.  Allocation takes never-cached blocks first and then
+evicts cached ones, least recently used first, so the cache only ever holds memory nobody else asked for.
 """
 
 from __future__ import annotations

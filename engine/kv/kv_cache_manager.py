@@ -12,6 +12,7 @@ runner executes before the next forward, in the order swap-out, swap-in, copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv.block_pool import BlockKey, BlockPool
@@ -32,8 +33,9 @@ class KVOps:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_cpu_blocks: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
@@ -98,8 +100,12 @@ class KVCacheManager:
         """
         table = self._tables.setdefault(seq_id, [])
         need = max(0, blocks_for_tokens(num_tokens, self.block_size) - len(table))
-        cow = (start is not None and start % self.block_size != 0 and start // self.block_size < len(table)
-               and self.pool.ref_count(table[start // self.block_size]) > 1)
+        cow = (
+            start is not None
+            and start % self.block_size != 0
+            and start // self.block_size < len(table)
+            and self.pool.ref_count(table[start // self.block_size]) > 1
+        )
         if need + cow > self.pool.num_free:
             if not table:
                 del self._tables[seq_id]
@@ -171,7 +177,7 @@ class KVCacheManager:
         ok = self.allocate_slots(seq_id, num_tokens)
         assert ok, "admit without can_admit"
 
-    def cache_full_blocks(self, seq_id: str, token_ids_of, num_computed: int) -> None:
+    def cache_full_blocks(self, seq_id: str, token_ids_of: Callable[[int, int], list[int]], num_computed: int) -> None:
         """Register blocks that became full and computed, so later requests can share them.
 
         `token_ids_of(start, end)` returns the sequence's tokens in [start, end).

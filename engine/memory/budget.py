@@ -81,6 +81,7 @@ class KVPlan:
 
     def table(self) -> str:
         """The plan as the one-screen table printed at start-up."""
+
         def gib(x: int | None) -> str:
             return "-" if x is None else f"{x / 2**30:8.2f} GiB"
 
@@ -149,11 +150,22 @@ def profile_step(device: torch.device, weights_bytes: int, run_dummy_step: Calla
     )
 
 
-def plan_kv_cache(config: EngineConfig, bytes_per_block: int, device: torch.device,
-                  baseline: DeviceBaseline | None = None, profile: Profile | None = None) -> KVPlan:
+def plan_kv_cache(
+    config: EngineConfig,
+    bytes_per_block: int,
+    device: torch.device,
+    baseline: DeviceBaseline | None = None,
+    profile: Profile | None = None,
+) -> KVPlan:
     assert config.max_model_len is not None and config.max_num_batched_tokens is not None
-    plan = KVPlan(num_blocks=0, bytes_per_block=bytes_per_block, kv_bytes=0, source="",
-                  block_size=config.block_size, max_model_len=config.max_model_len)
+    plan = KVPlan(
+        num_blocks=0,
+        bytes_per_block=bytes_per_block,
+        kv_bytes=0,
+        source="",
+        block_size=config.block_size,
+        max_model_len=config.max_model_len,
+    )
     if device.type == "cuda" and baseline is not None and profile is not None:
         buffer = max(MIN_FRAGMENTATION_BUFFER, int(config.fragmentation_buffer_factor * profile.fragmentation_bytes))
         plan.total_bytes = baseline.total_bytes
@@ -166,9 +178,14 @@ def plan_kv_cache(config: EngineConfig, bytes_per_block: int, device: torch.devi
     if config.kv_cache_memory_bytes is not None:
         kv_bytes, plan.source = config.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
     elif plan.total_bytes is not None:
-        kv_bytes = int(plan.total_bytes * config.gpu_memory_utilization - plan.non_torch_bytes - plan.weights_bytes
-                       - plan.activation_bytes - plan.fragmentation_buffer_bytes  # type: ignore[operator]
-                       - (plan.graph_bytes or 0))
+        kv_bytes = int(
+            plan.total_bytes * config.gpu_memory_utilization
+            - plan.non_torch_bytes
+            - plan.weights_bytes
+            - plan.activation_bytes
+            - plan.fragmentation_buffer_bytes  # type: ignore[operator]
+            - (plan.graph_bytes or 0)
+        )
         plan.source = f"--gpu-memory-utilization {config.gpu_memory_utilization}"
     else:
         import psutil

@@ -9,13 +9,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from engine.config import EngineConfig
 from engine.kv.kv_cache_manager import blocks_for_tokens
 from engine.model.weights import iter_checkpoint
 
-_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1}
+_DTYPE_BYTES = {
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F64": 8,
+    "I64": 8,
+    "I32": 4,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 @dataclass
@@ -77,14 +87,21 @@ def estimate(config: EngineConfig, gpu_total_bytes: int | None = None, gpu_used_
         import psutil
 
         useful = config.max_num_seqs * blocks_for_tokens(config.max_model_len, config.block_size)
-        budget = min(int(psutil.virtual_memory().available * config.cpu_kv_cache_fraction),
-                     useful * per_token * config.block_size)
+        budget = min(
+            int(psutil.virtual_memory().available * config.cpu_kv_cache_fraction),
+            useful * per_token * config.block_size,
+        )
         source = "--cpu-kv-cache-fraction of available RAM"
     else:
         budget, source = None, "profiled at start-up on the GPU (no NVML reading here)"
     return MemoryEstimate(
-        architecture=info.architecture, dtype=str(info.dtype).removeprefix("torch."),
-        max_model_len=config.max_model_len, block_size=config.block_size, weight_bytes=weights,
-        kv_bytes_per_token=per_token, kv_bytes_per_block=per_token * config.block_size,
-        kv_budget_bytes=max(0, budget) if budget is not None else None, kv_budget_source=source,
+        architecture=info.architecture,
+        dtype=str(info.dtype).removeprefix("torch."),
+        max_model_len=config.max_model_len,
+        block_size=config.block_size,
+        weight_bytes=weights,
+        kv_bytes_per_token=per_token,
+        kv_bytes_per_block=per_token * config.block_size,
+        kv_budget_bytes=max(0, budget) if budget is not None else None,
+        kv_budget_source=source,
     )

@@ -80,8 +80,9 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(s.num_heads, s.num_kv_heads, s.head_dim, s.head_dim**-0.5)
         self._split = (q_size, kv_size, kv_size)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self._split, dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -114,8 +115,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp = LlamaMLP(s)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the residual add is fused into
         the next norm, so each layer hands both on."""
         x, residual = self.input_layernorm.add_norm(x, residual)
@@ -163,8 +170,9 @@ class LlamaForCausalLM(nn.Module):
     def head_dim(self) -> int:
         return self.shape.head_dim
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         residual = None
         for layer, cache in zip(self.model.layers, kv_caches):

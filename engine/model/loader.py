@@ -54,8 +54,7 @@ def inspect_model(config: EngineConfig) -> ModelInfo:
     arch = next((a for a in archs if a in ARCHITECTURES), None)
     if arch is None:
         raise ConfigError(
-            f"--model {path}: architecture {archs or hf_config.model_type!r} is not supported; "
-            f"supported: {supported()}"
+            f"--model {path}: architecture {archs or hf_config.model_type!r} is not supported; supported: {supported()}"
         )
     return ModelInfo(
         path=path,
@@ -108,11 +107,14 @@ def load_tokenizer(config: EngineConfig) -> Any:
     source = config.tokenizer or config.model_path()
     if not Path(source).expanduser().is_dir():
         # A hub name would mean a download: refused at once instead of minutes of network retries.
-        raise ConfigError(f"--tokenizer {source}: no such directory; pagekeeper loads tokenizers from local "
-                          "directories only (download it first, then pass its path)")
+        raise ConfigError(
+            f"--tokenizer {source}: no such directory; pagekeeper loads tokenizers from local "
+            "directories only (download it first, then pass its path)"
+        )
     try:
-        return AutoTokenizer.from_pretrained(str(Path(source).expanduser()), trust_remote_code=config.trust_remote_code,
-                                             local_files_only=True)
+        return AutoTokenizer.from_pretrained(
+            str(Path(source).expanduser()), trust_remote_code=config.trust_remote_code, local_files_only=True
+        )
     except (OSError, ValueError) as e:
         raise ConfigError(f"tokenizer at {source} could not be loaded: {e}; pass --tokenizer DIR") from e
 
@@ -158,8 +160,9 @@ def _in_model(info: ModelInfo, e: ModelLoadError) -> str:
 def check_checkpoint(info: ModelInfo) -> int:
     """Every file readable and every weight present with its shape, without reading the data (for
     `opsctl doctor`); returns the number of tensors, raises ModelLoadError naming what is wrong."""
-    model = _build_on_meta(info, int(getattr(info.hf_config, "max_position_embeddings", 2048) or 2048),
-                           torch.device("cpu"))
+    model = _build_on_meta(
+        info, int(getattr(info.hf_config, "max_position_embeddings", 2048) or 2048), torch.device("cpu")
+    )
     count = 0
 
     def counted():  # type: ignore[no-untyped-def]

@@ -91,8 +91,9 @@ class OPTForCausalLM(nn.Module):
         self.num_kv_heads = hf_config.num_attention_heads
         self.head_dim = hf_config.hidden_size // hf_config.num_attention_heads
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
         d = self.model.decoder
         x = d.embed_tokens(input_ids)
         if d.project_in is not None:

@@ -54,8 +54,10 @@ def iter_checkpoint(model_dir: Path, meta: bool = False) -> Iterator[tuple[str, 
                     else:
                         yield name, f.get_tensor(name)
         except (SafetensorError, OSError) as e:
-            raise ModelLoadError(f"{path}: not a readable safetensors file ({e}); it is corrupt or truncated: "
-                                 "download or convert it again") from None
+            raise ModelLoadError(
+                f"{path}: not a readable safetensors file ({e}); it is corrupt or truncated: "
+                "download or convert it again"
+            ) from None
 
 
 def load_named_weights(

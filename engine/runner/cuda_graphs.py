@@ -43,10 +43,6 @@ class DecodeGraphs:
         self.sizes: list[int] = []
         self.pool = None
 
-    @property
-    def max_size(self) -> int:
-        return self.sizes[-1] if self.sizes else 0
-
     def size_for(self, batch: int) -> int | None:
         """The smallest captured size that holds `batch`, or None (run eagerly)."""
         for s in self.sizes:

@@ -22,9 +22,8 @@ import torch
 from torch import nn
 
 import kernels
-from engine.core.request import Request
-from engine.core.scheduler import SchedulerOutput
-from engine.kv.kv_cache_manager import KVOps, blocks_for_tokens
+from engine.core.plan import SamplingSpec, StepPlan
+from engine.kv.kv_cache_manager import blocks_for_tokens
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.sampler import DeviceSample, SamplerOutput, SamplingBatch, sample_on_device
@@ -38,7 +37,7 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # rows of the hidden states whose next token is sampled
-    sampled: list[Request]  # the requests those rows belong to, in order
+    sampled: list[str]  # the sequences those rows belong to, in the plan's order
     graph_size: int | None = None  # a decode step padded to this captured batch size
     # Input rows whose token is still on the device (async scheduling), and the row of the previous
     # step's samples that holds each.
@@ -47,11 +46,12 @@ class StepInputs:
 
 
 @dataclass
-class LaunchedStep:
-    """A step whose forward and sampling are queued on the device; `sample.to_host()` waits for it."""
+class _SeqState:
+    """What the runner keeps of a sequence between steps (the persistent batch)."""
 
-    sampled: list[Request]
-    sample: DeviceSample
+    sampling: SamplingSpec
+    generator: torch.Generator | None  # its own random stream when it has a seed
+    table: list[int]  # its block table, as the plans built it
 
 
 def kv_cache_shape(model: nn.Module, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -80,8 +80,17 @@ class StaticInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, seed: int, num_cpu_blocks: int = 0, max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int,
+        num_cpu_blocks: int = 0,
+        max_model_len: int | None = None,
+    ) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -92,8 +101,11 @@ class ModelRunner:
         # Swap space: written before it is read, so no need to zero it; pinned for fast copies.
         self._pin = device.type == "cuda"
         cpu_shape = kv_cache_shape(model, num_cpu_blocks, block_size)
-        self.cpu_caches = [torch.empty(cpu_shape, dtype=dtype, pin_memory=self._pin) for _ in range(model.num_layers)] \
-            if num_cpu_blocks else []
+        self.cpu_caches = (
+            [torch.empty(cpu_shape, dtype=dtype, pin_memory=self._pin) for _ in range(model.num_layers)]
+            if num_cpu_blocks
+            else []
+        )
         backend = kernels.attention_backend(device)
         self.backend = backend
         for m in model.modules():
@@ -103,11 +115,29 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.graphs: DecodeGraphs | None = None
         self.static: StaticInputs | None = None
+        self._seqs: dict[str, _SeqState] = {}
 
-    def make_generator(self, seed: int) -> torch.Generator:
+    @property
+    def num_sequences(self) -> int:
+        """Sequences whose state the runner holds (the finished ones are forgotten by the next plan)."""
+        return len(self._seqs)
+
+    def _make_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
         g.manual_seed(seed)
         return g
+
+    def update_state(self, plan: StepPlan) -> None:
+        """Apply a plan's changes to the persistent batch: new and finished sequences, block tables."""
+        for sid in plan.finished:
+            self._seqs.pop(sid, None)
+        for new in plan.new_seqs:
+            seed = new.sampling.seed
+            self._seqs[new.seq_id] = _SeqState(new.sampling, None if seed is None else self._make_generator(seed), [])
+        for s in plan.seqs:
+            table = self._seqs[s.seq_id].table
+            del table[s.table_start :]
+            table.extend(s.table_blocks)
 
     # -- host -> device ------------------------------------------------------------------------
 
@@ -141,9 +171,12 @@ class ModelRunner:
         @torch.inference_mode()
         def forward(size: int) -> torch.Tensor:
             meta = AttentionMetadata(
-                slot_mapping=st.slot_mapping[:size], query_start_loc=st.query_start_loc[: size + 1],
-                seq_lens=st.seq_lens[:size], block_tables=st.block_tables[:size],
-                max_query_len=1, max_seq_len=self.max_model_len,  # type: ignore[arg-type]
+                slot_mapping=st.slot_mapping[:size],
+                query_start_loc=st.query_start_loc[: size + 1],
+                seq_lens=st.seq_lens[:size],
+                block_tables=st.block_tables[:size],
+                max_query_len=1,
+                max_seq_len=self.max_model_len,  # type: ignore[arg-type]
             )
             hidden = self.model(st.input_ids[:size], st.positions[:size], self.kv_caches, meta)
             return self.model.compute_logits(hidden)
@@ -154,83 +187,85 @@ class ModelRunner:
 
     # -- a step ----------------------------------------------------------------------------------
 
-    def prepare(self, plan: SchedulerOutput, block_tables: list[list[int]]) -> StepInputs:
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        """The step's device inputs, from the plan and the block tables the runner keeps."""
         bs = self.block_size
         seqs = plan.seqs
+        tables_by_seq = [self._seqs[s.seq_id].table for s in seqs]
         ones = [i for i, s in enumerate(seqs) if s.num_tokens == 1]
         decode = len(ones) == len(seqs)
         num_decodes = 0
+        order = list(range(len(seqs)))
         if ones and not decode:  # a mixed step: its one-token sequences first (see AttentionMetadata)
             order = ones + [i for i, s in enumerate(seqs) if s.num_tokens != 1]
-            seqs = [seqs[i] for i in order]
-            block_tables = [block_tables[i] for i in order]
             num_decodes = len(ones)
         graph_size = self.graphs.size_for(len(seqs)) if decode and self.graphs is not None else None
-        rows, sampled = [], []
         pending_rows: list[int] = []
         pending_sources: list[int] = []
+        last_row = [0] * len(seqs)  # each sequence's last input row, by plan index
+        block_tables = [tables_by_seq[i] for i in order]
         if decode:
             ids, positions, slots, seq_lens = [], [], [], []
-            for i, (s, table) in enumerate(zip(seqs, block_tables)):
+            for row, (s, table) in enumerate(zip(seqs, block_tables)):
                 p = s.start
-                req = s.request
-                if p < req.num_known_tokens:
-                    ids.append(req.token_at(p))
+                if s.token_ids:
+                    ids.append(s.token_ids[0])
                 else:  # sampled by the step still running: filled in on the device
                     ids.append(0)
-                    pending_rows.append(i)
-                    pending_sources.append(req.pending_row)
+                    pending_rows.append(row)
+                    pending_sources.append(s.pending_row)
                 positions.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
                 seq_lens.append(p + 1)
+                last_row[row] = row
             ids_a = np.asarray(ids, dtype=np.int64)
             pos_a = np.asarray(positions, dtype=np.int64)
             slot_a = np.asarray(slots, dtype=np.int64)
             qsl_a = np.arange(len(seqs) + 1, dtype=np.int32)
         else:
-            id_parts, pos_parts, slot_parts, qsl, seq_lens = [], [], [], [0], []
-            for s, table in zip(seqs, block_tables):
+            id_parts: list[int] = []
+            pos_parts, slot_parts, qsl, seq_lens = [], [], [0], []
+            for k, table in zip(order, block_tables):
+                s = seqs[k]
                 end = s.start + s.num_tokens
-                known = min(end, s.request.num_known_tokens)
-                id_parts.extend(s.request.token_ids(s.start, known))
-                if known < end:  # only the newest token can be pending, and only in its own decode row
-                    assert end - known == 1, "a sequence has more than one token on the device"
+                id_parts.extend(s.token_ids)
+                if s.pending_row >= 0:  # its newest token is on the device: the step's last input
                     id_parts.append(0)
                     pending_rows.append(qsl[-1] + s.num_tokens - 1)
-                    pending_sources.append(s.request.pending_row)
+                    pending_sources.append(s.pending_row)
                 pos = np.arange(s.start, end, dtype=np.int64)
                 pos_parts.append(pos)
                 slot_parts.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
                 qsl.append(qsl[-1] + s.num_tokens)
                 seq_lens.append(end)
+                last_row[k] = qsl[-1] - 1
             ids_a = np.asarray(id_parts, dtype=np.int64)
             pos_a = np.concatenate(pos_parts)
             slot_a = np.concatenate(slot_parts)
             qsl_a = np.asarray(qsl, dtype=np.int32)
-        row = 0
-        for s in seqs:
-            row += s.num_tokens
-            if s.samples:
-                rows.append(row - 1)
-                sampled.append(s.request)
-                for sibling in s.request.forks:  # n > 1: siblings sample from the same logits
-                    rows.append(row - 1)
-                    sampled.append(sibling)
+        rows: list[int] = []
+        sampled: list[str] = []
+        for k, s in enumerate(seqs):  # sample rows in the plan's order, whatever the input order
+            for sid in s.sample_ids:  # n > 1: siblings sample from the same logits
+                rows.append(last_row[k])
+                sampled.append(sid)
         lens_a = np.asarray(seq_lens, dtype=np.int32)
         width = max(len(t) for t in block_tables)
         n = len(seqs)
+        st = None
         if graph_size is not None:
+            st = self.static
+            assert st is not None
             pad = graph_size - n  # padding rows: no context, no KV write, output unused
             ids_a = np.concatenate([ids_a, np.zeros(pad, np.int64)])
             pos_a = np.concatenate([pos_a, np.zeros(pad, np.int64)])
             slot_a = np.concatenate([slot_a, np.full(pad, -1, np.int64)])
             lens_a = np.concatenate([lens_a, np.zeros(pad, np.int32)])
-            width = self.static.block_tables.shape[1]  # type: ignore[union-attr]
+            width = st.block_tables.shape[1]
             n = graph_size
         tables = np.zeros((n, width), dtype=np.int32)
         for i, t in enumerate(block_tables):
             tables[i, : len(t)] = t
-        st = self.static if graph_size is not None else None
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slot_a, st and st.slot_mapping),
             query_start_loc=self._to_device(qsl_a, None) if st is None else st.query_start_loc[: n + 1],
@@ -256,19 +291,19 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     @torch.inference_mode()
-    def launch(self, plan: SchedulerOutput, block_tables: list[list[int]],
-               previous: DeviceSample | None = None) -> LaunchedStep | None:
+    def launch(self, plan: StepPlan, previous: DeviceSample | None = None) -> DeviceSample | None:
         """Queue one step on the device (block moves, forward, sampling); None when nothing samples.
 
-        `previous` is the sample of the step still in flight, whose tokens some sequences of this
-        step take as input (their `pending_row`); they are copied on the device, so this step is
-        queued before the host has read them.
+        The samples' rows follow `plan.sampled_ids()`.  `previous` is the sample of the step still
+        in flight, whose tokens some sequences of this step take as input (their `pending_row`);
+        they are copied on the device, so this step is queued before the host has read them.
         """
-        if plan.ops:
-            self.apply(plan.ops)
+        self.update_state(plan)
+        if plan.has_block_ops:
+            self.apply(plan)
         if not plan.seqs:
             return None
-        inputs = self.prepare(plan, block_tables)
+        inputs = self.prepare(plan)
         if inputs.pending_rows is not None:
             if previous is None:
                 raise RuntimeError("a scheduled token is pending but no step is in flight")
@@ -279,40 +314,39 @@ class ModelRunner:
             self.forward_hidden(inputs)
             return None
         if inputs.graph_size is not None:
-            logits = self.graphs.replay(inputs.graph_size)[inputs.logits_rows]  # type: ignore[union-attr]
+            assert self.graphs is not None
+            logits = self.graphs.replay(inputs.graph_size)[inputs.logits_rows]
         else:
             logits = self.model.compute_logits(self.forward_hidden(inputs)[inputs.logits_rows])
-        batch = self._sampling_batch(inputs.sampled)
-        return LaunchedStep(inputs.sampled, sample_on_device(logits, batch, self.generator))
+        return sample_on_device(logits, self._sampling_batch(inputs.sampled), self.generator)
 
-    def execute(self, plan: SchedulerOutput, block_tables: list[list[int]]) -> tuple[list[Request], SamplerOutput | None]:
-        """Run one step and wait for it; returns the requests that got a new token and their samples."""
-        launched = self.launch(plan, block_tables)
-        if launched is None:
-            return [], None
-        return launched.sampled, launched.sample.to_host()
+    def execute(self, plan: StepPlan) -> SamplerOutput | None:
+        """Run one step and wait for it; its samples in `plan.sampled_ids()` order."""
+        sample = self.launch(plan)
+        return None if sample is None else sample.to_host()
 
-    def apply(self, ops: KVOps) -> None:
+    def apply(self, plan: StepPlan) -> None:
         """Block movements the KV manager decided, in order: swap-out, swap-in, copy-on-write."""
         b = self.backend
-        if ops.swap_out:
-            src = self._to_device(np.asarray([g for g, _ in ops.swap_out], dtype=np.int64))
-            dst = torch.tensor([c for _, c in ops.swap_out])
+        if plan.swap_out:
+            src = self._to_device(np.asarray([g for g, _ in plan.swap_out], dtype=np.int64))
+            dst = torch.tensor([c for _, c in plan.swap_out])
             for gpu, cpu in zip(self.kv_caches, self.cpu_caches):
                 cpu[:, dst] = b.gather_blocks(gpu, src).to("cpu")
-        if ops.swap_in:
-            src = torch.tensor([c for c, _ in ops.swap_in])
-            dst = self._to_device(np.asarray([g for _, g in ops.swap_in], dtype=np.int64))
+        if plan.swap_in:
+            src = torch.tensor([c for c, _ in plan.swap_in])
+            dst = self._to_device(np.asarray([g for _, g in plan.swap_in], dtype=np.int64))
             for gpu, cpu in zip(self.kv_caches, self.cpu_caches):
                 b.scatter_blocks(gpu, cpu[:, src], dst)
-        if ops.copies:
-            src = self._to_device(np.asarray([s for s, _ in ops.copies], dtype=np.int64))
-            dst = self._to_device(np.asarray([d for _, d in ops.copies], dtype=np.int64))
+        if plan.copies:
+            src = self._to_device(np.asarray([s for s, _ in plan.copies], dtype=np.int64))
+            dst = self._to_device(np.asarray([d for _, d in plan.copies], dtype=np.int64))
             for gpu in self.kv_caches:
                 b.copy_blocks(gpu, src, dst)
 
-    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        params = [r.params for r in reqs]
+    def _sampling_batch(self, seq_ids: list[str]) -> SamplingBatch:
+        states = [self._seqs[sid] for sid in seq_ids]
+        params = [st.sampling for st in states]
         wants = [p.logprobs for p in params if p.logprobs is not None]
         all_greedy = all(p.temperature == 0 for p in params)
         if all_greedy:  # the per-row tensors are only read by random sampling
@@ -325,7 +359,7 @@ class ModelRunner:
             temperature=temperature,  # type: ignore[arg-type]
             top_p=top_p,  # type: ignore[arg-type]
             top_k=top_k,  # type: ignore[arg-type]
-            generators=[r.generator for r in reqs],
+            generators=[st.generator for st in states],
             all_greedy=all_greedy,
             any_greedy=any(p.temperature == 0 for p in params),
             needs_truncation=any(p.top_k > 0 or p.top_p < 1.0 for p in params),

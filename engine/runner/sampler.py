@@ -62,11 +62,6 @@ class DeviceSample:
         return SamplerOutput(self.token_ids.tolist(), lp, top)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> SamplerOutput:
-    """Sample and read the result (waits for the device)."""
-    return sample_on_device(logits, batch, generator).to_host()
-
-
 def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> DeviceSample:
     """Sample without waiting for the device: on CUDA the results are copied into pinned host memory
     asynchronously and `ready` marks when they have landed."""

@@ -26,7 +26,6 @@ import signal
 import socket
 import sys
 import time
-
 from typing import Any
 
 import structlog
@@ -35,11 +34,11 @@ import uvicorn
 from engine.config import ConfigError, EngineConfig
 from engine.config_file import SECRET_ENV, engine_args, load_engine_section
 from engine.logs import configure_logging
+from engine.schema import validate_section
 from engine.server.control import ControlSocket
 from engine.server.handover import RESTARTING_MESSAGE, HandoverDrain, HttpTracker, InflightFile
 from engine.server.limits import AcceptErrorsCondensed, BodyLimit, connection_limit, guarded_protocol
 from engine.server.notify import get_notifier
-from engine.schema import validate_section
 from engine.server.settings import ServerConfig, resolve_key_files
 from engine.server.sockets import bind, inherited_socket
 
@@ -47,45 +46,88 @@ log = structlog.get_logger("pagekeeper.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine.server",
-                                     description="pagekeeper OpenAI-compatible server")
+    parser = argparse.ArgumentParser(prog="python -m engine.server", description="pagekeeper OpenAI-compatible server")
     s = parser.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="Bind address (default loopback only).")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get("PAGEKEEPER_API_KEY") or None,
-                   help="Require 'Authorization: Bearer KEY' on /v1/* and /tokenize (env PAGEKEEPER_API_KEY).")
-    s.add_argument("--admin-key", default=os.environ.get("PAGEKEEPER_ADMIN_KEY") or None,
-                   help="Key for /drain from non-loopback clients (env PAGEKEEPER_ADMIN_KEY).")
-    s.add_argument("--api-key-file", default=None,
-                   help="Read the API key from this file (mode 0600): keys on a command line are visible to any "
-                        "local user.")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEKEEPER_API_KEY") or None,
+        help="Require 'Authorization: Bearer KEY' on /v1/* and /tokenize (env PAGEKEEPER_API_KEY).",
+    )
+    s.add_argument(
+        "--admin-key",
+        default=os.environ.get("PAGEKEEPER_ADMIN_KEY") or None,
+        help="Key for /drain from non-loopback clients (env PAGEKEEPER_ADMIN_KEY).",
+    )
+    s.add_argument(
+        "--api-key-file",
+        default=None,
+        help="Read the API key from this file (mode 0600): keys on a command line are visible to any local user.",
+    )
     s.add_argument("--admin-key-file", default=None, help="Read the admin key from this file (mode 0600).")
     s.add_argument("--disable-log-requests", action="store_true", help="Do not log each HTTP request.")
-    s.add_argument("--max-waiting", type=int, default=None,
-                   help="Most requests waiting to be scheduled; beyond it, 429 with Retry-After.")
-    s.add_argument("--health-stall-seconds", type=float, default=30.0,
-                   help="/health says 'stalled' when work waits and the step loop has not advanced this long.")
-    s.add_argument("--drain-timeout", type=float, default=60.0,
-                   help="On SIGTERM, wait this long for in-flight requests before exiting.")
+    s.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="Most requests waiting to be scheduled; beyond it, 429 with Retry-After.",
+    )
+    s.add_argument(
+        "--health-stall-seconds",
+        type=float,
+        default=30.0,
+        help="/health says 'stalled' when work waits and the step loop has not advanced this long.",
+    )
+    s.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="On SIGTERM, wait this long for in-flight requests before exiting.",
+    )
     s.add_argument("--enable-debug-hooks", action="store_true", help="Enable /debug/* test hooks (tests only).")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    s.add_argument("--listen-fd", type=int, default=None,
-                   help="Serve on this inherited listening socket instead of binding (opsctl passes one).")
-    s.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20,
-                   help="Larger request bodies get 413 before they are read (default 32 MiB).")
-    s.add_argument("--max-connections", type=int, default=None,
-                   help="Open connections at most; beyond it the longest-idle one is closed to make room "
-                        "(default: the open-file limit less 100).")
-    s.add_argument("--header-timeout", type=float, default=10.0,
-                   help="Seconds a connection may take to send a complete request head before it is closed.")
-    s.add_argument("--control-socket", default=None,
-                   help="Serve the supervisor's private control channel on this unix socket (opsctl sets it).")
-    s.add_argument("--inflight-file", default=None,
-                   help="Publish the count of requests in flight in this file (opsctl sets it, to count what a "
-                        "crash cost).")
-    s.add_argument("--config", default=None,
-                   help="Take flags from the [engine] section of this pagekeeper TOML file (the file opsctl "
-                        "and the systemd unit use); flags given on the command line win.")
+    s.add_argument(
+        "--listen-fd",
+        type=int,
+        default=None,
+        help="Serve on this inherited listening socket instead of binding (opsctl passes one).",
+    )
+    s.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=32 * 2**20,
+        help="Larger request bodies get 413 before they are read (default 32 MiB).",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="Open connections at most; beyond it the longest-idle one is closed to make room "
+        "(default: the open-file limit less 100).",
+    )
+    s.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="Seconds a connection may take to send a complete request head before it is closed.",
+    )
+    s.add_argument(
+        "--control-socket",
+        default=None,
+        help="Serve the supervisor's private control channel on this unix socket (opsctl sets it).",
+    )
+    s.add_argument(
+        "--inflight-file",
+        default=None,
+        help="Publish the count of requests in flight in this file (opsctl sets it, to count what a crash cost).",
+    )
+    s.add_argument(
+        "--config",
+        default=None,
+        help="Take flags from the [engine] section of this pagekeeper TOML file (the file opsctl "
+        "and the systemd unit use); flags given on the command line win.",
+    )
     EngineConfig.add_cli_args(parser.add_argument_group("engine"))
     return parser
 
@@ -115,14 +157,24 @@ def log_inapplicable_flags(engine_config: EngineConfig, device: str) -> None:
     if device.startswith("cuda"):
         return
     defaults = EngineConfig()
-    for name in ("gpu_memory_utilization", "swap_space", "enforce_eager", "max_num_on_the_fly_batches",
-                 "fragmentation_buffer_factor"):
+    for name in (
+        "gpu_memory_utilization",
+        "swap_space",
+        "enforce_eager",
+        "max_num_on_the_fly_batches",
+        "fragmentation_buffer_factor",
+    ):
         if getattr(engine_config, name) != getattr(defaults, name):
             log.info("flag_ignored_on_cpu", flag="--" + name.replace("_", "-"), value=getattr(engine_config, name))
 
 
-def serve(server_config: ServerConfig, engine_config: EngineConfig, sock: socket.socket,
-          inherited: bool = False, control: ControlSocket | None = None) -> int:
+def serve(
+    server_config: ServerConfig,
+    engine_config: EngineConfig,
+    sock: socket.socket,
+    inherited: bool = False,
+    control: ControlSocket | None = None,
+) -> int:
     from engine.llm_engine import LLMEngine
     from engine.metrics import EngineMetrics
     from engine.server.app import build_app
@@ -143,30 +195,49 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig, sock: socket
         "enable_prefix_caching": str(engine_config.enable_prefix_caching),
         "max_model_len": str(engine_config.max_model_len),
     }
-    metrics = EngineMetrics(model_name, cache_info,
-                            fragmentation_buffer_bytes=core.kv_plan.fragmentation_buffer_bytes)
+    metrics = EngineMetrics(model_name, cache_info, fragmentation_buffer_bytes=core.kv_plan.fragmentation_buffer_bytes)
     async_engine = AsyncEngine(engine, metrics, server_config.health_stall_seconds, server_config.max_waiting)
     state = ServerState(
-        engine=engine, async_engine=async_engine, metrics=metrics, model_name=model_name,
-        model_root=engine_config.model_path(), api_key=server_config.api_key, admin_key=server_config.admin_key,
-        enable_debug_hooks=server_config.enable_debug_hooks, log_requests=not server_config.disable_log_requests,
+        engine=engine,
+        async_engine=async_engine,
+        metrics=metrics,
+        model_name=model_name,
+        model_root=engine_config.model_path(),
+        api_key=server_config.api_key,
+        admin_key=server_config.admin_key,
+        enable_debug_hooks=server_config.enable_debug_hooks,
+        log_requests=not server_config.disable_log_requests,
     )
     inflight = InflightFile(server_config.inflight_file) if server_config.inflight_file else None
     tracker = HttpTracker(BodyLimit(build_app(state), server_config.max_request_body_bytes), inflight)
     max_connections = server_config.max_connections or connection_limit()
     protocol = guarded_protocol(max_connections, server_config.header_timeout)
 
-    config = uvicorn.Config(tracker, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
-                            lifespan="off", http=protocol)
+    config = uvicorn.Config(
+        tracker, log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="off", http=protocol
+    )
     host, port = sock.getsockname()[:2]
-    server = DrainOnTermServer(config, async_engine, tracker, server_config.drain_timeout, handover=inherited,
-                               serving_status=f"serving {model_name} on {host}:{port}", control=control)
+    server = DrainOnTermServer(
+        config,
+        async_engine,
+        tracker,
+        server_config.drain_timeout,
+        handover=inherited,
+        serving_status=f"serving {model_name} on {host}:{port}",
+        control=control,
+    )
     # The watchdog is pinged from the step loop, and only while the HTTP loop is alive too.
     async_engine.add_step_hook(lambda: server.http_loop_alive(notifier.watchdog_interval) and notifier.watchdog())
     async_engine.start()
-    log.info("serving", url=f"http://{host}:{port}", model=model_name, pid=os.getpid(),
-             socket="inherited" if inherited else "bound", systemd_notify=notifier.enabled,
-             watchdog_s=notifier.watchdog_interval)
+    log.info(
+        "serving",
+        url=f"http://{host}:{port}",
+        model=model_name,
+        pid=os.getpid(),
+        socket="inherited" if inherited else "bound",
+        systemd_notify=notifier.enabled,
+        watchdog_s=notifier.watchdog_interval,
+    )
     try:
         server.run(sockets=[sock])
     finally:
@@ -209,9 +280,16 @@ class DrainOnTermServer(uvicorn.Server):
     over the control socket, with its own timeout.  Tells systemd: READY=1 once serving, STOPPING=1.
     """
 
-    def __init__(self, config: uvicorn.Config, async_engine, tracker: HttpTracker,  # type: ignore[no-untyped-def]
-                 drain_timeout: float, handover: bool = False, serving_status: str = "serving",
-                 control: ControlSocket | None = None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        async_engine,
+        tracker: HttpTracker,  # type: ignore[no-untyped-def]
+        drain_timeout: float,
+        handover: bool = False,
+        serving_status: str = "serving",
+        control: ControlSocket | None = None,
+    ) -> None:
         super().__init__(config)
         self.async_engine = async_engine
         self.tracker = tracker
@@ -226,7 +304,8 @@ class DrainOnTermServer(uvicorn.Server):
         if control is not None:
             control.set_in_flight_reader(lambda: tracker.in_flight)
             control.handlers["drain_exit"] = lambda req: self._request_stop(
-                "drain", float(req.get("timeout_s", drain_timeout)))
+                "drain", float(req.get("timeout_s", drain_timeout))
+            )
             control.handlers["stop_now"] = lambda req: self._request_stop("now", 0.0)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -270,8 +349,12 @@ class DrainOnTermServer(uvicorn.Server):
         """Leave the held listening socket to the next engine (connections queue in the kernel)."""
         servers = getattr(self, "servers", [])
         stop_accepting(servers)
-        log.info("stopped_accepting", reason=reason, in_flight=self.tracker.in_flight,
-                 queued_connections="wait for the next engine")
+        log.info(
+            "stopped_accepting",
+            reason=reason,
+            in_flight=self.tracker.in_flight,
+            queued_connections="wait for the next engine",
+        )
         await asyncio.sleep(ACCEPT_GRACE_S)
         for server in servers:
             server.close()  # our copy of the listening socket; the holder keeps it open
@@ -284,10 +367,15 @@ class DrainOnTermServer(uvicorn.Server):
             self.async_engine.begin_handover()
             drain = HandoverDrain(self.server_state.connections, self.tracker)
             drain.begin()
-            done = await drain.wait(max(0.0, timeout - (time.monotonic() - start)),
-                                    busy=lambda: self.async_engine.num_in_flight > 0)
-            log.info("handover_finished", handed_over=done, seconds=round(time.monotonic() - start, 3),
-                     in_flight=self.tracker.in_flight)
+            done = await drain.wait(
+                max(0.0, timeout - (time.monotonic() - start)), busy=lambda: self.async_engine.num_in_flight > 0
+            )
+            log.info(
+                "handover_finished",
+                handed_over=done,
+                seconds=round(time.monotonic() - start, 3),
+                in_flight=self.tracker.in_flight,
+            )
             self.exit_reason = "handed_over" if done else "drain_timeout"
         else:
             result = await self.async_engine.drain(timeout)

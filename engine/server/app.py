@@ -26,8 +26,9 @@ class RequestLog:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
-                       send: Callable[[dict], Awaitable[None]]) -> None:
+    async def __call__(
+        self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
+    ) -> None:
         if scope["type"] != "http" or scope["path"] in _QUIET_PATHS:
             await self.app(scope, receive, send)
             return
@@ -43,8 +44,13 @@ class RequestLog:
         try:
             await self.app(scope, receive, send_and_note)
         finally:
-            log.info("http_request", method=scope["method"], path=scope["path"], status=status,
-                     seconds=round(time.monotonic() - start, 4))
+            log.info(
+                "http_request",
+                method=scope["method"],
+                path=scope["path"],
+                status=status,
+                seconds=round(time.monotonic() - start, 4),
+            )
 
 
 def _openapi_with_model_names(app: FastAPI, names: list[str]) -> Callable[[], dict[str, Any]]:
@@ -53,8 +59,7 @@ def _openapi_with_model_names(app: FastAPI, names: list[str]) -> Callable[[], di
 
     def build() -> dict[str, Any]:
         if app.openapi_schema is None:
-            spec = get_openapi(title=app.title, version=app.version, description=app.description,
-                               routes=app.routes)
+            spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             for schema in spec.get("components", {}).get("schemas", {}).values():
                 prop = schema.get("properties", {}).get("model")
                 if prop is None:
@@ -73,14 +78,21 @@ def _openapi_with_model_names(app: FastAPI, names: list[str]) -> Callable[[], di
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="pagekeeper", version=admin.package_version(),
-                  description="OpenAI-compatible LLM server with PagedAttention")
+    app = FastAPI(
+        title="pagekeeper",
+        version=admin.package_version(),
+        description="OpenAI-compatible LLM server with PagedAttention",
+    )
     app.state.pk = state
     app.include_router(openai_api.router)
     app.include_router(admin.router)
     install_error_handlers(app)
     # the served name only: the checkpoint's path on the server's disk is nobody's business
     app.openapi = _openapi_with_model_names(app, [state.model_name])  # type: ignore[method-assign]
+    if state.enable_debug_hooks:
+        from engine.server import debug_hooks
+
+        debug_hooks.install(app, state)
     if state.log_requests:
         app.add_middleware(RequestLog)
     return app

@@ -2,9 +2,10 @@
 
 The step loop runs in one dedicated thread so that a long step never blocks the event loop, and
 so that "the loop is alive" is a single fact the health check can read: every iteration stamps
-`heartbeat`.  Handlers never touch the engine: they post commands to an inbox and wait on a
-per-request slot that always holds the request's latest (cumulative) output, so a slow client
-costs memory for one output, not for a queue of them.
+`heartbeat`.  Handlers never touch the engine: they post typed commands to an inbox and wait on a
+per-request slot.  A stream's slot receives deltas (only what is new each step) and the handler
+merges whatever piled up since it last looked, so a slow client costs the memory of its unsent
+text, and a fast one O(1) work per token however long its output grows.
 
 Drain is a state of this object: no new admissions, in-flight requests run to completion.
 """
@@ -16,13 +17,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Union
 
 import structlog
-from engine.llm_engine import LLMEngine, RequestRejected
-from engine.metrics import EngineMetrics, EngineSnapshot
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+
+from engine.llm_engine import LLMEngine, RequestRejected, ValidRequest
+from engine.metrics import EngineMetrics
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import RequestOutputKind
 from engine.server.notify import get_notifier
 
 log = structlog.get_logger("pagekeeper.server")
@@ -46,23 +48,86 @@ class EngineStopping(RuntimeError):
     """The engine was told to stop without draining (`opsctl restart --no-drain`); the client may retry."""
 
 
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    request: ValidRequest
+    kind: RequestOutputKind
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    reason: str
+
+
+Command = Union[AddRequest, AbortRequest, AbortAll]
+
+
 @dataclass(eq=False)
 class _Slot:
     loop: asyncio.AbstractEventLoop
     event: asyncio.Event = field(default_factory=asyncio.Event)
-    latest: RequestOutput | None = None
+    pending: deque[RequestOutput] = field(default_factory=deque)  # outputs not yet taken, in order
     error: BaseException | None = None
     done: bool = False
 
     def publish(self, out: RequestOutput | None = None, error: BaseException | None = None) -> None:
         """Called from the step-loop thread."""
         if out is not None:
-            self.latest = out
+            self.pending.append(out)
             self.done = out.finished
         if error is not None:
             self.error = error
             self.done = True
         self.loop.call_soon_threadsafe(self.event.set)
+
+    def take(self) -> RequestOutput | None:
+        """Everything published since the last take, as one output (deltas are joined)."""
+        outs = []
+        while self.pending:
+            outs.append(self.pending.popleft())
+        if len(outs) <= 1:
+            return outs[0] if outs else None
+        return merge_deltas(outs)
+
+
+def merge_deltas(outs: list[RequestOutput]) -> RequestOutput:
+    """Join consecutive DELTA outputs of one request into one (the last one's state wins)."""
+    last = outs[-1]
+    merged: dict[int, CompletionOutput] = {}
+    for out in outs:
+        for c in out.outputs:
+            m = merged.get(c.index)
+            if m is None:
+                merged[c.index] = CompletionOutput(
+                    c.index,
+                    c.text,
+                    list(c.token_ids),
+                    c.cumulative_logprob,
+                    list(c.logprobs) if c.logprobs is not None else None,
+                    c.finish_reason,
+                    c.stop_reason,
+                )
+                continue
+            m.text += c.text
+            m.token_ids.extend(c.token_ids)
+            if m.logprobs is not None and c.logprobs is not None:
+                m.logprobs.extend(c.logprobs)
+            m.cumulative_logprob, m.finish_reason, m.stop_reason = c.cumulative_logprob, c.finish_reason, c.stop_reason
+    return RequestOutput(
+        last.request_id,
+        last.prompt,
+        last.prompt_token_ids,
+        [merged[i] for i in sorted(merged)],
+        last.finished,
+        last.metrics,
+    )
 
 
 @dataclass
@@ -74,8 +139,13 @@ class DrainResult:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics, health_stall_seconds: float = 30.0,
-                 max_waiting: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: EngineMetrics,
+        health_stall_seconds: float = 30.0,
+        max_waiting: int | None = None,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.health_stall_seconds = health_stall_seconds
@@ -87,13 +157,13 @@ class AsyncEngine:
         self.heartbeat = time.monotonic()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._inbox: deque[tuple[str, object]] = deque()
+        self._inbox: deque[Command] = deque()
         self._slots: dict[str, _Slot] = {}
-        self._num_waiting = 0  # scheduler's waiting count, updated under _lock with the inbox
+        self._num_waiting = 0  # the scheduler's waiting count; written by the step loop only
         self._stop = False
-        self._freeze_until = 0.0  # debug hook: the loop sleeps (holding no lock) until then
         self.loop_iterations = 0  # vllm_engine_steps_total: advances whenever the loop runs
         self._on_step: list[Callable[[], None]] = []  # e.g. the systemd watchdog ping
+        self._on_loop: list[Callable[[], None]] = []  # run before each iteration (test hooks)
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -111,6 +181,11 @@ class AsyncEngine:
         """Run `hook` on the step-loop thread after every iteration (a hung loop stops calling it)."""
         self._on_step.append(hook)
 
+    def add_loop_hook(self, hook: Callable[[], None]) -> None:
+        """Run `hook` on the step-loop thread before every iteration, holding no lock (a test hook
+        that sleeps there makes the loop hang)."""
+        self._on_loop.append(hook)
+
     # -- admission and generation (event-loop side) ---------------------------------------------
 
     @property
@@ -119,7 +194,7 @@ class AsyncEngine:
 
     def queue_depth(self) -> int:
         with self._lock:
-            return self._num_waiting + sum(1 for op, _ in self._inbox if op == "add")
+            return self._num_waiting + sum(1 for c in self._inbox if isinstance(c, AddRequest))
 
     def check_admission(self) -> None:
         if self.stopping:
@@ -129,22 +204,22 @@ class AsyncEngine:
         if self.max_waiting is not None and self.queue_depth() >= self.max_waiting:
             raise EngineOverloaded(f"{self.max_waiting} requests are already waiting (--max-waiting)")
 
-    def admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-              prompt: str | None = None) -> _Slot:
-        """Accept a request into the engine's inbox, or raise; atomic on the event loop.
+    def admit(self, request_id: str, request: ValidRequest, stream: bool) -> _Slot:
+        """Accept a validated request into the engine's inbox, or raise; atomic on the event loop.
 
         Check and enqueue happen with no await in between, so a burst of concurrent handlers can
         never overshoot --max-waiting, and a refusal happens before any response header is sent.
+        A stream gets deltas; anything else one final output.
         """
         self.check_admission()
-        self.engine.validate(prompt_token_ids, params)  # RequestRejected -> 400
         slot = _Slot(asyncio.get_running_loop())
         self._slots[request_id] = slot
-        self._post("add", (request_id, prompt_token_ids, params, prompt, time.monotonic()))
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        self._post(AddRequest(request_id, request, kind, time.monotonic()))
         return slot
 
     async def results(self, request_id: str, slot: _Slot) -> AsyncIterator[RequestOutput]:
-        """Yield an admitted request's cumulative output until it finishes.
+        """Yield an admitted request's outputs (deltas for a stream) until it finishes.
 
         Leaving early (client gone, handler cancelled) aborts the request, which frees its KV
         blocks at the next step.
@@ -155,9 +230,10 @@ class AsyncEngine:
                 slot.event.clear()
                 if slot.error is not None:
                     raise slot.error
-                if slot.latest is not None:
-                    yield slot.latest
-                if slot.done:
+                out = slot.take()
+                if out is not None:
+                    yield out
+                if slot.done and not slot.pending:
                     return
         finally:
             self.release(request_id, slot)
@@ -167,11 +243,11 @@ class AsyncEngine:
         self._slots.pop(request_id, None)
         if not slot.done:
             slot.done = True
-            self._post("abort", request_id)
+            self._post(AbortRequest(request_id))
 
-    def _post(self, op: str, arg: object) -> None:
+    def _post(self, command: Command) -> None:
         with self._wake:
-            self._inbox.append((op, arg))
+            self._inbox.append(command)
             self._wake.notify()
 
     # -- drain ----------------------------------------------------------------------------------
@@ -187,8 +263,12 @@ class AsyncEngine:
         at_start = self.num_in_flight
         while self._slots and time.monotonic() - start < timeout:
             await asyncio.sleep(0.05)
-        result = DrainResult(drained=not self._slots, in_flight_at_start=at_start,
-                             in_flight=self.num_in_flight, waited_seconds=round(time.monotonic() - start, 3))
+        result = DrainResult(
+            drained=not self._slots,
+            in_flight_at_start=at_start,
+            in_flight=self.num_in_flight,
+            waited_seconds=round(time.monotonic() - start, 3),
+        )
         log.info("drain_finished", **result.__dict__)
         return result
 
@@ -206,7 +286,7 @@ class AsyncEngine:
         self.draining = True
         self.metrics.set_draining(True)
         count = self.num_in_flight
-        self._post("abort_all", reason)
+        self._post(AbortAll(reason))
         log.warning("aborting_in_flight", requests=count, reason=reason)
         return count
 
@@ -231,11 +311,6 @@ class AsyncEngine:
             return "stalled"
         return "ok"
 
-    def freeze(self, seconds: float) -> None:
-        """Debug hook: make the step loop stop advancing for `seconds` (tests of hang detection)."""
-        self._freeze_until = time.monotonic() + seconds
-        log.warning("step_loop_frozen", seconds=seconds)
-
     # -- the step loop (its own thread) ---------------------------------------------------------
 
     def _run(self) -> None:
@@ -248,38 +323,40 @@ class AsyncEngine:
                 commands = list(self._inbox)
                 self._inbox.clear()
                 self._apply(commands)
-                self._num_waiting = self.engine.core.scheduler.num_waiting
-            while time.monotonic() < self._freeze_until:
-                time.sleep(0.05)
+                stats = self.engine.stats()
+                self._num_waiting = stats.waiting
+            for hook in self._on_loop:
+                hook()
             self.heartbeat = time.monotonic()
             self.loop_iterations += 1
             if self.engine.has_unfinished_requests():
                 self._step()
-            with self._lock:
-                self._num_waiting = self.engine.core.scheduler.num_waiting
-            self.metrics.update(self._snapshot())
+                stats = self.engine.stats()
+                with self._lock:
+                    self._num_waiting = stats.waiting
+            stats.steps = self.loop_iterations  # the loop's heartbeat, idle iterations included
+            self.metrics.update(stats)
             for hook in self._on_step:
                 hook()
 
-    def _apply(self, commands: list[tuple[str, object]]) -> None:
-        for op, arg in commands:
-            if op == "abort_all":
-                self._fail_everything(EngineStopping(str(arg)))
-                continue
-            if op == "abort":
-                out = self.engine.abort_request(arg)  # type: ignore[arg-type]
+    def _apply(self, commands: list[Command]) -> None:
+        for cmd in commands:
+            if isinstance(cmd, AbortAll):
+                self._fail_everything(EngineStopping(cmd.reason))
+            elif isinstance(cmd, AbortRequest):
+                out = self.engine.abort_request(cmd.request_id)
                 if out is not None:
                     self._finished(out)
-                continue
-            request_id, ids, params, prompt, arrival = arg  # type: ignore[misc]
-            slot = self._slots.get(request_id)
-            try:
-                self.engine.add_request(request_id, {"prompt_token_ids": ids, "prompt": prompt}, params,
-                                        arrival_time=arrival)
-            except RequestRejected as e:
-                self.metrics.request_failed("rejected")
-                if slot is not None:
-                    slot.publish(error=e)
+            else:
+                try:
+                    self.engine.add_request(
+                        cmd.request_id, cmd.request, arrival_time=cmd.arrival_time, output_kind=cmd.kind
+                    )
+                except RequestRejected as e:  # e.g. a request id already in flight
+                    self.metrics.request_failed("rejected")
+                    slot = self._slots.get(cmd.request_id)
+                    if slot is not None:
+                        slot.publish(error=e)
 
     def _step(self) -> None:
         try:
@@ -298,10 +375,14 @@ class AsyncEngine:
     def _finished(self, out: RequestOutput) -> None:
         t = out.metrics
         if t is not None:
+            counts = t.output_token_counts or [len(out.outputs[0].token_ids)]
             self.metrics.request_finished(
-                out.outputs[0].finish_reason or "abort", t.arrival_time, t.first_scheduled_time,
-                t.first_token_time, t.finished_time or time.monotonic(),
-                num_output_tokens=len(out.outputs[0].token_ids),
+                out.outputs[0].finish_reason or "abort",
+                t.arrival_time,
+                t.first_scheduled_time,
+                t.first_token_time,
+                t.finished_time or time.monotonic(),
+                num_output_tokens=counts[0],
             )
 
     def _fail_everything(self, error: Exception) -> None:
@@ -311,8 +392,3 @@ class AsyncEngine:
             slot = self._slots.get(request_id)
             if slot is not None:
                 slot.publish(error=error)
-
-    def _snapshot(self) -> EngineSnapshot:
-        snap = self.engine.core.snapshot()
-        snap.steps = self.loop_iterations  # the loop's heartbeat, idle iterations included
-        return snap

@@ -19,14 +19,30 @@ from engine.server.protocol import ErrorResponse
 
 log = structlog.get_logger("pagekeeper.server")
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-          405: "BadRequestError", 413: "BadRequestError", 422: "BadRequestError", 429: "RateLimitError",
-          500: "InternalServerError", 503: "ServiceUnavailableError"}
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "BadRequestError",
+    413: "BadRequestError",
+    422: "BadRequestError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
 class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, type: str | None = None, param: str | None = None,
-                 code: str | int | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -36,10 +52,17 @@ class OpenAIError(Exception):
         self.headers = headers
 
 
-def error_body(status: int, message: str, type: str | None = None, param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type or _TYPES.get(status, "BadRequestError"),
-                      "param": param, "code": code if code is not None else status}}
+def error_body(
+    status: int, message: str, type: str | None = None, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": type or _TYPES.get(status, "BadRequestError"),
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -50,7 +73,9 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 def _param(loc: tuple[Any, ...]) -> str:
     parts = [str(x) for x in loc if x not in ("body", "query", "path", "header")]
     # pydantic adds the union member's type to the location; keep only field names and indices
-    kept = [x for x in parts if not any(c in x for c in "[]'") and not x.startswith(("function-", "list", "str", "int"))]
+    kept = [
+        x for x in parts if not any(c in x for c in "[]'") and not x.startswith(("function-", "list", "str", "int"))
+    ]
     return ".".join(kept) or "body"
 
 

@@ -94,8 +94,9 @@ class HttpTracker:
         if self.inflight is not None:
             self.inflight.set_aborted(self.aborted)
 
-    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
-                       send: Callable[[dict], Awaitable[None]]) -> None:
+    async def __call__(
+        self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
+    ) -> None:
         if scope["type"] != "http" or scope["path"] in _PROBE_PATHS:
             await self.app(scope, receive, send)
             return
@@ -111,8 +112,13 @@ class HttpTracker:
             if message["type"] == "http.response.start" and self.closing:
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
                 message = {**message, "headers": headers + [(b"connection", b"close")]}
-            if self.stopping and not counted and (  # a request the stop failed: a 503, or an error event
-                    message.get("status") == 503 or b'"engine_restarting"' in message.get("body", b"")):
+            if (
+                self.stopping
+                and not counted
+                and (  # a request the stop failed: a 503, or an error event
+                    message.get("status") == 503 or b'"engine_restarting"' in message.get("body", b"")
+                )
+            ):
                 counted = True
                 self.count_aborted(1)
             await send(message)
@@ -128,11 +134,28 @@ RESTARTING_MESSAGE = "the engine is restarting without draining; retry the reque
 
 
 async def _send_restarting(send: Callable[[dict], Awaitable[None]]) -> None:
-    body = json.dumps({"error": {"message": RESTARTING_MESSAGE, "type": "ServiceUnavailableError", "param": None,
-                                 "code": "engine_restarting"}}).encode()
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"retry-after", b"1"), (b"connection", b"close")]})
+    body = json.dumps(
+        {
+            "error": {
+                "message": RESTARTING_MESSAGE,
+                "type": "ServiceUnavailableError",
+                "param": None,
+                "code": "engine_restarting",
+            }
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", b"1"),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -190,7 +213,11 @@ class HandoverDrain:
             if not self.connections and not busy() and self.tracker.in_flight == 0:
                 return True
             if now - start >= timeout:
-                log.warning("handover_timeout", connections=len(self.connections),
-                            in_flight=self.tracker.in_flight, timeout_s=timeout)
+                log.warning(
+                    "handover_timeout",
+                    connections=len(self.connections),
+                    in_flight=self.tracker.in_flight,
+                    timeout_s=timeout,
+                )
                 return False
             await asyncio.sleep(_POLL_S)

@@ -15,6 +15,7 @@ from typing import Any, Awaitable, Callable
 
 from engine.server.handover import is_idle, pending_bytes
 
+
 def connection_limit() -> int:
     """The default --max-connections: a quarter of the open-file limit (at least 100) is kept for everything
     else the process opens (model files, logs, pipes) and for asyncio, which accepts a burst of connections
@@ -46,8 +47,11 @@ class AcceptErrorsCondensed:
             import structlog
 
             structlog.get_logger("pagekeeper.server").warning(
-                "accept_out_of_files", failed_accepts=self.count, error=str(context.get("exception")),
-                hint="raise the open-file limit (LimitNOFILE=) or lower --max-connections")
+                "accept_out_of_files",
+                failed_accepts=self.count,
+                error=str(context.get("exception")),
+                hint="raise the open-file limit (LimitNOFILE=) or lower --max-connections",
+            )
             self.last = now
             self.count = 0
 
@@ -59,8 +63,9 @@ class BodyLimit:
         self.app = app
         self.limit = limit
 
-    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
-                       send: Callable[[dict], Awaitable[None]]) -> None:
+    async def __call__(
+        self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
+    ) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -90,12 +95,27 @@ class BodyLimit:
             await self._refuse(send)
 
     async def _refuse(self, send: Callable[[dict], Awaitable[None]]) -> None:
-        body = json.dumps({"error": {"message": f"the request body is larger than {self.limit} bytes "
-                                                f"(--max-request-body-bytes)", "type": "BadRequestError",
-                                     "param": None, "code": 413}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        body = json.dumps(
+            {
+                "error": {
+                    "message": f"the request body is larger than {self.limit} bytes (--max-request-body-bytes)",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 413,
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -141,8 +161,11 @@ def guarded_protocol(max_connections: int, header_timeout: float) -> type:
             self.transport.close()
 
         def _make_room(self) -> None:
-            idle = [c for c in self.connections if c is not self and is_idle(c)
-                    and not c.transport.is_closing() and pending_bytes(c.transport) == 0]
+            idle = [
+                c
+                for c in self.connections
+                if c is not self and is_idle(c) and not c.transport.is_closing() and pending_bytes(c.transport) == 0
+            ]
             if not idle:
                 return  # every connection is working: this one waits its turn like the rest
             oldest = min(idle, key=lambda c: getattr(c, "last_active", 0.0))
@@ -150,8 +173,9 @@ def guarded_protocol(max_connections: int, header_timeout: float) -> type:
 
         def timeout_keep_alive_handler(self) -> None:
             if pending_bytes(self.transport) > 0:  # a request is waiting: the loop reads it next
-                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
-                                                                    self.timeout_keep_alive_handler)
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
                 return
             super().timeout_keep_alive_handler()
 

@@ -39,8 +39,13 @@ class _Prompt:
 
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in state.model_names:
-        raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
-                          "NotFoundError", "model", "model_not_found")
+        raise OpenAIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+            "NotFoundError",
+            "model",
+            "model_not_found",
+        )
 
 
 def _sampling_params(body: p._SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -64,30 +69,30 @@ def _sampling_params(body: p._SamplingFields, max_tokens: int | None, logprobs: 
         raise OpenAIError(400, str(e), param=e.param) from e
 
 
-def _hold_back(params: SamplingParams) -> int:
-    return max((len(s) for s in params.stop_strings), default=1) - 1
-
-
 @dataclass
 class _Admitted:
     request_id: str
     slot: Any
 
 
-def _admit(state: ServerState, request_id: str, prompts: list[_Prompt], params: SamplingParams) -> list[_Admitted]:
-    """Refuse now (400/429/503) or accept every prompt of the request; nothing is half-admitted."""
+def _admit(
+    state: ServerState, request_id: str, prompts: list[_Prompt], params: SamplingParams, stream: bool
+) -> list[_Admitted]:
+    """Refuse now (400/429/503) or accept every prompt of the request; nothing is half-admitted.
+    This is the one place a served request is validated."""
+    valid = []
     for i, prompt in enumerate(prompts):
         try:
-            state.engine.validate(prompt.ids, params)
+            valid.append(state.engine.validate(prompt.ids, params, prompt.text))
         except SamplingParamsError as e:
             param = e.param if len(prompts) == 1 or e.param != "prompt" else f"prompt[{i}]"
             state.metrics.request_failed("invalid")
             raise OpenAIError(400, str(e), param=param) from e
     admitted: list[_Admitted] = []
     try:
-        for i, prompt in enumerate(prompts):
+        for i, request in enumerate(valid):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            admitted.append(_Admitted(rid, state.admit(rid, prompt, params)))
+            admitted.append(_Admitted(rid, state.admit(rid, request, stream)))
     except BaseException:
         for a in admitted:
             state.async_engine.release(a.request_id, a.slot)
@@ -156,9 +161,13 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-def _usage(prompts: list[_Prompt], outputs: list[RequestOutput]) -> p.Usage:
+def _usage(prompts: list[_Prompt], finals: list[RequestOutput]) -> p.Usage:
+    """Token counts from the requests' final outputs (which hold the counts, also after deltas)."""
     prompt_tokens = sum(len(pr.ids) for pr in prompts)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = 0
+    for o in finals:
+        counts = o.metrics.output_token_counts if o.metrics is not None else []
+        completion += sum(counts) if counts else sum(len(c.token_ids) for c in o.outputs)
     return p.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
 
 
@@ -177,31 +186,26 @@ async def _ending_cleanly(body: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 def _streaming(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(_ending_cleanly(body), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        _ending_cleanly(body),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 class _Deltas:
-    """Per-choice bookkeeping for streams: how much text and how many tokens were already sent."""
+    """Which choices of a stream have already been sent their finish."""
 
-    def __init__(self, hold_back: int) -> None:
-        self.hold_back = hold_back
-        self.text_sent: dict[int, int] = {}
-        self.tokens_sent: dict[int, int] = {}
+    def __init__(self) -> None:
         self.finished: set[int] = set()
 
     def take(self, index: int, c: CompletionOutput) -> tuple[str, list[int], bool]:
-        """(new text, new token positions, just finished) for the choice at `index`."""
-        done = c.finish_reason is not None
-        start = self.text_sent.get(index, 0)
-        end = len(c.text) if done else max(start, len(c.text) - self.hold_back)
-        tok_start = self.tokens_sent.get(index, 0)
-        self.text_sent[index] = end
-        self.tokens_sent[index] = len(c.token_ids)
-        just_finished = done and index not in self.finished
+        """(new text, positions of the new tokens in `c`, just finished) for the choice at `index`;
+        `c` is a delta, so it holds only what is new."""
+        just_finished = c.finish_reason is not None and index not in self.finished
         if just_finished:
             self.finished.add(index)
-        return c.text[start:end], list(range(tok_start, len(c.token_ids))), just_finished
+        return c.text, list(range(len(c.token_ids))), just_finished
 
 
 # -- /v1/completions ----------------------------------------------------------------------------
@@ -217,8 +221,9 @@ def _completion_prompts(state: ServerState, prompt: Any) -> list[_Prompt]:
     return [_Prompt(None, list(ids)) for ids in prompt]
 
 
-def _completion_logprobs(state: ServerState, c: CompletionOutput, positions: list[int],
-                         offset: int) -> p.CompletionLogprobs | None:
+def _completion_logprobs(
+    state: ServerState, c: CompletionOutput, positions: list[int], offset: int
+) -> p.CompletionLogprobs | None:
     if c.logprobs is None:
         return None
     lp = p.CompletionLogprobs()
@@ -234,8 +239,9 @@ def _completion_logprobs(state: ServerState, c: CompletionOutput, positions: lis
     return lp
 
 
-@router.post("/v1/completions", response_model=p.CompletionResponse,
-             responses={200: {"content": {"text/event-stream": {}}}})
+@router.post(
+    "/v1/completions", response_model=p.CompletionResponse, responses={200: {"content": {"text/event-stream": {}}}}
+)
 async def completions(body: p.CompletionRequest, http: Request) -> Any:
     state = get_state(http)
     _check_model(state, body.model)
@@ -247,7 +253,7 @@ async def completions(body: p.CompletionRequest, http: Request) -> Any:
     prompts = await state.off_loop(_completion_prompts, state, body.prompt)
     params = _sampling_params(body, body.max_tokens, body.logprobs)
     request_id = p.new_id("cmpl")
-    admitted = _admit(state, request_id, prompts, params)
+    admitted = _admit(state, request_id, prompts, params, bool(body.stream))
     created = p.now()
     n = params.n
 
@@ -255,7 +261,7 @@ async def completions(body: p.CompletionRequest, http: Request) -> Any:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events() -> AsyncIterator[str]:
-            deltas = _Deltas(_hold_back(params))
+            deltas = _Deltas()
             last: dict[int, RequestOutput] = {}
             if body.echo:
                 for i, pr in enumerate(prompts):
@@ -273,12 +279,23 @@ async def completions(body: p.CompletionRequest, http: Request) -> Any:
                         # and its timing reach the client
                     lp = _completion_logprobs(state, c, positions, 0)
                     reason = c.finish_reason if finished else None
-                    yield _sse(_completion_chunk(request_id, created, state, index, text, lp, reason,
-                                                 c.stop_reason if finished else None))
+                    yield _sse(
+                        _completion_chunk(
+                            request_id, created, state, index, text, lp, reason, c.stop_reason if finished else None
+                        )
+                    )
             if include_usage:
                 usage = _usage(prompts, [last[i] for i in sorted(last)])
-                yield _sse({"id": request_id, "object": "text_completion", "created": created,
-                            "model": state.model_name, "choices": [], "usage": usage.model_dump()})
+                yield _sse(
+                    {
+                        "id": request_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": state.model_name,
+                        "choices": [],
+                        "usage": usage.model_dump(),
+                    }
+                )
             yield _sse("[DONE]")
 
         return _streaming(events())
@@ -290,22 +307,40 @@ async def completions(body: p.CompletionRequest, http: Request) -> Any:
         if body.echo:
             prefix = pr.text if pr.text is not None else state.decode(pr.ids)
         for c in out.outputs:
-            choices.append(p.CompletionChoice(
-                index=i * n + c.index, text=prefix + c.text,
-                logprobs=_completion_logprobs(state, c, list(range(len(c.token_ids))), len(prefix)),
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-            ))
-    return p.CompletionResponse(id=request_id, created=created, model=state.model_name, choices=choices,
-                                usage=_usage(prompts, list(outputs)))
+            choices.append(
+                p.CompletionChoice(
+                    index=i * n + c.index,
+                    text=prefix + c.text,
+                    logprobs=_completion_logprobs(state, c, list(range(len(c.token_ids))), len(prefix)),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+    return p.CompletionResponse(
+        id=request_id, created=created, model=state.model_name, choices=choices, usage=_usage(prompts, list(outputs))
+    )
 
 
-def _completion_chunk(request_id: str, created: int, state: ServerState, index: int, text: str,
-                      logprobs: p.CompletionLogprobs | None, finish_reason: str | None,
-                      stop_reason: int | str | None = None) -> dict[str, Any]:
-    choice = p.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
-                                stop_reason=stop_reason)
-    return {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
-            "choices": [choice.model_dump()]}
+def _completion_chunk(
+    request_id: str,
+    created: int,
+    state: ServerState,
+    index: int,
+    text: str,
+    logprobs: p.CompletionLogprobs | None,
+    finish_reason: str | None,
+    stop_reason: int | str | None = None,
+) -> dict[str, Any]:
+    choice = p.CompletionChoice(
+        index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason
+    )
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": state.model_name,
+        "choices": [choice.model_dump()],
+    }
 
 
 # -- /v1/chat/completions -----------------------------------------------------------------------
@@ -319,16 +354,22 @@ def _chat_logprobs(state: ServerState, c: CompletionOutput, positions: list[int]
         tok = c.token_ids[pos]
         entry = c.logprobs[pos]
         piece = state.decode_token(tok)
-        top = [p.TopLogprob(token=state.decode_token(t), logprob=v.logprob,
-                            bytes=list(state.decode_token(t).encode()))
-               for t, v in entry.items() if v.rank is not None]
-        entries.append(p.ChatLogprobEntry(token=piece, logprob=entry[tok].logprob, bytes=list(piece.encode()),
-                                          top_logprobs=top))
+        top = [
+            p.TopLogprob(token=state.decode_token(t), logprob=v.logprob, bytes=list(state.decode_token(t).encode()))
+            for t, v in entry.items()
+            if v.rank is not None
+        ]
+        entries.append(
+            p.ChatLogprobEntry(token=piece, logprob=entry[tok].logprob, bytes=list(piece.encode()), top_logprobs=top)
+        )
     return p.ChatLogprobs(content=entries)
 
 
-@router.post("/v1/chat/completions", response_model=p.ChatCompletionResponse,
-             responses={200: {"content": {"text/event-stream": {}}}})
+@router.post(
+    "/v1/chat/completions",
+    response_model=p.ChatCompletionResponse,
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
 async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
     state = get_state(http)
     _check_model(state, body.model)
@@ -336,27 +377,36 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, logprobs)
     request_id = p.new_id("chatcmpl")
-    (admitted,) = _admit(state, request_id, [prompt], params)
+    (admitted,) = _admit(state, request_id, [prompt], params, bool(body.stream))
     created = p.now()
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def chunk(choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> str:
-            msg = p.ChatCompletionChunk(id=request_id, created=created, model=state.model_name,
-                                        choices=choices, usage=usage)
+            msg = p.ChatCompletionChunk(
+                id=request_id, created=created, model=state.model_name, choices=choices, usage=usage
+            )
             data = msg.model_dump(exclude_none=True)
             data["choices"] = [
-                {"index": c.index, "delta": c.delta.model_dump(exclude_none=True),
-                 "logprobs": c.logprobs.model_dump() if c.logprobs else None, "finish_reason": c.finish_reason}
+                {
+                    "index": c.index,
+                    "delta": c.delta.model_dump(exclude_none=True),
+                    "logprobs": c.logprobs.model_dump() if c.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                }
                 for c in choices
             ]
             return _sse(data)
 
         async def events() -> AsyncIterator[str]:
-            deltas = _Deltas(_hold_back(params))
-            yield chunk([p.ChatChunkChoice(index=j, delta=p.DeltaMessage(role="assistant", content=""))
-                         for j in range(params.n)])
+            deltas = _Deltas()
+            yield chunk(
+                [
+                    p.ChatChunkChoice(index=j, delta=p.DeltaMessage(role="assistant", content=""))
+                    for j in range(params.n)
+                ]
+            )
             last = None
             async for _, out in _merged(state, [admitted]):
                 last = out
@@ -364,11 +414,16 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
                     text, positions, finished = deltas.take(c.index, c)
                     if not text and not positions and not finished:
                         continue  # as for completions: every new token gets a chunk
-                    yield chunk([p.ChatChunkChoice(
-                        index=c.index, delta=p.DeltaMessage(content=text),
-                        logprobs=_chat_logprobs(state, c, positions),
-                        finish_reason=c.finish_reason if finished else None,
-                    )])
+                    yield chunk(
+                        [
+                            p.ChatChunkChoice(
+                                index=c.index,
+                                delta=p.DeltaMessage(content=text),
+                                logprobs=_chat_logprobs(state, c, positions),
+                                finish_reason=c.finish_reason if finished else None,
+                            )
+                        ]
+                    )
             if include_usage and last is not None:
                 yield chunk([], _usage([prompt], [last]))
             yield _sse("[DONE]")
@@ -377,13 +432,18 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
 
     out = await _final(state, http, admitted)
     choices = [
-        p.ChatChoice(index=c.index, message=p.AssistantMessage(content=c.text),
-                     logprobs=_chat_logprobs(state, c, list(range(len(c.token_ids)))),
-                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        p.ChatChoice(
+            index=c.index,
+            message=p.AssistantMessage(content=c.text),
+            logprobs=_chat_logprobs(state, c, list(range(len(c.token_ids)))),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
         for c in out.outputs
     ]
-    return p.ChatCompletionResponse(id=request_id, created=created, model=state.model_name, choices=choices,
-                                    usage=_usage([prompt], [out]))
+    return p.ChatCompletionResponse(
+        id=request_id, created=created, model=state.model_name, choices=choices, usage=_usage([prompt], [out])
+    )
 
 
 # -- models, tokenize, detokenize --------------------------------------------------------------
@@ -392,8 +452,16 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
 @router.get("/v1/models", response_model=p.ModelList)
 async def models(http: Request) -> p.ModelList:
     state = get_state(http)
-    return p.ModelList(data=[p.ModelCard(id=state.model_name, created=state.started_at, root=state.model_name,
-                                         max_model_len=state.engine.max_model_len)])
+    return p.ModelList(
+        data=[
+            p.ModelCard(
+                id=state.model_name,
+                created=state.started_at,
+                root=state.model_name,
+                max_model_len=state.engine.max_model_len,
+            )
+        ]
+    )
 
 
 @router.post("/tokenize", response_model=p.TokenizeResponse)

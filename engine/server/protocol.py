@@ -47,10 +47,12 @@ class _SamplingFields(_Request):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=1_000_000, description="vLLM extension; -1 or 0 disables")
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: Union[Annotated[str, Field(max_length=256)], Annotated[list[Annotated[str, Field(max_length=256)]],
-                                                                   Field(max_length=MAX_STOP)], None] = None
-    stop_token_ids: list[NonNegInt] | None = Field(default=None, max_length=MAX_STOP,
-                                                   description="vLLM extension")
+    stop: Union[
+        Annotated[str, Field(max_length=256)],
+        Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=MAX_STOP)],
+        None,
+    ] = None
+    stop_token_ids: list[NonNegInt] | None = Field(default=None, max_length=MAX_STOP, description="vLLM extension")
     ignore_eos: bool = Field(default=False, description="vLLM extension")
     stream: bool = False
     stream_options: StreamOptions | None = None

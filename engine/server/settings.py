@@ -53,8 +53,9 @@ def read_secret(path: str, flag: str) -> str:
         if not stat.S_ISREG(info.st_mode) or info.st_uid not in (os.geteuid(), 0):
             raise ConfigError(f"{flag} {path}: not a regular file of yours or root's")
         if info.st_mode & 0o077:
-            raise ConfigError(f"{flag} {path} has mode {stat.S_IMODE(info.st_mode):04o}: others can read the key; "
-                              f"`chmod 600 {path}`")
+            raise ConfigError(
+                f"{flag} {path} has mode {stat.S_IMODE(info.st_mode):04o}: others can read the key; `chmod 600 {path}`"
+            )
         key = f.read().strip()
     if not key:
         raise ConfigError(f"{flag} {path} is empty")
@@ -63,13 +64,16 @@ def read_secret(path: str, flag: str) -> str:
 
 def resolve_key_files(server: ServerConfig) -> ServerConfig:
     """Read --api-key-file / --admin-key-file into the keys (a key given both ways is a mistake)."""
-    for key, file_key, flag in (("api_key", "api_key_file", "--api-key-file"),
-                                ("admin_key", "admin_key_file", "--admin-key-file")):
+    for key, file_key, flag in (
+        ("api_key", "api_key_file", "--api-key-file"),
+        ("admin_key", "admin_key_file", "--admin-key-file"),
+    ):
         path = getattr(server, file_key)
         if path is None:
             continue
         if getattr(server, key) is not None:
-            raise ConfigError(f"{flag} and --{key.replace('_', '-')} (or its environment variable) both give "
-                              "the key; keep one")
+            raise ConfigError(
+                f"{flag} and --{key.replace('_', '-')} (or its environment variable) both give the key; keep one"
+            )
         setattr(server, key, read_secret(path, flag))
     return server

@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 from fastapi import Request
 
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, ValidRequest
 from engine.metrics import EngineMetrics
 from engine.server.async_engine import AsyncEngine, EngineDraining, EngineOverloaded
 from engine.server.errors import OpenAIError
@@ -39,7 +39,6 @@ class ServerState:
     enable_debug_hooks: bool = False
     log_requests: bool = True
     retry_after_seconds: int = 1
-    debug_metrics_mode: tuple[str, float] = ("normal", 0.0)  # test hook, see admin.debug_metrics
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -50,14 +49,18 @@ class ServerState:
         # One thread tokenizes, off the event loop (health checks and streams go on meanwhile) and one call at
         # a time (a fast tokenizer's settings are not safe to change from two threads at once).
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-        self.vocab_size = int(self.engine.core.model_info.hf_config.vocab_size)
+        self.vocab_size = self.engine.limits.vocab_size
         self.model_names = {self.model_name, self.model_root}
         self.decode_token = lru_cache(maxsize=65536)(self._decode_one)
 
     def check_length(self, text: str, param: str) -> None:
         if len(text) > self.max_prompt_chars:
-            raise OpenAIError(400, f"{param} has {len(text)} characters; at most {self.max_prompt_chars} can fit "
-                                   f"max_model_len {self.engine.max_model_len}", param=param)
+            raise OpenAIError(
+                400,
+                f"{param} has {len(text)} characters; at most {self.max_prompt_chars} can fit "
+                f"max_model_len {self.engine.max_model_len}",
+                param=param,
+            )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.check_length(text, "prompt")
@@ -75,24 +78,26 @@ class ServerState:
 
     def apply_chat_template(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise OpenAIError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions",
-                              param="messages")
+            raise OpenAIError(
+                400, f"the model {self.model_name!r} has no chat template; use /v1/completions", param="messages"
+            )
         for m in messages:
             self.check_length(m.text(), "messages")
         try:
             text = self.tokenizer.apply_chat_template(
                 [{"role": m.role, "content": m.text()} for m in messages],
-                tokenize=False, add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         except Exception as e:  # jinja raises for conversations the template refuses
             raise OpenAIError(400, f"the chat template refused these messages: {e}", param="messages") from e
         return self.encode(text, add_special_tokens=False)
 
-    def admit(self, request_id: str, prompt: Any, params: Any) -> Any:
+    def admit(self, request_id: str, request: ValidRequest, stream: bool) -> Any:
         """Admit into the engine, turning a refusal into 503 (draining) or 429 (queue full)."""
         retry = {"Retry-After": str(self.retry_after_seconds)}
         try:
-            return self.async_engine.admit(request_id, prompt.ids, params, prompt.text)
+            return self.async_engine.admit(request_id, request, stream)
         except EngineDraining as e:
             self.metrics.request_failed("rejected")
             raise OpenAIError(503, str(e), code="draining", headers=retry) from e
@@ -119,8 +124,12 @@ async def require_api_key(request: Request) -> None:
     """Bearer auth on /v1/* and /tokenize when --api-key is set (constant-time comparison)."""
     key = get_state(request).api_key
     if key and not _matches(_bearer(request), key):
-        raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        raise OpenAIError(
+            401,
+            "missing or wrong API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
 
 def is_loopback(request: Request) -> bool:
@@ -146,8 +155,16 @@ async def require_admin(request: Request) -> None:
         return
     log.warning("admin_request_refused", path=request.url.path, method=request.method, client=client)
     if state.api_key:
-        raise OpenAIError(401, "with --api-key set, admin endpoints need 'Authorization: Bearer <admin key>' "
-                               "(--admin-key / PAGEKEEPER_ADMIN_KEY), from loopback too", code="invalid_admin_key",
-                          headers={"WWW-Authenticate": "Bearer"})
-    raise OpenAIError(403, "admin endpoints accept loopback clients or 'Authorization: Bearer <admin key>' "
-                           "(--admin-key / PAGEKEEPER_ADMIN_KEY)", code="forbidden")
+        raise OpenAIError(
+            401,
+            "with --api-key set, admin endpoints need 'Authorization: Bearer <admin key>' "
+            "(--admin-key / PAGEKEEPER_ADMIN_KEY), from loopback too",
+            code="invalid_admin_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    raise OpenAIError(
+        403,
+        "admin endpoints accept loopback clients or 'Authorization: Bearer <admin key>' "
+        "(--admin-key / PAGEKEEPER_ADMIN_KEY)",
+        code="forbidden",
+    )

@@ -12,7 +12,15 @@ import sys
 import pytest
 
 from tests.alerts.tools import (
-    DASHBOARD, REPO, TYPECHECK, in_ci, load_dashboard, panel_targets, selectors, tsc_path, typecheck,
+    DASHBOARD,
+    REPO,
+    TYPECHECK,
+    in_ci,
+    load_dashboard,
+    panel_targets,
+    selectors,
+    tsc_path,
+    typecheck,
 )
 
 
@@ -26,8 +34,12 @@ def need_typechecker() -> None:
 
 
 def test_json_is_what_the_build_script_writes():
-    r = subprocess.run([sys.executable, str(REPO / "grafana" / "build_dashboard.py"), "--check"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "grafana" / "build_dashboard.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -39,11 +51,12 @@ def test_dashboard_typechecks_against_grafana_schema():
 
 PLANTED = {
     # one mistake per kind: an enum spelled wrong, a misspelled plugin option, a wrong type, a missing field
-    "threshold mode": (lambda d: gauge(d)["fieldConfig"]["defaults"]["thresholds"].update(mode="absolut"),
-                       '"absolut"'),
+    "threshold mode": (lambda d: gauge(d)["fieldConfig"]["defaults"]["thresholds"].update(mode="absolut"), '"absolut"'),
     "timeseries option": (lambda d: first(d, "timeseries")["options"].update(legned={}), "legned"),
-    "threshold value": (lambda d: gauge(d)["fieldConfig"]["defaults"]["thresholds"]["steps"][1].update(value="80"),
-                        "not assignable to type 'number"),
+    "threshold value": (
+        lambda d: gauge(d)["fieldConfig"]["defaults"]["thresholds"]["steps"][1].update(value="80"),
+        "not assignable to type 'number",
+    ),
     "target refId": (lambda d: first(d, "timeseries")["targets"][0].pop("refId"), "refId"),
 }
 
@@ -84,17 +97,30 @@ def test_variables_rows_and_the_seed_gauge():
     assert [(s["color"], s["value"]) for s in steps] == [("green", None), ("yellow", 80), ("red", 90)]
 
     exprs = " ".join(t["expr"] for _, t in panel_targets(d))
-    for needle in ("vllm_num_requests_running", "vllm_num_requests_waiting", "vllm_generation_tokens_total",
-                   "vllm_request_success_total", "vllm_request_failure_total",
-                   "histogram_quantile(0.99, sum by (model_name, le) (rate(vllm_time_to_first_token_seconds_bucket",
-                   "vllm_time_per_output_token_seconds_bucket", "vllm_e2e_request_latency_seconds_bucket",
-                   "vllm_kv_cache_token_utilization", "vllm_gpu_allocator_efficiency",
-                   "vllm_gpu_memory_reserved_bytes", "vllm_gpu_memory_allocated_bytes",
-                   "vllm_fragmentation_buffer_bytes", "vllm_cpu_cache_usage_perc", "vllm_num_preemptions_total",
-                   "vllm_prefix_cache_hits_total", "pagekeeper_gpu_memory_used_bytes",
-                   "pagekeeper_gpu_utilization_ratio", "pagekeeper_gpu_temperature_celsius",
-                   "pagekeeper_supervisor_restarts_total", "pagekeeper_supervisor_decisions_total",
-                   "pagekeeper_supervisor_crash_loop_gave_up"):
+    for needle in (
+        "vllm_num_requests_running",
+        "vllm_num_requests_waiting",
+        "vllm_generation_tokens_total",
+        "vllm_request_success_total",
+        "vllm_request_failure_total",
+        "histogram_quantile(0.99, sum by (model_name, le) (rate(vllm_time_to_first_token_seconds_bucket",
+        "vllm_time_per_output_token_seconds_bucket",
+        "vllm_e2e_request_latency_seconds_bucket",
+        "vllm_kv_cache_token_utilization",
+        "vllm_gpu_allocator_efficiency",
+        "vllm_gpu_memory_reserved_bytes",
+        "vllm_gpu_memory_allocated_bytes",
+        "vllm_fragmentation_buffer_bytes",
+        "vllm_cpu_cache_usage_perc",
+        "vllm_num_preemptions_total",
+        "vllm_prefix_cache_hits_total",
+        "pagekeeper_gpu_memory_used_bytes",
+        "pagekeeper_gpu_utilization_ratio",
+        "pagekeeper_gpu_temperature_celsius",
+        "pagekeeper_supervisor_restarts_total",
+        "pagekeeper_supervisor_decisions_total",
+        "pagekeeper_supervisor_crash_loop_gave_up",
+    ):
         assert needle in exprs, needle
     annotations = [a for a in d["annotations"]["list"] if "target" in a]
     assert [a["name"] for a in annotations] == ["Engine restarts"]

@@ -24,7 +24,13 @@ import httpx
 import pytest
 
 from tests.alerts.tools import (
-    alert_rules, annotation_targets, fast_rules_text, load_dashboard, panel_targets, require_tool, selectors,
+    alert_rules,
+    annotation_targets,
+    fast_rules_text,
+    load_dashboard,
+    panel_targets,
+    require_tool,
+    selectors,
     substitute,
 )
 from tests.opsctl.harness import Deployment, deployment
@@ -34,11 +40,22 @@ pytestmark = pytest.mark.slow
 
 MODEL = "pagekeeper-default"
 # Shares a prefix of more than two 16-token blocks, so the prefix cache has something to hit.
-PROMPT = ("Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex. "
-          "Complex is better than complicated. Flat is better than nested.")
+PROMPT = (
+    "Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex. "
+    "Complex is better than complicated. Flat is better than nested."
+)
 IN_FLIGHT = 8  # with --max-num-seqs 1: 1 running, 7 waiting > 3 x 1
-FAKE_GPUS = [{"index": 0, "name": "Fake H100", "memory_used_bytes": 60 * 2**30, "memory_total_bytes": 80 * 2**30,
-              "utilization_ratio": 0.9, "temperature_celsius": 71.0, "xid_errors_total": 2}]
+FAKE_GPUS = [
+    {
+        "index": 0,
+        "name": "Fake H100",
+        "memory_used_bytes": 60 * 2**30,
+        "memory_total_bytes": 80 * 2**30,
+        "utilization_ratio": 0.9,
+        "temperature_celsius": 71.0,
+        "xid_errors_total": 2,
+    }
+]
 
 
 @dataclass
@@ -58,8 +75,11 @@ class Prometheus:
         return httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10).json()
 
     def query_range(self, expr: str, start: float, end: float, step: str) -> dict[str, Any]:
-        return httpx.get(self.url + "/api/v1/query_range",
-                         params={"query": expr, "start": start, "end": end, "step": step}, timeout=10).json()
+        return httpx.get(
+            self.url + "/api/v1/query_range",
+            params={"query": expr, "start": start, "end": end, "step": step},
+            timeout=10,
+        ).json()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -69,18 +89,31 @@ def start_prometheus(root: Path, engine_port: int, supervisor_port: int) -> Prom
     binary = require_tool("prometheus", "Debian package prometheus")
     root.mkdir(parents=True, exist_ok=True)
     (root / "rules.yml").write_text(fast_rules_text("2s"))
-    (root / "prometheus.yml").write_text(json.dumps({  # JSON is YAML
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": ["rules.yml"],
-        "scrape_configs": [
-            {"job_name": "pagekeeper-engine", "static_configs": [{"targets": [f"127.0.0.1:{engine_port}"]}]},
-            {"job_name": "pagekeeper-supervisor", "static_configs": [{"targets": [f"127.0.0.1:{supervisor_port}"]}]},
-        ],
-    }, indent=2))
+    (root / "prometheus.yml").write_text(
+        json.dumps(
+            {  # JSON is YAML
+                "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+                "rule_files": ["rules.yml"],
+                "scrape_configs": [
+                    {"job_name": "pagekeeper-engine", "static_configs": [{"targets": [f"127.0.0.1:{engine_port}"]}]},
+                    {
+                        "job_name": "pagekeeper-supervisor",
+                        "static_configs": [{"targets": [f"127.0.0.1:{supervisor_port}"]}],
+                    },
+                ],
+            },
+            indent=2,
+        )
+    )
     port = free_port()
     log_path = root / "prometheus.log"
-    cmd = [binary, f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'data'}",
-           f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle"]
+    cmd = [
+        binary,
+        f"--config.file={root / 'prometheus.yml'}",
+        f"--storage.tsdb.path={root / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--web.enable-lifecycle",
+    ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root)
     prom = Prometheus(proc, f"http://127.0.0.1:{port}", log_path)
@@ -127,8 +160,10 @@ class Stack:
             restarts = self.d.status()["restarts"]
         except Exception as e:  # noqa: BLE001 - diagnostics only
             restarts = repr(e)
-        targets = [(t["labels"]["job"], t["health"], t.get("lastError")) for t in
-                   self.prom.get("/api/v1/targets")["activeTargets"]]
+        targets = [
+            (t["labels"]["job"], t["health"], t.get("lastError"))
+            for t in self.prom.get("/api/v1/targets")["activeTargets"]
+        ]
         return f"restarts: {restarts}; targets now: {targets}"
 
 
@@ -139,8 +174,13 @@ def drive_traffic_until_backlog_fires(stack: Stack, deadline_s: float = 120) -> 
         stop = asyncio.Event()
 
         async def one(client: httpx.AsyncClient, i: int) -> None:
-            body = {"model": MODEL, "prompt": PROMPT if i % 4 else f"{PROMPT} Sparse is better than dense.",
-                    "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+            body = {
+                "model": MODEL,
+                "prompt": PROMPT if i % 4 else f"{PROMPT} Sparse is better than dense.",
+                "max_tokens": 48,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
             r = await client.post("/v1/completions", json=body)
             stack.results.append(r.status_code)
 
@@ -181,11 +221,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     gpus = root / "gpus.json"
     gpus.write_text(json.dumps(FAKE_GPUS))
     supervisor_port = free_port()
-    d = deployment(root / "deploy",
-                   engine={"max_num_seqs": 1, "max_waiting": 100, "enable_prefix_caching": True},
-                   # policy rules that would restart this deliberately backed-up engine are switched off
-                   supervisor={"metrics_port": supervisor_port, "poll_interval": 0.5, "probe_timeout": 2.0,
-                               "hang_seconds": 60.0, "backlog_factor": 1000.0, "cache_usage_threshold": 1.0})
+    d = deployment(
+        root / "deploy",
+        engine={"max_num_seqs": 1, "max_waiting": 100, "enable_prefix_caching": True},
+        # policy rules that would restart this deliberately backed-up engine are switched off
+        supervisor={
+            "metrics_port": supervisor_port,
+            "poll_interval": 0.5,
+            "probe_timeout": 2.0,
+            "hang_seconds": 60.0,
+            "backlog_factor": 1000.0,
+            "cache_usage_threshold": 1.0,
+        },
+    )
     d.root.mkdir(parents=True, exist_ok=True)
     started = time.time()
     prom = start_prometheus(root / "prometheus", d.port, supervisor_port)
@@ -197,8 +245,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
         # one real supervisor decision: kill -9 the engine, the supervisor restarts it
         old = d.engine_pid()
         os.kill(old, signal.SIGKILL)
-        d.wait_for(lambda st: st["engine"]["state"] == "serving" and st["engine"]["pid"] not in (None, old), 90,
-                   "the engine restarted after kill -9")
+        d.wait_for(
+            lambda st: st["engine"]["state"] == "serving" and st["engine"]["pid"] not in (None, old),
+            90,
+            "the engine restarted after kill -9",
+        )
         s.traffic_started = time.time()
         drive_traffic_until_backlog_fires(s)
         time.sleep(2.5)  # the last scrapes
@@ -212,11 +263,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
 def test_prometheus_scrapes_both_targets(stack: Stack):
     targets = stack.prom.get("/api/v1/targets")["activeTargets"]
     assert {(t["labels"]["job"], t["labels"]["instance"]) for t in targets} == {
-        ("pagekeeper-engine", stack.engine_instance), ("pagekeeper-supervisor", stack.supervisor_instance)}, targets
+        ("pagekeeper-engine", stack.engine_instance),
+        ("pagekeeper-supervisor", stack.supervisor_instance),
+    }, targets
     # since the engine came back from kill -9, most 1 s scrapes succeeded (a loaded 2-core machine may miss one)
     since = f"{int(time.time() - stack.traffic_started)}s"
-    share = {s["metric"]["job"]: float(s["value"][1])
-             for s in stack.prom.query(f"avg_over_time(up[{since}])")["data"]["result"]}
+    share = {
+        s["metric"]["job"]: float(s["value"][1])
+        for s in stack.prom.query(f"avg_over_time(up[{since}])")["data"]["result"]
+    }
     print(f"share of successful scrapes: {share}")
     assert share.keys() == {"pagekeeper-engine", "pagekeeper-supervisor"}
     assert min(share.values()) > 0.5, (share, stack.diagnostics())
@@ -224,10 +279,17 @@ def test_prometheus_scrapes_both_targets(stack: Stack):
 
 def test_queue_backlog_alert_fires_for_real(stack: Stack):
     a = stack.backlog_alert
-    assert a is not None, (f"VLLMQueueBacklog never fired; states seen: {stack.alert_states}; "
-                           f"responses: {stack.results[-20:]}\n{stack.prom.log()[-2000:]}")
-    assert a["labels"] == {"alertname": "VLLMQueueBacklog", "severity": "warning", "job": "pagekeeper-engine",
-                           "instance": stack.engine_instance, "model_name": MODEL}
+    assert a is not None, (
+        f"VLLMQueueBacklog never fired; states seen: {stack.alert_states}; "
+        f"responses: {stack.results[-20:]}\n{stack.prom.log()[-2000:]}"
+    )
+    assert a["labels"] == {
+        "alertname": "VLLMQueueBacklog",
+        "severity": "warning",
+        "job": "pagekeeper-engine",
+        "instance": stack.engine_instance,
+        "model_name": MODEL,
+    }
     assert a["annotations"]["summary"] == f"{MODEL} on {stack.engine_instance}: the request queue is backing up"
     waiting = int(re.match(r"(\d+) requests are waiting", a["annotations"]["description"]).group(1))
     assert waiting > 3  # more than 3 x 1 running
@@ -287,7 +349,10 @@ def test_restart_annotation_finds_the_kill_9_restart(stack: Stack):
         assert reply["status"] == "success", (annotation["name"], reply)
         series = reply["data"]["result"]
         assert [s["metric"] for s in series] == [{"instance": stack.supervisor_instance, "reason": "engine_exited"}], (
-            annotation["name"], series, stack.diagnostics())
+            annotation["name"],
+            series,
+            stack.diagnostics(),
+        )
 
 
 def test_every_alert_expression_parses_evaluates_and_reads_existing_series(stack: Stack):

@@ -12,7 +12,15 @@ import pytest
 import yaml
 
 from tests.alerts.tools import (
-    ALERTS, RULE_TESTS, RULES, RUNBOOK, alert_rules, github_anchor, require_tool, runbook_anchors, selectors,
+    ALERTS,
+    RULE_TESTS,
+    RULES,
+    RUNBOOK,
+    alert_rules,
+    github_anchor,
+    require_tool,
+    runbook_anchors,
+    selectors,
 )
 
 SEVERITIES = {"warning", "critical"}
@@ -63,8 +71,18 @@ def test_example_alertmanager_config_routes_by_severity_and_inhibits_twins():
     r = run([amtool, "check-config", str(ALERTS / "alertmanager.yml")])
     assert r.returncode == 0, r.stdout + r.stderr
     for severity, receiver in (("critical", "oncall-pager"), ("warning", "team-chat")):
-        r = run([amtool, "config", "routes", "test", "--config.file", str(ALERTS / "alertmanager.yml"),
-                 "alertname=VLLMQueueBacklog", f"severity={severity}"])
+        r = run(
+            [
+                amtool,
+                "config",
+                "routes",
+                "test",
+                "--config.file",
+                str(ALERTS / "alertmanager.yml"),
+                "alertname=VLLMQueueBacklog",
+                f"severity={severity}",
+            ]
+        )
         assert r.returncode == 0 and r.stdout.strip() == receiver, (severity, r.stdout, r.stderr)
 
 
@@ -120,7 +138,9 @@ def test_every_alert_has_a_unit_test_that_fires_and_one_that_must_not():
             (fires if expected else quiet)[name] = (fires if expected else quiet).get(name, 0) + 1
             for alert in expected:  # a firing case checks the rendered annotations too
                 assert set(alert.get("exp_annotations", {})) == {"summary", "description", "runbook_url"}, (
-                    test["name"], name)
+                    test["name"],
+                    name,
+                )
                 assert "{{" not in str(alert["exp_annotations"]), (test["name"], name)
     names = [r["alert"] for r in alert_rules()]
     assert [n for n in names if n not in fires] == [], "alerts without a firing unit test"
@@ -134,8 +154,8 @@ def _exported_metric_names() -> set[str]:
     from prometheus_client.parser import text_string_to_metric_families
 
     from engine.metrics import EngineMetrics
+    from opsctl.exporter import SupervisorMetrics
     from opsctl.probes import GpuReading
-    from opsctl.supervisor import SupervisorMetrics
 
     engine = EngineMetrics("m", {"enable_prefix_caching": "True", "block_size": "16"}, 0).render().decode()
     fake = SimpleNamespace(last_gpu=[GpuReading(0, "GPU", 1, 2, 0.5, 40.0, 0)])
@@ -147,14 +167,17 @@ def _exported_metric_names() -> set[str]:
 
 
 def test_selector_extraction():
-    expr = ('sum by (job, instance) (sum by (job, instance, reason) (x_total{reason!="manual"} unless '
-            'x_total{reason!="manual"} offset 1h) or sum by (job, instance, reason) '
-            '(increase(x_total{reason!="manual"}[1h]))) >= 3 and on (job) up{job="a"} == 0 '
-            'and histogram_quantile(0.99, rate(h_bucket{le!="+Inf", a=~"$x"}[5m])) > bool 2')
+    expr = (
+        'sum by (job, instance) (sum by (job, instance, reason) (x_total{reason!="manual"} unless '
+        'x_total{reason!="manual"} offset 1h) or sum by (job, instance, reason) '
+        '(increase(x_total{reason!="manual"}[1h]))) >= 3 and on (job) up{job="a"} == 0 '
+        'and histogram_quantile(0.99, rate(h_bucket{le!="+Inf", a=~"$x"}[5m])) > bool 2'
+    )
     assert selectors(expr) == ['x_total{reason!="manual"}', 'up{job="a"}', 'h_bucket{le!="+Inf", a=~"$x"}']
     assert selectors("time() - (g > 0)") == ["g"]
     assert selectors('vllm_cache_config_info{enable_prefix_caching="True"} == 1') == [
-        'vllm_cache_config_info{enable_prefix_caching="True"}']
+        'vllm_cache_config_info{enable_prefix_caching="True"}'
+    ]
 
 
 def test_rules_read_only_exported_metrics():

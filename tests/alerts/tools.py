@@ -48,6 +48,7 @@ def load_dashboard(path: Path = DASHBOARD) -> dict[str, Any]:
 
 # -- the type check ---------------------------------------------------------------------------------------------------
 
+
 def tsc_path() -> Path:
     return TYPECHECK / "node_modules" / ".bin" / "tsc"
 
@@ -70,12 +71,25 @@ def typecheck(dashboard_text: str, timeout: float = 300) -> subprocess.Completed
             "// and, as a whole, a Grafana Dashboard:\n"
             "export const asGrafana: GrafanaDashboard = dashboard;\n"
         )
-        cmd = [str(tsc_path()), "--noEmit", "--strict", "--target", "es2022", "--module", "esnext",
-               "--moduleResolution", "bundler", "--types", "", "dashboard.ts"]
+        cmd = [
+            str(tsc_path()),
+            "--noEmit",
+            "--strict",
+            "--target",
+            "es2022",
+            "--module",
+            "esnext",
+            "--moduleResolution",
+            "bundler",
+            "--types",
+            "",
+            "dashboard.ts",
+        ]
         return subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=timeout)
 
 
 # -- queries ----------------------------------------------------------------------------------------------------------
+
 
 def panel_targets(dashboard: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
     """(panel, target) for every query target of every panel (rows included, collapsed or not)."""
@@ -108,10 +122,33 @@ def substitute(expr: str, variables: dict[str, str], rate_interval: str = "1m") 
 
 
 _KEYWORDS = {
-    "and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool",
-    "inf", "nan", "atan2",
+    "and",
+    "or",
+    "unless",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "offset",
+    "bool",
+    "inf",
+    "nan",
+    "atan2",
     # aggregation operators, which may be followed by `by (...)` before their parenthesis
-    "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values", "bottomk", "topk", "quantile",
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "group",
+    "stddev",
+    "stdvar",
+    "count",
+    "count_values",
+    "bottomk",
+    "topk",
+    "quantile",
 }
 _TOKEN = re.compile(
     r"""(?P<string>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')

@@ -20,14 +20,34 @@ pytest.importorskip("transformers")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 REQUIRED_KEYS = (
-    "date", "device", "cpu_model", "threads", "torch_version", "transformers_version",
-    "num_prompts", "max_tokens", "prompt_tokens", "pagekeeper_s", "pagekeeper_tok_s",
-    "hf_loop_s", "hf_loop_tok_s", "speedup_vs_hf_loop", "pagekeeper_load_s", "command",
+    "date",
+    "device",
+    "cpu_model",
+    "threads",
+    "torch_version",
+    "transformers_version",
+    "num_prompts",
+    "max_tokens",
+    "prompt_tokens",
+    "pagekeeper_s",
+    "pagekeeper_tok_s",
+    "hf_loop_s",
+    "hf_loop_tok_s",
+    "speedup_vs_hf_loop",
+    "pagekeeper_load_s",
+    "command",
     "outputs_match_hf",
 )
 POSITIVE_KEYS = (
-    "threads", "num_prompts", "max_tokens", "pagekeeper_s", "pagekeeper_tok_s", "hf_loop_s",
-    "hf_loop_tok_s", "speedup_vs_hf_loop", "pagekeeper_load_s",
+    "threads",
+    "num_prompts",
+    "max_tokens",
+    "pagekeeper_s",
+    "pagekeeper_tok_s",
+    "hf_loop_s",
+    "hf_loop_tok_s",
+    "speedup_vs_hf_loop",
+    "pagekeeper_load_s",
 )
 
 
@@ -36,7 +56,11 @@ def test_quick_run(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.cpu_offline", "--quick", "--threads", "1", "--out", str(tmp_path)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -54,7 +78,10 @@ def test_quick_run(tmp_path: Path) -> None:
     pt = r["prompt_tokens"]
     assert 0 < pt["min"] <= pt["mean"] <= pt["max"]
     assert pt["max"] + r["max_tokens"] <= 256
-    assert abs(r["pagekeeper_tok_s"] - r["num_prompts"] * r["max_tokens"] / r["pagekeeper_s"]) < 0.05 * r["pagekeeper_tok_s"]
+    assert (
+        abs(r["pagekeeper_tok_s"] - r["num_prompts"] * r["max_tokens"] / r["pagekeeper_s"])
+        < 0.05 * r["pagekeeper_tok_s"]
+    )
     if "hf_static_batch_s" in r:
         assert r["hf_static_batch_s"] > 0 and r["hf_static_batch_tok_s"] > 0
     assert "benchmarks.cpu_offline" in r["command"] and "--quick" in r["command"]

@@ -24,9 +24,24 @@ NUM_PROMPTS = 12
 RATES = ("8", "16")
 TOP_KEYS = ("gpu", "date", "command", "server_args", "server", "workload", "runs")
 RUN_KEYS = (
-    "label", "completed", "failed", "not_sent", "duration_s", "request_throughput", "output_throughput",
-    "total_token_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "ttfts_ms", "tpots_ms", "e2es_ms",
-    "itl_quantiles_ms", "input_lens", "output_lens",
+    "label",
+    "completed",
+    "failed",
+    "not_sent",
+    "duration_s",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "ttft_ms",
+    "tpot_ms",
+    "itl_ms",
+    "e2e_ms",
+    "ttfts_ms",
+    "tpots_ms",
+    "e2es_ms",
+    "itl_quantiles_ms",
+    "input_lens",
+    "output_lens",
 )
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -34,13 +49,39 @@ HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 def run_benchmark(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     cmd = [
-        sys.executable, "-m", "benchmarks.serving", "--start-server",
-        "--request-rate", *RATES, "--num-prompts", str(NUM_PROMPTS),
-        "--input-len", "8", "--output-len", "8", "--max-input-len", "16", "--max-output-len", "16",
-        "--vocab", "300",  # the embedded model's vocab_size is 384
-        "--seed", "0", "--request-timeout", "60", "--max-duration", "120", "--no-progress",
-        "--out", str(tmp_path / "serving.json"), "--server-log", str(tmp_path / "server.log"),
-        *extra, "--", "--device", "cpu",
+        sys.executable,
+        "-m",
+        "benchmarks.serving",
+        "--start-server",
+        "--request-rate",
+        *RATES,
+        "--num-prompts",
+        str(NUM_PROMPTS),
+        "--input-len",
+        "8",
+        "--output-len",
+        "8",
+        "--max-input-len",
+        "16",
+        "--max-output-len",
+        "16",
+        "--vocab",
+        "300",  # the embedded model's vocab_size is 384
+        "--seed",
+        "0",
+        "--request-timeout",
+        "60",
+        "--max-duration",
+        "120",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "serving.json"),
+        "--server-log",
+        str(tmp_path / "server.log"),
+        *extra,
+        "--",
+        "--device",
+        "cpu",
     ]
     return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=150)
 
@@ -99,15 +140,25 @@ def test_refuses_non_loopback_targets(url: str, capsys: pytest.CaptureFixture[st
     assert "only targets servers on this machine" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://localhost:9", "http://[::1]:8000",
-                                 "http://127.0.0.2"])
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:8000", "http://localhost:9", "http://[::1]:8000", "http://127.0.0.2"]
+)
 def test_accepts_loopback_targets(url: str) -> None:
     serving.check_loopback(url)
 
 
 def test_workload_is_seeded_long_tailed_and_capped() -> None:
-    w = serving.Workload(num_prompts=400, input_len=32, output_len=16, max_input_len=128, max_output_len=64,
-                         len_sigma=0.8, vocab=300, min_token_id=10, seed=7)
+    w = serving.Workload(
+        num_prompts=400,
+        input_len=32,
+        output_len=16,
+        max_input_len=128,
+        max_output_len=64,
+        len_sigma=0.8,
+        vocab=300,
+        min_token_id=10,
+        seed=7,
+    )
     a, b = serving.build_items(w, 0), serving.build_items(w, 0)
     assert a == b  # seeded
     other_run = serving.build_items(w, 1)

@@ -12,15 +12,44 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-KEYS = ("gpu", "date", "pagekeeper_tok_s", "hf_static_bs64_tok_s", "hf_static_bs256_tok_s", "hf_generate_batch_tok_s",
-        "copy_TBps", "matmul_TFLOPs", "roofline_tok_s", "roofline_fraction", "cold_start_s", "cold_start_eager_s")
+KEYS = (
+    "gpu",
+    "date",
+    "pagekeeper_tok_s",
+    "hf_static_bs64_tok_s",
+    "hf_static_bs256_tok_s",
+    "hf_generate_batch_tok_s",
+    "copy_TBps",
+    "matmul_TFLOPs",
+    "roofline_tok_s",
+    "roofline_fraction",
+    "cold_start_s",
+    "cold_start_eager_s",
+)
 
 
 @pytest.mark.slow
 def test_quick_throughput_benchmark(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "benchmarks.throughput", "--quick", "--out", str(tmp_path), "--num-prompts", "16",
-           "--input-len", "12", "--output-len", "12", "--hf-batches", "64", "256", "--profile-output-len", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.throughput",
+        "--quick",
+        "--out",
+        str(tmp_path),
+        "--num-prompts",
+        "16",
+        "--input-len",
+        "12",
+        "--output-len",
+        "12",
+        "--hf-batches",
+        "64",
+        "256",
+        "--profile-output-len",
+        "4",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=str(REPO))
     assert r.returncode == 0, r.stderr[-3000:]
     (path,) = tmp_path.glob("throughput-cpu-*.json")

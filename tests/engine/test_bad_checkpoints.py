@@ -28,13 +28,20 @@ def _break(kind: str, src, dst):  # type: ignore[no-untyped-def]
     return weights
 
 
-@pytest.mark.parametrize("kind,words", [("truncated", "corrupt or truncated"), ("corrupt", "corrupt or truncated"),
-                                        ("missing-tensor", "lacks 1 weight")])
+@pytest.mark.parametrize(
+    "kind,words",
+    [("truncated", "corrupt or truncated"), ("corrupt", "corrupt or truncated"), ("missing-tensor", "lacks 1 weight")],
+)
 def test_a_broken_checkpoint_is_one_line_naming_it_and_exit_2(checkpoint, tmp_path, kind, words):
     model = tmp_path / kind
     weights = _break(kind, checkpoint("llama"), model)
-    r = subprocess.run([sys.executable, "-m", "engine.server", "--model", str(model), "--port", str(free_port())],
-                       capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    r = subprocess.run(
+        [sys.executable, "-m", "engine.server", "--model", str(model), "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(REPO),
+    )
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     print(f"{kind}: exit {r.returncode}: {lines}")
     assert r.returncode == 2, r.stderr[-3000:]
@@ -44,8 +51,13 @@ def test_a_broken_checkpoint_is_one_line_naming_it_and_exit_2(checkpoint, tmp_pa
 
     cfg = tmp_path / f"{kind}.toml"
     cfg.write_text(f'[engine]\nmodel = "{model}"\nport = 1\n[supervisor]\nruntime_dir = "{tmp_path / "run"}"\n')
-    doctor = subprocess.run([sys.executable, "-m", "opsctl.cli", "--config", str(cfg), "doctor"],
-                            capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    doctor = subprocess.run(
+        [sys.executable, "-m", "opsctl.cli", "--config", str(cfg), "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(REPO),
+    )
     failed = [ln for ln in doctor.stdout.splitlines() if ln.startswith("[FAIL] checkpoint")]
     assert doctor.returncode == 1 and len(failed) == 1 and words in failed[0], doctor.stdout + doctor.stderr
 
@@ -53,8 +65,13 @@ def test_a_broken_checkpoint_is_one_line_naming_it_and_exit_2(checkpoint, tmp_pa
 def test_doctor_passes_a_sound_checkpoint(checkpoint, tmp_path):
     cfg = tmp_path / "ok.toml"
     cfg.write_text(f'[engine]\nmodel = "{checkpoint("llama")}"\n')
-    doctor = subprocess.run([sys.executable, "-m", "opsctl.cli", "--config", str(cfg), "doctor"],
-                            capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    doctor = subprocess.run(
+        [sys.executable, "-m", "opsctl.cli", "--config", str(cfg), "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(REPO),
+    )
     assert "[ok  ] checkpoint" in doctor.stdout, doctor.stdout + doctor.stderr
 
 
@@ -62,8 +79,13 @@ def test_a_tokenizer_that_is_not_a_directory_fails_at_once(tmp_path):
     import time
 
     start = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "engine.server", "--tokenizer", "meta-llama/Llama-2-7b-hf",
-                        "--port", str(free_port())], capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    r = subprocess.run(
+        [sys.executable, "-m", "engine.server", "--tokenizer", "meta-llama/Llama-2-7b-hf", "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(REPO),
+    )
     took = time.monotonic() - start
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     print(f"--tokenizer NAME: exit {r.returncode} after {took:.1f} s: {lines}")

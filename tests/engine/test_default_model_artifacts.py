@@ -57,9 +57,7 @@ def prefixes() -> list[dict]:
 def test_artifacts_present_and_small():
     for name in ARTIFACTS:
         assert (DEFAULT_MODEL_DIR / name).is_file(), name
-    size = sum(
-        f.stat().st_size for f in DEFAULT_MODEL_DIR.rglob("*") if f.is_file() and "__pycache__" not in f.parts
-    )
+    size = sum(f.stat().st_size for f in DEFAULT_MODEL_DIR.rglob("*") if f.is_file() and "__pycache__" not in f.parts)
     assert size <= MAX_BYTES, f"default model dir is {size} bytes"
 
 

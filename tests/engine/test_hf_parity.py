@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
 from tests.checkpoints import ARCHS
 
 MAX_TOKENS = 24
@@ -41,9 +41,10 @@ def reference(checkpoint):
             with torch.inference_mode():
                 for p in prompts:
                     ids = torch.tensor([p])
-                    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                      do_sample=False)
-                    expected.append(out[0, len(p):].tolist())
+                    out = hf.generate(
+                        ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False
+                    )
+                    expected.append(out[0, len(p) :].tolist())
             cache[arch] = (prompts, expected, hf)
         return cache[arch]
 
@@ -51,8 +52,11 @@ def reference(checkpoint):
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -69,8 +73,9 @@ ENGINE_SETTINGS = {
     "bs8-unchunked": dict(block_size=8, enable_chunked_prefill=False),
     "bs16-unchunked": dict(block_size=16, enable_chunked_prefill=False),
     "bs32-unchunked": dict(block_size=32, enable_chunked_prefill=False),
-    "bs16-prefix-cache": dict(block_size=16, enable_chunked_prefill=True, max_num_batched_tokens=40,
-                              enable_prefix_caching=True),
+    "bs16-prefix-cache": dict(
+        block_size=16, enable_chunked_prefill=True, max_num_batched_tokens=40, enable_prefix_caching=True
+    ),
 }
 
 
@@ -91,9 +96,15 @@ def test_greedy_tokens_match_transformers_under_preemption(arch, block_size, mod
     per_block = core_probe.llm_engine.core.kv_plan.bytes_per_block
     # Room for the longest request alone (90 + 24 tokens) and not much more: the batch must preempt.
     blocks = -(-(max(PROMPT_LENGTHS) + MAX_TOKENS) // block_size) + 1
-    llm = LLM(str(checkpoint(arch)), max_model_len=128, block_size=block_size,
-              kv_cache_memory_bytes=blocks * per_block, max_num_batched_tokens=64, preemption_mode=mode,
-              swap_space=(4 * blocks * per_block) / 2**30)
+    llm = LLM(
+        str(checkpoint(arch)),
+        max_model_len=128,
+        block_size=block_size,
+        kv_cache_memory_bytes=blocks * per_block,
+        max_num_batched_tokens=64,
+        preemption_mode=mode,
+        swap_space=(4 * blocks * per_block) / 2**30,
+    )
     assert llm.llm_engine.core.kv.num_blocks == blocks
     assert _greedy(llm, prompts) == expected
     assert llm.llm_engine.core.scheduler.num_preemptions > 0
@@ -105,19 +116,23 @@ def _engine_logits(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
     """Logits for every position of `ids`, computed chunk by chunk through the paged KV path."""
     engine = llm.llm_engine
     core = engine.core
-    parent = engine.add_request("logits-probe", {"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
-    seq = parent.seqs[0]
+    (sid,) = engine.add_request("logits-probe", {"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
     rows = []
     try:
         for start in range(0, len(ids), chunk):
             n = min(chunk, len(ids) - start)
-            assert core.kv.allocate_slots(seq.seq_id, start + n)
-            plan = SchedulerOutput([ScheduledSeq(seq, start, n)])
-            inputs = core.runner.prepare(plan, [core.kv.block_table(seq.seq_id)])
+            assert core.kv.allocate_slots(sid, start + n)
+            plan = StepPlan(
+                [SeqStep(sid, start, n, ids[start : start + n], table_blocks=list(core.kv.block_table(sid)))],
+                new_seqs=[NewSeq(sid, SamplingSpec())] if start == 0 else [],
+            )
+            core.runner.update_state(plan)
+            inputs = core.runner.prepare(plan)
             with torch.inference_mode():
                 rows.append(core.model.compute_logits(core.runner.forward_hidden(inputs)).float())
     finally:
         engine.abort_request("logits-probe")
+        core.runner.update_state(StepPlan(finished=[sid]))
     return torch.cat(rows)
 
 

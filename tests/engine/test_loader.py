@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.model.weights import ModelLoadError
-from tests.checkpoints import TOKENIZER_FILES, make_checkpoint
+from tests.checkpoints import TOKENIZER_FILES
 
 PROMPT = {"prompt_token_ids": [5, 17, 99, 3, 250, 41, 7]}
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -70,9 +70,16 @@ def test_mistral_sliding_window_caps_the_context(tmp_path):
 
     from tests.checkpoints import DEFAULT_MODEL_DIR
 
-    cfg = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                        sliding_window=64)
+    cfg = MistralConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=64,
+    )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
     _copy_tokenizer(DEFAULT_MODEL_DIR, tmp_path)
     assert LLM(str(tmp_path)).llm_engine.max_model_len == 64
@@ -97,8 +104,12 @@ def test_weights_that_do_not_match_the_config_are_named(checkpoint, tmp_path):
 
 
 def test_all_four_architectures_are_registered(checkpoint):
-    for arch, cls in (("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
-                      ("qwen3", "Qwen3ForCausalLM"), ("opt", "OPTForCausalLM")):
+    for arch, cls in (
+        ("llama", "LlamaForCausalLM"),
+        ("qwen2", "Qwen2ForCausalLM"),
+        ("qwen3", "Qwen3ForCausalLM"),
+        ("opt", "OPTForCausalLM"),
+    ):
         cfg = json.loads((checkpoint(arch) / "config.json").read_text())
         assert cfg["architectures"] == [cls]
         assert LLM(str(checkpoint(arch))).llm_engine.core.model_info.architecture == cls

@@ -30,8 +30,9 @@ def vocab() -> int:
 
 def test_a_thousand_distinct_prefixes_through_64_blocks(vocab):
     probe = LLM(block_size=16, max_model_len=64, kv_cache_memory_bytes=1 << 20)
-    llm = LLM(block_size=16, max_model_len=64, enable_prefix_caching=True,
-              kv_cache_memory_bytes=64 * _block_bytes(probe))
+    llm = LLM(
+        block_size=16, max_model_len=64, enable_prefix_caching=True, kv_cache_memory_bytes=64 * _block_bytes(probe)
+    )
     kv = llm.llm_engine.core.kv
     assert kv.num_blocks == 64
     rng = random.Random(7)
@@ -74,8 +75,11 @@ def test_n_sequences_share_the_prompt_and_copy_the_partial_block_on_write():
     tok = llm.get_tokenizer()
     prompt = tok("Errors should never pass silently. Unless")["input_ids"]
     assert len(prompt) % 8 != 0  # the prompt ends inside a block
-    engine.add_request("fork", {"prompt_token_ids": prompt}, SamplingParams(n=4, temperature=1.5, seed=11,
-                                                                            max_tokens=10, ignore_eos=True))
+    engine.add_request(
+        "fork",
+        {"prompt_token_ids": prompt},
+        SamplingParams(n=4, temperature=1.5, seed=11, max_tokens=10, ignore_eos=True),
+    )
     engine.step()  # prefill of the first sequence; the other three fork its blocks
     tables = [kv.block_table(f"fork#{i}") for i in range(4)]
     assert all(t == tables[0] for t in tables) and len(tables[0]) == -(-len(prompt) // 8)
@@ -94,11 +98,17 @@ def test_n_sequences_share_the_prompt_and_copy_the_partial_block_on_write():
 def test_n4_with_forks_equals_four_separately_seeded_requests():
     llm = LLM(block_size=8)
     prompt = "Special cases aren't"
-    together = llm.generate([prompt], SamplingParams(n=4, temperature=1.2, top_p=0.9, max_tokens=16, seed=40,
-                                                      ignore_eos=True), use_tqdm=False)[0]
+    together = llm.generate(
+        [prompt],
+        SamplingParams(n=4, temperature=1.2, top_p=0.9, max_tokens=16, seed=40, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     for i, c in enumerate(together.outputs):
-        alone = llm.generate([prompt], SamplingParams(temperature=1.2, top_p=0.9, max_tokens=16, seed=40 + i,
-                                                      ignore_eos=True), use_tqdm=False)[0]
+        alone = llm.generate(
+            [prompt],
+            SamplingParams(temperature=1.2, top_p=0.9, max_tokens=16, seed=40 + i, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
         assert c.token_ids == alone.outputs[0].token_ids
     _all_free(llm)
 
@@ -106,14 +116,18 @@ def test_n4_with_forks_equals_four_separately_seeded_requests():
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_by_swap_or_recompute_gives_unpressured_tokens(mode, vocab):
     rng = random.Random(5)
-    prompts = [{"prompt_token_ids": [rng.randrange(4, vocab) for _ in range(rng.randrange(5, 40))]}
-               for _ in range(10)]
+    prompts = [{"prompt_token_ids": [rng.randrange(4, vocab) for _ in range(rng.randrange(5, 40))]} for _ in range(10)]
     p = SamplingParams(max_tokens=40, **GREEDY)
     relaxed = LLM(block_size=8, max_model_len=128)
     want = [o.outputs[0].token_ids for o in relaxed.generate(prompts, p, use_tqdm=False)]
     per_block = _block_bytes(LLM(block_size=8, max_model_len=128, kv_cache_memory_bytes=1 << 20))
-    tight = LLM(block_size=8, max_model_len=80, kv_cache_memory_bytes=12 * per_block, preemption_mode=mode,
-                swap_space=(64 * per_block) / 2**30)
+    tight = LLM(
+        block_size=8,
+        max_model_len=80,
+        kv_cache_memory_bytes=12 * per_block,
+        preemption_mode=mode,
+        swap_space=(64 * per_block) / 2**30,
+    )
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, p, use_tqdm=False)]
     core = tight.llm_engine.core
     assert core.scheduler.num_preemptions > 0
@@ -131,8 +145,13 @@ def test_swap_falls_back_to_recompute_when_swap_space_is_full(vocab):
     p = SamplingParams(max_tokens=30, **GREEDY)
     want = [o.outputs[0].token_ids for o in LLM(block_size=8, max_model_len=128).generate(prompts, p, use_tqdm=False)]
     per_block = _block_bytes(LLM(block_size=8, max_model_len=128, kv_cache_memory_bytes=1 << 20))
-    tight = LLM(block_size=8, max_model_len=64, kv_cache_memory_bytes=10 * per_block, preemption_mode="swap",
-                swap_space=(4 * per_block) / 2**30)  # room for one small sequence at most
+    tight = LLM(
+        block_size=8,
+        max_model_len=64,
+        kv_cache_memory_bytes=10 * per_block,
+        preemption_mode="swap",
+        swap_space=(4 * per_block) / 2**30,
+    )  # room for one small sequence at most
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, p, use_tqdm=False)]
     assert got == want
     _all_free(tight)

@@ -28,8 +28,10 @@ def _pool_empty(llm: LLM) -> bool:
 
 
 def test_the_issue_snippet_runs_unchanged(llm):
-    outputs = llm.generate(["The future of AI is", "Explain quantum computing"],
-                           SamplingParams(temperature=0.7, top_p=0.95, max_tokens=100))
+    outputs = llm.generate(
+        ["The future of AI is", "Explain quantum computing"],
+        SamplingParams(temperature=0.7, top_p=0.95, max_tokens=100),
+    )
     assert [o.prompt for o in outputs] == ["The future of AI is", "Explain quantum computing"]
     for o in outputs:
         assert isinstance(o.outputs[0].text, str) and o.outputs[0].token_ids
@@ -48,8 +50,9 @@ def test_embedded_model_reproduces_its_training_text(llm):
 def test_prompt_token_ids_are_accepted(llm):
     tok = llm.get_tokenizer()
     ids = tok(ZEN[0]["prefix"])["input_ids"]
-    by_text, by_ids = llm.generate([ZEN[0]["prefix"], {"prompt_token_ids": ids}],
-                                   SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    by_text, by_ids = llm.generate(
+        [ZEN[0]["prefix"], {"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+    )
     assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
     assert by_ids.prompt_token_ids == ids
 
@@ -57,9 +60,16 @@ def test_prompt_token_ids_are_accepted(llm):
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):
     p = SamplingParams(temperature=1.5, top_k=50, top_p=0.95, max_tokens=20, seed=7, ignore_eos=True)
     alone = llm.generate(["Beautiful is"], p, use_tqdm=False)[0].outputs[0].token_ids
-    crowd = llm.generate(["Flat is", "Beautiful is", "Errors should"] * 3,
-                         [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True), p,
-                          SamplingParams(temperature=0.5, max_tokens=5)] * 3, use_tqdm=False)
+    crowd = llm.generate(
+        ["Flat is", "Beautiful is", "Errors should"] * 3,
+        [
+            SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True),
+            p,
+            SamplingParams(temperature=0.5, max_tokens=5),
+        ]
+        * 3,
+        use_tqdm=False,
+    )
     for o in crowd[1::3]:
         assert o.outputs[0].token_ids == alone
 
@@ -69,16 +79,19 @@ def test_n_sequences_equal_separately_seeded_requests(llm):
     together = llm.generate(["Simple is"], p, use_tqdm=False)[0]
     assert [c.index for c in together.outputs] == [0, 1, 2, 3]
     for i, c in enumerate(together.outputs):
-        alone = llm.generate(["Simple is"], SamplingParams(temperature=2.0, max_tokens=12, seed=100 + i,
-                                                           ignore_eos=True), use_tqdm=False)[0]
+        alone = llm.generate(
+            ["Simple is"], SamplingParams(temperature=2.0, max_tokens=12, seed=100 + i, ignore_eos=True), use_tqdm=False
+        )[0]
         assert c.token_ids == alone.outputs[0].token_ids
     assert len({tuple(c.token_ids) for c in together.outputs}) > 1  # really sampled
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy(llm):
     greedy = llm.generate(["Sparse is"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
-    for p in (SamplingParams(temperature=1.0, top_k=1, max_tokens=8, seed=1),
-              SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=8, seed=1)):
+    for p in (
+        SamplingParams(temperature=1.0, top_k=1, max_tokens=8, seed=1),
+        SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=8, seed=1),
+    ):
         assert llm.generate(["Sparse is"], p, use_tqdm=False)[0].outputs[0].token_ids == greedy.outputs[0].token_ids
 
 
@@ -108,23 +121,33 @@ def test_stop_strings_stop_tokens_max_tokens_and_eos(llm):
     assert full.token_ids[-1] in llm.llm_engine.core.eos_token_ids
 
     stop_word = full.text.split()[1]  # e.g. "than"
-    o = llm.generate([line["prefix"]], SamplingParams(temperature=0, max_tokens=30, stop=[stop_word]),
-                     use_tqdm=False)[0].outputs[0]
+    o = llm.generate([line["prefix"]], SamplingParams(temperature=0, max_tokens=30, stop=[stop_word]), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert o.finish_reason == "stop" and o.stop_reason == stop_word
     assert o.text == full.text[: full.text.index(stop_word)]
-    o = llm.generate([line["prefix"]], SamplingParams(temperature=0, max_tokens=30, stop=stop_word,
-                                                      include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    o = llm.generate(
+        [line["prefix"]],
+        SamplingParams(temperature=0, max_tokens=30, stop=stop_word, include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert o.text.endswith(stop_word)
 
-    o = llm.generate([line["prefix"]], SamplingParams(temperature=0, max_tokens=30,
-                                                      stop_token_ids=[full.token_ids[1]]), use_tqdm=False)[0].outputs[0]
+    o = llm.generate(
+        [line["prefix"]],
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[full.token_ids[1]]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert o.stop_reason == full.token_ids[1] and o.token_ids == full.token_ids[:2]
 
     o = llm.generate([line["prefix"]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0]
     assert o.finish_reason == "length" and len(o.token_ids) == 2
 
-    o = llm.generate([line["prefix"]], SamplingParams(temperature=0, max_tokens=len(full.token_ids) + 5,
-                                                      ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    o = llm.generate(
+        [line["prefix"]],
+        SamplingParams(temperature=0, max_tokens=len(full.token_ids) + 5, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert o.finish_reason == "length" and len(o.token_ids) == len(full.token_ids) + 5
     assert _pool_empty(llm)
 
@@ -135,8 +158,9 @@ def test_requests_that_can_never_fit_are_rejected_at_admission(llm):
         llm.generate([{"prompt_token_ids": [5] * (limit - 3)}], SamplingParams(max_tokens=10), use_tqdm=False)
     assert e.value.param == "max_tokens" and "max_model_len" in str(e.value)
     with pytest.raises(RequestRejected):
-        llm.generate([""], SamplingParams(), use_tqdm=False) if not llm.get_tokenizer()("")["input_ids"] else \
-            llm.generate([{"prompt_token_ids": []}], SamplingParams(), use_tqdm=False)
+        llm.generate([""], SamplingParams(), use_tqdm=False) if not llm.get_tokenizer()("")[
+            "input_ids"
+        ] else llm.generate([{"prompt_token_ids": []}], SamplingParams(), use_tqdm=False)
     with pytest.raises(RequestRejected):
         llm.generate([{"prompt_token_ids": [10**9]}], SamplingParams(), use_tqdm=False)
     # max_tokens=None means "up to max_model_len"
@@ -145,10 +169,16 @@ def test_requests_that_can_never_fit_are_rejected_at_admission(llm):
     assert _pool_empty(llm)
 
 
-@pytest.mark.parametrize("bad,param", [
-    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(max_tokens=0), "max_tokens"),
-    (dict(n=0), "n"), (dict(logprobs=50), "logprobs"),
-])
+@pytest.mark.parametrize(
+    "bad,param",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=0), "n"),
+        (dict(logprobs=50), "logprobs"),
+    ],
+)
 def test_bad_sampling_params_name_the_parameter(bad, param):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**bad)

@@ -19,15 +19,32 @@ def _engine(depth: int, **kw) -> LLM:
 def _workload(vocab: int) -> tuple[list[dict], list[SamplingParams]]:
     rng = random.Random(11)
     prompts, params = [], []
-    texts = ["Beautiful is", "Explicit is", "Simple is", "Now is better", "Errors should never",
-             "Special cases", "In the face of", "There should be"]
+    texts = [
+        "Beautiful is",
+        "Explicit is",
+        "Simple is",
+        "Now is better",
+        "Errors should never",
+        "Special cases",
+        "In the face of",
+        "There should be",
+    ]
     for i, t in enumerate(texts):
         prompts.append(t)
         params.append(SamplingParams(temperature=0, max_tokens=20, stop=["than", "."] if i % 2 else []))
     for i in range(8):
         prompts.append({"prompt_token_ids": [rng.randrange(4, vocab) for _ in range(rng.randrange(1, 40))]})
-        params.append(SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=rng.randrange(1, 24),
-                                     n=1 + i % 3, logprobs=2 if i % 2 else None, ignore_eos=True))
+        params.append(
+            SamplingParams(
+                temperature=0.8,
+                top_p=0.9,
+                seed=100 + i,
+                max_tokens=rng.randrange(1, 24),
+                n=1 + i % 3,
+                logprobs=2 if i % 2 else None,
+                ignore_eos=True,
+            )
+        )
     return prompts, params
 
 
@@ -76,8 +93,9 @@ def test_depth_two_equals_the_synchronous_loop(pressure):
 
 def test_a_stop_string_seen_late_drops_the_extra_token():
     llm = _engine(2)
-    out = llm.generate(["Beautiful is"], SamplingParams(temperature=0, max_tokens=30, stop=["than"]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(["Beautiful is"], SamplingParams(temperature=0, max_tokens=30, stop=["than"]), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == "than"
     assert out.text == " better "
     # the token after the stop string was computed in the overlapped step but never appended
@@ -89,8 +107,11 @@ def test_aborts_between_steps_return_every_block():
     llm = _engine(2)
     engine = llm.llm_engine
     for i in range(6):
-        engine.add_request(str(i), {"prompt_token_ids": [5 + i] * (10 + i)},
-                           SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        engine.add_request(
+            str(i),
+            {"prompt_token_ids": [5 + i] * (10 + i)},
+            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        )
     finals = {}
     for step in range(12):
         for out in engine.step():
@@ -118,15 +139,20 @@ def test_the_next_step_is_queued_before_the_tokens_of_this_one_are_read():
     engine = llm.llm_engine
     core = engine.core
     for i in range(4):
-        engine.add_request(str(i), {"prompt_token_ids": [7 + i] * (5 + i)},
-                           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        engine.add_request(
+            str(i),
+            {"prompt_token_ids": [7 + i] * (5 + i)},
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        )
     engine.step()  # the prompts are queued; nothing has been read yet
     assert core._in_flight is not None and not any(r.output_token_ids for r in core.scheduler.running)
     for _ in range(5):
         engine.step()
         in_flight = core._in_flight
         assert in_flight is not None
-        for req in in_flight.sampled:  # each holds exactly one unread token, counted in num_tokens
+        for req in map(
+            core.scheduler.requests.get, in_flight.plan.sampled_ids()
+        ):  # each holds exactly one unread token, counted in num_tokens
             assert req.num_pending == 1
             assert req.num_tokens == req.num_known_tokens + 1
             assert req.num_computed_tokens == req.num_tokens - 1
@@ -155,8 +181,11 @@ def test_blocks_of_generated_tokens_join_the_prefix_cache_once_read():
     hits = {}
     for depth in (1, 2):
         llm = _engine(depth, enable_prefix_caching=True, block_size=8)
-        first = llm.generate({"prompt_token_ids": list(range(10, 30))},
-                             SamplingParams(temperature=0, max_tokens=37, ignore_eos=True), use_tqdm=False)[0]
+        first = llm.generate(
+            {"prompt_token_ids": list(range(10, 30))},
+            SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
         follow_up = first.prompt_token_ids + first.outputs[0].token_ids + [3, 4, 5]
         kv = llm.llm_engine.core.kv
         before = kv.prefix_hits

@@ -2,40 +2,58 @@
 
 from __future__ import annotations
 
-from engine.core.detokenizer import IncrementalDetokenizer
+from dataclasses import dataclass
+
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.runner.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
-
-
-class _NullTokenizer:
-    def decode(self, ids, **_):
-        return "".join(chr(97 + i % 26) for i in ids)
 
 
 def _req(order: int, prompt_len: int, max_tokens: int = 8) -> Request:
     prompt = list(range(prompt_len))
     return Request(
-        seq_id=f"r{order}", parent_id=f"r{order}", index=0, prompt_token_ids=prompt,
-        params=SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens, eos_token_id=None,
-        arrival_order=order, detokenizer=IncrementalDetokenizer(_NullTokenizer(), prompt),
+        seq_id=f"r{order}",
+        parent_id=f"r{order}",
+        index=0,
+        prompt_token_ids=prompt,
+        params=SamplingParams(max_tokens=max_tokens),
+        max_tokens=max_tokens,
+        arrival_order=order,
     )
 
 
-def _run_step(sched: Scheduler):
-    """Schedule, pretend the model ran, and append one token to every sequence that samples."""
-    out = sched.schedule()
-    sched.record_progress(out)
-    for s in out.seqs:
-        if s.samples:
-            s.request.output_token_ids.append(0)
-    return out
+@dataclass
+class _Scheduled:
+    request: Request
+    num_tokens: int
+    samples: bool
+
+
+@dataclass
+class _Step:
+    seqs: list[_Scheduled]
+    preempted: list[Request]
+    num_batched_tokens: int
+
+
+def _run_step(sched: Scheduler) -> _Step:
+    """Schedule, pretend the model ran (token 0 for every sequence that samples), and accept."""
+    known = dict(sched.requests)
+    plan = sched.schedule()
+    step = _Step(
+        [_Scheduled(known[s.seq_id], s.num_tokens, bool(s.sample_ids)) for s in plan.seqs],
+        [known[sid] for sid in plan.preempted],
+        plan.num_batched_tokens,
+    )
+    sampled = plan.sampled_ids()
+    sched.update(plan, SamplerOutput([0] * len(sampled), None, None))
+    return step
 
 
 def test_decodes_are_scheduled_before_prefills_and_budgets_hold():
-    sched = Scheduler(KVCacheManager(100, 16), max_num_seqs=3, max_num_batched_tokens=20,
-                      enable_chunked_prefill=True)
+    sched = Scheduler(KVCacheManager(100, 16), max_num_seqs=3, max_num_batched_tokens=20, enable_chunked_prefill=True)
     a, b = _req(0, 10), _req(1, 10)
     sched.add(a)
     sched.add(b)
@@ -57,8 +75,7 @@ def test_decodes_are_scheduled_before_prefills_and_budgets_hold():
 
 
 def test_without_chunking_a_prompt_waits_for_a_step_with_room():
-    sched = Scheduler(KVCacheManager(100, 16), max_num_seqs=8, max_num_batched_tokens=32,
-                      enable_chunked_prefill=False)
+    sched = Scheduler(KVCacheManager(100, 16), max_num_seqs=8, max_num_batched_tokens=32, enable_chunked_prefill=False)
     a, b = _req(0, 20), _req(1, 20)
     sched.add(a)
     sched.add(b)

@@ -32,13 +32,31 @@ class Case:
         return max(self.lens)
 
     def args(self) -> tuple:
-        return (self.query, self.kv_cache, self.block_tables, self.seq_lens, self.query_start_loc, self.scale,
-                self.max_query_len, self.max_seq_len)
+        return (
+            self.query,
+            self.kv_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+            self.max_query_len,
+            self.max_seq_len,
+        )
 
 
-def make_case(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, q_lens: list[int],
-              seq_lens: list[int], dtype: torch.dtype, device: str | torch.device = "cpu", seed: int = 0,
-              spare_blocks: int = 7) -> Case:
+def make_case(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    q_lens: list[int],
+    seq_lens: list[int],
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    spare_blocks: int = 7,
+) -> Case:
     assert all(1 <= q <= L for q, L in zip(q_lens, seq_lens))
     g = torch.Generator(device=device).manual_seed(seed)
     nblk = [-(-L // block_size) for L in seq_lens]
@@ -49,13 +67,21 @@ def make_case(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: i
     tables = perm[-1].repeat(len(seq_lens), width)  # padding: a valid block id that is not the sequence's
     start = 0
     for i, n in enumerate(nblk):
-        tables[i, :n] = perm[start:start + n]
+        tables[i, :n] = perm[start : start + n]
         start += n
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=g, device=device).to(dtype)
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(q_lens).cumsum(0)
-    return Case(query, cache, tables.contiguous(), torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                qsl.to(device), list(q_lens), list(seq_lens), head_dim ** -0.5)
+    return Case(
+        query,
+        cache,
+        tables.contiguous(),
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        qsl.to(device),
+        list(q_lens),
+        list(seq_lens),
+        head_dim**-0.5,
+    )
 
 
 def reference_fp64(case: Case) -> torch.Tensor:
@@ -71,11 +97,11 @@ def reference_fp64(case: Case) -> torch.Tensor:
         v = cache[1, blocks].double().permute(1, 0, 2, 3).reshape(num_kv_heads, -1, cache.shape[4])[:, :L]
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=0)
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=0)
-        q = q_all[row:row + ql].transpose(0, 1)  # [Hq, ql, D]
+        q = q_all[row : row + ql].transpose(0, 1)  # [Hq, ql, D]
         s = (q @ k.transpose(1, 2)) * case.scale  # [Hq, ql, L]
         q_pos = torch.arange(L - ql, L, device=s.device)[:, None]
         s = s.masked_fill(torch.arange(L, device=s.device)[None, :] > q_pos, float("-inf"))
-        out[row:row + ql] = (torch.softmax(s, dim=-1) @ v).transpose(0, 1)
+        out[row : row + ql] = (torch.softmax(s, dim=-1) @ v).transpose(0, 1)
         row += ql
     return out
 

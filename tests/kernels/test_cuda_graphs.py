@@ -21,8 +21,11 @@ def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
 
 
 def _run(llm: LLM, prompts: list[list[int]], max_tokens: int = 20) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        use_tqdm=False,
+    )
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -39,8 +42,9 @@ def test_graph_replay_equals_eager(arch, dtype, checkpoint):
     common = dict(device="cuda", dtype=dtype, max_model_len=256, max_num_seqs=48, kv_cache_memory_bytes=64 << 20)
     eager = LLM(str(checkpoint(arch)), enforce_eager=True, max_num_on_the_fly_batches=1, **common)
     vocab = eager.llm_engine.core.model_info.hf_config.vocab_size
-    batches = {n: [[rng.randrange(vocab) for _ in range(rng.randrange(1, 120))] for _ in range(n)]
-               for n in (1, 3, 17, 41)}  # 3 -> graph 4, 17 -> 32, 41 -> 48: padding rows every time
+    batches = {
+        n: [[rng.randrange(vocab) for _ in range(rng.randrange(1, 120))] for _ in range(n)] for n in (1, 3, 17, 41)
+    }  # 3 -> graph 4, 17 -> 32, 41 -> 48: padding rows every time
     expected = {n: _run(eager, p) for n, p in batches.items()}
     assert eager.llm_engine.core.runner.graphs is None
     del eager
@@ -74,8 +78,14 @@ def _count_replays(graphs):
 
 @pytest.mark.gpu
 def test_graph_memory_is_in_the_plan_and_steady_state_allocates_nothing(checkpoint):
-    llm = LLM(str(checkpoint("llama")), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=64,
-              gpu_memory_utilization=0.3)
+    llm = LLM(
+        str(checkpoint("llama")),
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_seqs=64,
+        gpu_memory_utilization=0.3,
+    )
     plan = llm.llm_engine.core.kv_plan
     assert "CUDA graphs" in plan.table() and plan.graph_bytes > 0
     prompts = [[7 + i] * (5 + i) for i in range(40)]

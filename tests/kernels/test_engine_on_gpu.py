@@ -34,8 +34,11 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -61,9 +64,10 @@ def hf_greedy(checkpoint):
             with torch.inference_mode():
                 for p in prompts:
                     ids = torch.tensor([p], device="cuda")
-                    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                      do_sample=False)
-                    expected.append(out[0, len(p):].tolist())
+                    out = hf.generate(
+                        ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False
+                    )
+                    expected.append(out[0, len(p) :].tolist())
             cache[arch] = (prompts, expected)
             del hf
             gc.collect()
@@ -80,8 +84,14 @@ def test_engine_on_gpu_uses_triton_and_matches_reference_and_transformers(arch, 
     from kernels import reference, triton_backend
 
     prompts, expected = hf_greedy(arch)
-    llm = LLM(str(checkpoint(arch)), device="cuda", dtype="float32", max_model_len=256,
-              kv_cache_memory_bytes=64 << 20, **SETTINGS[setting])
+    llm = LLM(
+        str(checkpoint(arch)),
+        device="cuda",
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=64 << 20,
+        **SETTINGS[setting],
+    )
     try:
         core = llm.llm_engine.core
         assert core.device.type == "cuda"
@@ -103,11 +113,11 @@ def test_engine_on_gpu_uses_triton_and_matches_reference_and_transformers(arch, 
 @pytest.mark.gpu
 def test_engine_on_gpu_with_the_default_memory_budget(checkpoint):
     """No --kv-cache-memory-bytes: the CUDA budget path sizes the pool from free GPU memory."""
-    llm = LLM(str(checkpoint("llama")), device="cuda", dtype="float32", max_model_len=256,
-              gpu_memory_utilization=0.3)
+    llm = LLM(str(checkpoint("llama")), device="cuda", dtype="float32", max_model_len=256, gpu_memory_utilization=0.3)
     try:
-        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=8),
-                           use_tqdm=False)
+        out = llm.generate(
+            [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+        )
         assert len(out[0].outputs[0].token_ids) == 8
         assert llm.llm_engine.core.kv_plan.source.startswith("--gpu-memory-utilization")
     finally:

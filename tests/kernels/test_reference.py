@@ -65,16 +65,20 @@ def _setup(block_size, num_heads, num_kv_heads, q_lens, seq_lens, head_dim=16, s
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (8, 1)])
-@pytest.mark.parametrize("q_lens,seq_lens", [
-    ([1, 1, 1], [1, 17, 40]),  # decode, lengths not multiples of the block size
-    ([5, 13, 1], [5, 30, 9]),  # a fresh prefill, an extend over cached context, a decode
-])
+@pytest.mark.parametrize(
+    "q_lens,seq_lens",
+    [
+        ([1, 1, 1], [1, 17, 40]),  # decode, lengths not multiples of the block size
+        ([5, 13, 1], [5, 30, 9]),  # a fresh prefill, an extend over cached context, a decode
+    ],
+)
 def test_paged_attention_matches_naive(block_size, num_heads, num_kv_heads, q_lens, seq_lens):
     cache, bt, k, v, slots, query, qsl, keys, values = _setup(block_size, num_heads, num_kv_heads, q_lens, seq_lens)
     reference.write_kv(k, v, cache, slots)
     scale = 1 / math.sqrt(query.shape[-1])
-    out = reference.paged_attention(query, cache, bt, torch.tensor(seq_lens, dtype=torch.int32), qsl, scale,
-                                    max(q_lens), max(seq_lens))
+    out = reference.paged_attention(
+        query, cache, bt, torch.tensor(seq_lens, dtype=torch.int32), qsl, scale, max(q_lens), max(seq_lens)
+    )
     expected = _naive(query, keys, values, q_lens, seq_lens, scale)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 

@@ -24,8 +24,19 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.fixture(autouse=True)
-def _poison_scratch(monkeypatch):
-    monkeypatch.setattr(pa, "_SCRATCH_FILL", float("nan"))
+def poisoned_scratch(monkeypatch):
+    """The split-K scratch the decode path allocates, filled with NaN so that a partial result the
+    kernel did not write would show in the output.  Yields the shapes allocated (the split tests check
+    that the poisoned allocation was really used)."""
+    shapes = []
+    allocate = pa._scratch
+
+    def poisoned(shape, device):
+        shapes.append(tuple(shape))
+        return allocate(shape, device).fill_(float("nan"))
+
+    monkeypatch.setattr(pa, "_scratch", poisoned)
+    return shapes
 
 
 def _poisoned(case):
@@ -48,26 +59,63 @@ DECODE_LENS = [1, 17, 40, 123, 300]  # 1 token, < block, not multiples of any bl
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode(block_size, num_heads, num_kv_heads, dtype):
+def test_decode(block_size, num_heads, num_kv_heads, dtype, poisoned_scratch):
     seed = hash((block_size, num_heads, num_kv_heads, str(dtype))) % 2**31
-    case = make_case(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=32, block_size=block_size,
-                     q_lens=[1] * len(DECODE_LENS), seq_lens=DECODE_LENS, dtype=dtype, device=DEVICE, seed=seed)
+    case = make_case(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=32,
+        block_size=block_size,
+        q_lens=[1] * len(DECODE_LENS),
+        seq_lens=DECODE_LENS,
+        dtype=dtype,
+        device=DEVICE,
+        seed=seed,
+    )
     for splits in (None, 1, 3):  # the heuristic, one program per sequence, split-K (flash decoding)
+        poisoned_scratch.clear()
         out = _poisoned(case)
-        pa.paged_attention_decode(case.query, case.kv_cache, case.block_tables, case.seq_lens, case.scale,
-                                  case.max_seq_len, out=out, num_splits=splits)
+        pa.paged_attention_decode(
+            case.query,
+            case.kv_cache,
+            case.block_tables,
+            case.seq_lens,
+            case.scale,
+            case.max_seq_len,
+            out=out,
+            num_splits=splits,
+        )
         _check(out, case, f"decode splits={splits}")
+        if splits == 3:  # the partials came from the NaN-poisoned scratch: [B, Hq, splits, D_pad] and [B, Hq, splits]
+            assert [shape[:3] for shape in poisoned_scratch] == [(len(DECODE_LENS), num_heads, 3)] * 2
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 96, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_head_dims(head_dim, dtype):
-    case = make_case(num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=16, q_lens=[1, 1, 1],
-                     seq_lens=[5, 70, 200], dtype=dtype, device=DEVICE, seed=head_dim)
+    case = make_case(
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=16,
+        q_lens=[1, 1, 1],
+        seq_lens=[5, 70, 200],
+        dtype=dtype,
+        device=DEVICE,
+        seed=head_dim,
+    )
     for splits in (1, 2):
         out = _poisoned(case)
-        pa.paged_attention_decode(case.query, case.kv_cache, case.block_tables, case.seq_lens, case.scale,
-                                  case.max_seq_len, out=out, num_splits=splits)
+        pa.paged_attention_decode(
+            case.query,
+            case.kv_cache,
+            case.block_tables,
+            case.seq_lens,
+            case.scale,
+            case.max_seq_len,
+            out=out,
+            num_splits=splits,
+        )
         _check(out, case, f"decode d={head_dim} splits={splits}")
 
 
@@ -84,8 +132,17 @@ PREFILL_L = [5, 30, 9, 90]
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill(block_size, num_heads, num_kv_heads, dtype):
     seed = hash(("p", block_size, num_heads, num_kv_heads, str(dtype))) % 2**31
-    case = make_case(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=32, block_size=block_size,
-                     q_lens=PREFILL_Q, seq_lens=PREFILL_L, dtype=dtype, device=DEVICE, seed=seed)
+    case = make_case(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=32,
+        block_size=block_size,
+        q_lens=PREFILL_Q,
+        seq_lens=PREFILL_L,
+        dtype=dtype,
+        device=DEVICE,
+        seed=seed,
+    )
     out = _poisoned(case)
     triton_backend.paged_attention(*case.args(), out=out)
     _check(out, case, "prefill")
@@ -94,8 +151,17 @@ def test_prefill(block_size, num_heads, num_kv_heads, dtype):
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 96, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_head_dims(head_dim, dtype):
-    case = make_case(num_heads=4, num_kv_heads=1, head_dim=head_dim, block_size=16, q_lens=[3, 40],
-                     seq_lens=[50, 40], dtype=dtype, device=DEVICE, seed=head_dim)
+    case = make_case(
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=head_dim,
+        block_size=16,
+        q_lens=[3, 40],
+        seq_lens=[50, 40],
+        dtype=dtype,
+        device=DEVICE,
+        seed=head_dim,
+    )
     out = _poisoned(case)
     pa.paged_attention_prefill(*case.args()[:7], out=out)
     _check(out, case, f"prefill d={head_dim}")
@@ -103,8 +169,17 @@ def test_prefill_head_dims(head_dim, dtype):
 
 def test_prefill_spans_several_query_tiles():
     """Query chunks longer than BLOCK_M (fp32 tiles are 64 rows) over a long cached prefix."""
-    case = make_case(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, q_lens=[150, 64, 1],
-                     seq_lens=[333, 64, 77], dtype=torch.float32, device=DEVICE, seed=7)
+    case = make_case(
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=16,
+        q_lens=[150, 64, 1],
+        seq_lens=[333, 64, 77],
+        dtype=torch.float32,
+        device=DEVICE,
+        seed=7,
+    )
     out = _poisoned(case)
     triton_backend.paged_attention(*case.args(), out=out)
     _check(out, case, "prefill tiles")
@@ -113,8 +188,17 @@ def test_prefill_spans_several_query_tiles():
 def test_backend_matches_reference_module():
     """The backend's entry point, both dispatch paths, against kernels/reference.py itself."""
     for q_lens, lens in (([1, 1, 1], [3, 33, 64]), ([4, 1, 9], [20, 33, 9])):
-        case = make_case(num_heads=8, num_kv_heads=2, head_dim=16, block_size=8, q_lens=q_lens, seq_lens=lens,
-                         dtype=torch.float32, device=DEVICE, seed=sum(lens))
+        case = make_case(
+            num_heads=8,
+            num_kv_heads=2,
+            head_dim=16,
+            block_size=8,
+            q_lens=q_lens,
+            seq_lens=lens,
+            dtype=torch.float32,
+            device=DEVICE,
+            seed=sum(lens),
+        )
         ref = reference.paged_attention(*case.args())
         out = triton_backend.paged_attention(*case.args())
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -140,11 +224,12 @@ def test_write_kv(block_size, dtype):
     # K and V as the model produces them: views into one fused qkv projection (non-contiguous rows),
     # in the cache's dtype; and in float32, which the kernel converts (round to nearest even).  The
     # interpreter truncates float32 -> bfloat16 instead, so that conversion is checked on the GPU only.
-    kv_dtypes = [dtype] + ([torch.float32] if dtype != torch.float32 and (DEVICE == "cuda" or dtype == torch.float16)
-                           else [])
+    kv_dtypes = [dtype] + (
+        [torch.float32] if dtype != torch.float32 and (DEVICE == "cuda" or dtype == torch.float16) else []
+    )
     for kv_dtype in kv_dtypes:
         qkv = torch.randn(20, num_heads + 2 * num_kv_heads, head_dim, generator=g, device=DEVICE).to(kv_dtype)
-        key, value = qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:]
+        key, value = qkv[:, num_heads : num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads :]
         expected = cache.clone()
         reference.write_kv(key, value, expected, slots)
         cache_ops.write_kv(key, value, cache, slots.to(torch.int64))
@@ -199,29 +284,55 @@ def _ragged(n: int, lo: int, hi: int, seed: int) -> list[int]:
 def test_gpu_decode_llama3_sizes(dtype, block_size):
     for batch, lo, hi in ((64, 1, 4096), (3, 3000, 8192)):  # a full batch; a few long sequences (split-K)
         lens = _ragged(batch, lo, hi, seed=batch + block_size)
-        case = make_case(**LLAMA3_8B, block_size=block_size, q_lens=[1] * batch, seq_lens=lens, dtype=dtype,
-                         device="cuda", seed=block_size)
+        case = make_case(
+            **LLAMA3_8B,
+            block_size=block_size,
+            q_lens=[1] * batch,
+            seq_lens=lens,
+            dtype=dtype,
+            device="cuda",
+            seed=block_size,
+        )
         for splits in (None, 1, 4):
             out = _poisoned(case)
-            triton_backend.paged_attention(*case.args(), out=out) if splits is None else \
-                pa.paged_attention_decode(case.query, case.kv_cache, case.block_tables, case.seq_lens, case.scale,
-                                          case.max_seq_len, out=out, num_splits=splits)
+            triton_backend.paged_attention(*case.args(), out=out) if splits is None else pa.paged_attention_decode(
+                case.query,
+                case.kv_cache,
+                case.block_tables,
+                case.seq_lens,
+                case.scale,
+                case.max_seq_len,
+                out=out,
+                num_splits=splits,
+            )
             _check(out, case, f"gpu decode b={batch} bs={block_size} splits={splits}")
 
 
 # Head dims x GQA ratios at real sizes (every combination compiles its own kernel, so the GPU run
 # covers each head dim and each ratio rather than the full product; the interpreter tests cover it).
 SHAPES = [(64, 32, 32), (80, 32, 8), (96, 64, 8), (128, 32, 32), (128, 64, 8)]
-GPU_SHAPES = [pytest.param(dt, *shape, id=f"{str(dt)[6:]}-d{shape[0]}-gqa{shape[1] // shape[2]}")
-              for dt in DTYPES for shape in (SHAPES if dt != torch.float32 else SHAPES[1:5:3])]
+GPU_SHAPES = [
+    pytest.param(dt, *shape, id=f"{str(dt)[6:]}-d{shape[0]}-gqa{shape[1] // shape[2]}")
+    for dt in DTYPES
+    for shape in (SHAPES if dt != torch.float32 else SHAPES[1:5:3])
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,head_dim,num_heads,num_kv_heads", GPU_SHAPES)
 def test_gpu_decode_head_dims_and_gqa(dtype, head_dim, num_heads, num_kv_heads):
     lens = _ragged(16, 1, 2000, seed=head_dim)
-    case = make_case(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16,
-                     q_lens=[1] * 16, seq_lens=lens, dtype=dtype, device="cuda", seed=head_dim)
+    case = make_case(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        q_lens=[1] * 16,
+        seq_lens=lens,
+        dtype=dtype,
+        device="cuda",
+        seed=head_dim,
+    )
     out = _poisoned(case)
     triton_backend.paged_attention(*case.args(), out=out)
     _check(out, case, f"gpu decode d={head_dim} gqa={num_heads // num_kv_heads}")
@@ -234,8 +345,9 @@ def test_gpu_prefill_llama3_sizes(dtype, block_size):
     # fresh 2048-token prompt, a 2048 chunk after 1500 cached tokens, a ragged extend, decode rows
     q_lens = [2048, 2048, 777, 1, 1]
     lens = [2048, 3548, 1234, 4000, 17]
-    case = make_case(**LLAMA3_8B, block_size=block_size, q_lens=q_lens, seq_lens=lens, dtype=dtype,
-                     device="cuda", seed=block_size)
+    case = make_case(
+        **LLAMA3_8B, block_size=block_size, q_lens=q_lens, seq_lens=lens, dtype=dtype, device="cuda", seed=block_size
+    )
     out = _poisoned(case)
     triton_backend.paged_attention(*case.args(), out=out)
     _check(out, case, f"gpu prefill bs={block_size}")
@@ -245,8 +357,17 @@ def test_gpu_prefill_llama3_sizes(dtype, block_size):
 @pytest.mark.parametrize("dtype,head_dim,num_heads,num_kv_heads", GPU_SHAPES)
 def test_gpu_prefill_head_dims_and_gqa(dtype, head_dim, num_heads, num_kv_heads):
     q_lens, lens = [300, 1, 517], [300, 999, 1700]
-    case = make_case(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16,
-                     q_lens=q_lens, seq_lens=lens, dtype=dtype, device="cuda", seed=head_dim)
+    case = make_case(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        q_lens=q_lens,
+        seq_lens=lens,
+        dtype=dtype,
+        device="cuda",
+        seed=head_dim,
+    )
     out = _poisoned(case)
     triton_backend.paged_attention(*case.args(), out=out)
     _check(out, case, f"gpu prefill d={head_dim} gqa={num_heads // num_kv_heads}")
@@ -255,16 +376,21 @@ def test_gpu_prefill_head_dims_and_gqa(dtype, head_dim, num_heads, num_kv_heads)
 @pytest.mark.gpu
 def test_gpu_no_recompilation_across_lengths():
     """Lengths are data: new max lengths and batch sizes reuse the compiled kernels."""
+
     def run(batch, hi, q):
         lens = _ragged(batch, q, hi, seed=hi)
-        case = make_case(**LLAMA3_8B, block_size=16, q_lens=[q] * batch, seq_lens=lens, dtype=torch.bfloat16,
-                         device="cuda", seed=hi)
+        case = make_case(
+            **LLAMA3_8B, block_size=16, q_lens=[q] * batch, seq_lens=lens, dtype=torch.bfloat16, device="cuda", seed=hi
+        )
         triton_backend.paged_attention(*case.args())
 
     def compiled():
         # device_caches: device -> (kernel cache, ...); one entry per compiled specialisation
-        return sum(len(v[0]) for k in (pa._decode_kernel, pa._decode_reduce_kernel, pa._prefill_kernel)
-                   for v in k.device_caches.values())
+        return sum(
+            len(v[0])
+            for k in (pa._decode_kernel, pa._decode_reduce_kernel, pa._prefill_kernel)
+            for v in k.device_caches.values()
+        )
 
     for batch, hi, q in ((2, 700, 1), (64, 900, 1), (2, 70, 5), (2, 700, 33)):
         run(batch, hi, q)  # warm every variant: split/unsplit decode, prefill
@@ -308,16 +434,34 @@ def test_gpu_cache_ops_llama3_sizes(dtype):
 def test_mixed_step_runs_decodes_and_prefills_on_their_own_kernels(dtype):
     """Decode rows first (num_decodes), then prefill chunks: the split dispatch equals the reference."""
     q_lens, lens = [1, 1, 1, 1, 37, 5, 70], [40, 9, 130, 1, 37, 60, 200]
-    case = make_case(num_heads=8, num_kv_heads=2, head_dim=32, block_size=16, q_lens=q_lens, seq_lens=lens,
-                     dtype=dtype, device=DEVICE, seed=99)
+    case = make_case(
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        q_lens=q_lens,
+        seq_lens=lens,
+        dtype=dtype,
+        device=DEVICE,
+        seed=99,
+    )
     out = _poisoned(case)
     triton_backend.paged_attention(*case.args(), out=out, num_decodes=4)
     _check(out, case, "mixed")
 
 
 def test_prefill_from_a_first_sequence_leaves_the_earlier_rows_alone():
-    case = make_case(num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, q_lens=[3, 20, 9], seq_lens=[10, 20, 40],
-                     dtype=torch.float32, device=DEVICE, seed=5)
+    case = make_case(
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=8,
+        q_lens=[3, 20, 9],
+        seq_lens=[10, 20, 40],
+        dtype=torch.float32,
+        device=DEVICE,
+        seed=5,
+    )
     out = _poisoned(case)
     pa.paged_attention_prefill(*case.args()[:7], out=out, first_seq=1)
     assert torch.isnan(out[:3]).all()  # sequence 0's rows: untouched

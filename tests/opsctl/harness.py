@@ -18,9 +18,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.server.harness import REPO, free_port
 
 FAST_SUPERVISOR = {
-    "poll_interval": 0.5, "probe_timeout": 1.0, "hang_seconds": 2.0, "cooldown_seconds": 1.0,
-    "ready_timeout": 90.0, "event_window": 30.0, "events_to_act": 3, "max_restarts": 3,
-    "restart_window": 300.0, "drain_timeout": 60.0, "metrics_port": 0, "launcher": "process",
+    "poll_interval": 0.5,
+    "probe_timeout": 1.0,
+    "hang_seconds": 2.0,
+    "cooldown_seconds": 1.0,
+    "ready_timeout": 90.0,
+    "event_window": 30.0,
+    "events_to_act": 3,
+    "max_restarts": 3,
+    "restart_window": 300.0,
+    "drain_timeout": 60.0,
+    "metrics_port": 0,
+    "launcher": "process",
 }
 
 
@@ -55,8 +64,19 @@ class Deployment:
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(extra or {})}
 
-    def opsctl(self, *args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "opsctl.cli", "--config", str(self.config), "--runtime-dir", str(self.runtime), *args]
+    def opsctl(
+        self, *args: str, timeout: float = 180, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
+        cmd = [
+            sys.executable,
+            "-m",
+            "opsctl.cli",
+            "--config",
+            str(self.config),
+            "--runtime-dir",
+            str(self.runtime),
+            *args,
+        ]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env(env), cwd=str(REPO))
 
     def status(self) -> dict[str, Any]:
@@ -92,8 +112,10 @@ class Deployment:
             except (ValueError, KeyError):
                 pass
             time.sleep(0.2)
-        raise AssertionError(f"timed out waiting for {what}; last status: {json.dumps(last)[:3000]}\n"
-                             f"supervisor log: {self.log('supervisor.log')[-3000:]}")
+        raise AssertionError(
+            f"timed out waiting for {what}; last status: {json.dumps(last)[:3000]}\n"
+            f"supervisor log: {self.log('supervisor.log')[-3000:]}"
+        )
 
     def log(self, name: str) -> str:
         p = self.runtime / name
@@ -118,10 +140,13 @@ class Deployment:
                     pass
 
 
-def deployment(tmp_path: Path, engine: dict[str, Any] | None = None, supervisor: dict[str, Any] | None = None) -> Deployment:
+def deployment(
+    tmp_path: Path, engine: dict[str, Any] | None = None, supervisor: dict[str, Any] | None = None
+) -> Deployment:
     port = free_port()
     tmp_path.mkdir(parents=True, exist_ok=True)
     runtime = tmp_path / "run"
-    cfg = write_config(tmp_path / "pagekeeper.toml", {"port": port, **(engine or {})},
-                       {**FAST_SUPERVISOR, **(supervisor or {})})
+    cfg = write_config(
+        tmp_path / "pagekeeper.toml", {"port": port, **(engine or {})}, {**FAST_SUPERVISOR, **(supervisor or {})}
+    )
     return Deployment(tmp_path, cfg, runtime, port)

@@ -67,8 +67,13 @@ class Load:
         """`n` one-off requests at once on new connections (a queue the engine cannot serve at once)."""
 
         def one(i: int) -> None:
-            body = {"model": MODEL, "prompt": "Errors should never", "max_tokens": max_tokens, "ignore_eos": True,
-                    "temperature": 0}
+            body = {
+                "model": MODEL,
+                "prompt": "Errors should never",
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
             start = time.monotonic()
             try:
                 with httpx.Client(base_url=self.url, timeout=self.timeout_s) as c:
@@ -103,8 +108,14 @@ class Load:
         try:
             while not self._stop.is_set():
                 n += 1
-                body = {"model": MODEL, "prompt": f"Beautiful is {n % 7}", "max_tokens": MAX_TOKENS,
-                        "ignore_eos": True, "temperature": 0, "stream": stream}
+                body = {
+                    "model": MODEL,
+                    "prompt": f"Beautiful is {n % 7}",
+                    "max_tokens": MAX_TOKENS,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "stream": stream,
+                }
                 c = client or httpx.Client(base_url=self.url, timeout=self.timeout_s)
                 start = time.monotonic()
                 try:

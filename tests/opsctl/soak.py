@@ -22,9 +22,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.opsctl.harness import deployment
 from tests.opsctl.load import Load
 
-SOAK_SUPERVISOR = {"poll_interval": 1.0, "probe_timeout": 5.0, "cooldown_seconds": 5.0, "hang_seconds": 60.0,
-                   "event_window": 300.0, "events_to_act": 3, "max_restarts": 5, "restart_window": 900.0,
-                   "drain_timeout": 60.0}
+SOAK_SUPERVISOR = {
+    "poll_interval": 1.0,
+    "probe_timeout": 5.0,
+    "cooldown_seconds": 5.0,
+    "hang_seconds": 60.0,
+    "event_window": 300.0,
+    "events_to_act": 3,
+    "max_restarts": 5,
+    "restart_window": 900.0,
+    "drain_timeout": 60.0,
+}
 
 
 def _gauges(text: str) -> dict[str, float]:
@@ -37,8 +45,9 @@ def _gauges(text: str) -> dict[str, float]:
 
 def soak(root: Path, seconds: float, pause: float) -> dict:
     d = deployment(root, supervisor=SOAK_SUPERVISOR)
-    (root / "deployment.json").write_text(json.dumps({"config": str(d.config), "runtime": str(d.runtime),
-                                                       "port": d.port}))
+    (root / "deployment.json").write_text(
+        json.dumps({"config": str(d.config), "runtime": str(d.runtime), "port": d.port})
+    )
     start = d.opsctl("start")
     if start.returncode != 0:
         return {"error": f"opsctl start: {start.returncode} {start.stderr[-500:]}"}
@@ -64,7 +73,8 @@ def soak(root: Path, seconds: float, pause: float) -> dict:
     d.teardown()
     return {
         "seconds": round(time.monotonic() - began, 1),
-        "clients": len(Load.KINDS) * 2, "pause_s": pause,
+        "clients": len(Load.KINDS) * 2,
+        "pause_s": pause,
         "requests": len(records),
         "outcomes": dict(Counter(r.outcome for r in records)),
         "polls": metrics.get("pagekeeper_supervisor_polls_total", 0),

@@ -42,8 +42,13 @@ def test_no_request_fails_through_restarts_hangs_and_kills(deploy, record_proper
     d = deploy(
         engine={"max_num_seqs": 4, "drain_timeout": 60},
         # backlog thresholds the steady load cannot reach (8 clients: waiting <= 4 = 1 x running) but a burst does
-        supervisor={"backlog_factor": 1.0, "backlog_wait_seconds": 1.5, "events_to_act": 2, "max_restarts": 10,
-                    "handover": "overlap"},
+        supervisor={
+            "backlog_factor": 1.0,
+            "backlog_wait_seconds": 1.5,
+            "events_to_act": 2,
+            "max_restarts": 10,
+            "handover": "overlap",
+        },
     )
     r = d.opsctl("start")
     assert r.returncode == 0, r.stdout + r.stderr + d.log("supervisor.log")[-3000:]
@@ -52,8 +57,11 @@ def test_no_request_fails_through_restarts_hangs_and_kills(deploy, record_proper
     marks: dict[str, float] = {}
 
     def serving_with_new_pid(old: int) -> dict:
-        st, _ = d.wait_for(lambda s: s["engine"]["state"] == "serving" and s["engine"]["pid"] not in (None, old),
-                           PHASE_TIMEOUT, f"a new engine (not {old}) serving")
+        st, _ = d.wait_for(
+            lambda s: s["engine"]["state"] == "serving" and s["engine"]["pid"] not in (None, old),
+            PHASE_TIMEOUT,
+            f"a new engine (not {old}) serving",
+        )
         return st
 
     def phase(name: str, act) -> None:  # type: ignore[no-untyped-def]
@@ -133,8 +141,13 @@ def test_no_request_fails_through_restarts_hangs_and_kills(deploy, record_proper
         return rec.start <= marks["engine_dead"] + 0.1 and rec.end >= marks["kill_sent"]
 
     no_drain = next(p for p in phases if p[0] == "opsctl restart --no-drain")
-    clean_503 = [r for r in records if r.outcome in ("http_503", "error_event") and "engine_restarting" in r.detail
-                 and no_drain[1] <= r.end <= no_drain[2]]
+    clean_503 = [
+        r
+        for r in records
+        if r.outcome in ("http_503", "error_event")
+        and "engine_restarting" in r.detail
+        and no_drain[1] <= r.end <= no_drain[2]
+    ]
     killed = [r for r in records if r.outcome != "ok" and at_kill(r)]
     other = [r for r in records if r.outcome != "ok" and r not in clean_503 and r not in killed]
 
@@ -145,13 +158,17 @@ def test_no_request_fails_through_restarts_hangs_and_kills(deploy, record_proper
     for name in names:
         lines.append(f"{name:<34}" + "".join(f"{table[(name, o)]:>12}" for o in outcomes))
     lines.append(f"{'total':<34}" + "".join(f"{sum(table[(n, o)] for n in names):>12}" for o in outcomes))
-    lines.append(f"in flight at kill -9 and failed: {len(killed)} (supervisor counted {kill_lost:.0f}); "
-                 f"--no-drain clean 503s: {len(clean_503)} (supervisor counted {no_drain_lost:.0f}); "
-                 f"any other failure: {len(other)}")
+    lines.append(
+        f"in flight at kill -9 and failed: {len(killed)} (supervisor counted {kill_lost:.0f}); "
+        f"--no-drain clean 503s: {len(clean_503)} (supervisor counted {no_drain_lost:.0f}); "
+        f"any other failure: {len(other)}"
+    )
     for r in other:
-        lines.append(f"unexplained: {r.client} {r.outcome} {r.detail} started "
-                     + ", ".join(f"{r.start - start:+.3f}s after {name!r}" for name, start, _ in phases[-3:])
-                     + f", {r.start - marks.get('kill_sent', 0):+.3f}s after kill -9, lasted {r.end - r.start:.3f}s")
+        lines.append(
+            f"unexplained: {r.client} {r.outcome} {r.detail} started "
+            + ", ".join(f"{r.start - start:+.3f}s after {name!r}" for name, start, _ in phases[-3:])
+            + f", {r.start - marks.get('kill_sent', 0):+.3f}s after kill -9, lasted {r.end - r.start:.3f}s"
+        )
     print("\n" + "\n".join(lines))
     record_property("chaos_requests", len(records))
     record_property("chaos_other_failures", len(other))

@@ -73,8 +73,13 @@ def test_a_bad_value_is_one_line_naming_the_key_and_starts_nothing(tmp_path, sec
     runtime = tmp_path / "run"
     # the file both before and after the subcommand
     where = ["--config", str(cfg), "start"] if len(key) % 2 else ["start", "--config", str(cfg)]
-    r = subprocess.run([sys.executable, "-m", "opsctl.cli", "--runtime-dir", str(runtime), *where],
-                       capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    r = subprocess.run(
+        [sys.executable, "-m", "opsctl.cli", "--runtime-dir", str(runtime), *where],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(REPO),
+    )
     print(f"[{section}] {key} = {value}: exit {r.returncode}: {r.stderr.strip()}")
     assert r.returncode == 2, r.stdout + r.stderr
     err = [ln for ln in r.stderr.splitlines() if ln.strip()]
@@ -86,10 +91,17 @@ def test_a_bad_value_is_one_line_naming_the_key_and_starts_nothing(tmp_path, sec
 
 def test_overlap_under_systemd_is_refused_not_ignored(tmp_path):
     cfg = tmp_path / "s.toml"
-    cfg.write_text(f'[engine]\nport = {free_port()}\n[supervisor]\nlauncher = "systemd"\nhandover = "overlap"\n'
-                   f'metrics_port = 0\nruntime_dir = "{tmp_path / "run"}"\n')
-    r = subprocess.run([sys.executable, "-m", "opsctl.cli", "--config", str(cfg), "start"], capture_output=True,
-                       text=True, timeout=60, cwd=str(REPO))
+    cfg.write_text(
+        f'[engine]\nport = {free_port()}\n[supervisor]\nlauncher = "systemd"\nhandover = "overlap"\n'
+        f'metrics_port = 0\nruntime_dir = "{tmp_path / "run"}"\n'
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "opsctl.cli", "--config", str(cfg), "start"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(REPO),
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "handover" in r.stderr, r.stderr
 
 
@@ -97,6 +109,11 @@ def test_overlap_under_systemd_is_refused_not_ignored(tmp_path):
 def test_the_engine_server_reads_the_same_schema(tmp_path, key, value):
     cfg = tmp_path / "bad.toml"
     cfg.write_text(f"[engine]\n{key} = {value}\n")
-    r = subprocess.run([sys.executable, "-m", "engine.server", "--config", str(cfg)], capture_output=True,
-                       text=True, timeout=60, cwd=str(REPO))
+    r = subprocess.run(
+        [sys.executable, "-m", "engine.server", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(REPO),
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and key in r.stderr, r.stderr

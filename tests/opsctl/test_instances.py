@@ -29,10 +29,17 @@ class Instance(Deployment):
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PAGEKEEPER_RUNTIME_DIR", "PAGEKEEPER_INSTANCE")}
-        return {**env, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "PAGEKEEPER_RUNTIME_ROOT": str(self.runtime_root),
-                **(extra or {})}
+        return {
+            **env,
+            "PYTHONPATH": str(REPO),
+            "PYTHONUNBUFFERED": "1",
+            "PAGEKEEPER_RUNTIME_ROOT": str(self.runtime_root),
+            **(extra or {}),
+        }
 
-    def opsctl(self, *args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def opsctl(
+        self, *args: str, timeout: float = 180, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "opsctl.cli", "--instance", self.name, "--config", str(self.config), *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env(env), cwd=str(REPO))
 
@@ -46,8 +53,14 @@ def instances(tmp_path):
     def make(name: str, port: int | None = None, **supervisor) -> Instance:
         port = port or free_port()
         cfg = write_config(tmp_path / f"{name}.toml", {"port": port}, {**FAST_SUPERVISOR, **supervisor})
-        inst = Instance(tmp_path, cfg, runtime_root / ("pagekeeper" if name == "default" else f"pagekeeper@{name}"),
-                        port, name=name, runtime_root=runtime_root)
+        inst = Instance(
+            tmp_path,
+            cfg,
+            runtime_root / ("pagekeeper" if name == "default" else f"pagekeeper@{name}"),
+            port,
+            name=name,
+            runtime_root=runtime_root,
+        )
         made.append(inst)
         return inst
 
@@ -67,8 +80,10 @@ def test_two_named_instances_run_side_by_side_and_a_port_clash_is_refused(instan
         r = inst.opsctl("start")
         assert r.returncode == 0, r.stdout + r.stderr
     sa, sb = a.status(), b.status()
-    print(f"alpha: {sa['supervisor']['runtime_dir']} pid {sa['engine']['pid']} {sa['engine']['url']}; "
-          f"beta: {sb['supervisor']['runtime_dir']} pid {sb['engine']['pid']} {sb['engine']['url']}")
+    print(
+        f"alpha: {sa['supervisor']['runtime_dir']} pid {sa['engine']['pid']} {sa['engine']['url']}; "
+        f"beta: {sb['supervisor']['runtime_dir']} pid {sb['engine']['pid']} {sb['engine']['url']}"
+    )
     assert (sa["supervisor"]["instance"], sb["supervisor"]["instance"]) == ("alpha", "beta")
     assert sa["supervisor"]["runtime_dir"] == str(a.runtime) and sb["supervisor"]["runtime_dir"] == str(b.runtime)
     assert (a.runtime / "supervisor.sock").exists() and (b.runtime / "supervisor.sock").exists()
@@ -79,8 +94,10 @@ def test_two_named_instances_run_side_by_side_and_a_port_clash_is_refused(instan
 
     # a third instance that wants alpha's port, or beta's supervisor metrics port: one line, exit 2, nothing runs
     beta_metrics = int(sb["supervisor"]["metrics_url"].rsplit(":", 1)[1].split("/")[0])
-    for name, port, metrics_port, owner, key in (("gamma", a.port, 0, "alpha", "[engine] port"),
-                                                 ("delta", None, beta_metrics, "beta", "[supervisor] metrics_port")):
+    for name, port, metrics_port, owner, key in (
+        ("gamma", a.port, 0, "alpha", "[engine] port"),
+        ("delta", None, beta_metrics, "beta", "[supervisor] metrics_port"),
+    ):
         c = instances(name, port=port, metrics_port=metrics_port)
         r = c.opsctl("start", timeout=60)
         err = r.stderr.strip()
@@ -90,14 +107,26 @@ def test_two_named_instances_run_side_by_side_and_a_port_clash_is_refused(instan
         assert not (c.runtime / "supervisor.sock").exists() and not (c.runtime / "supervisor.pid").exists()
         assert c.opsctl("status").returncode == 3
         # the supervisor checks too (systemd starts it without opsctl)
-        r = subprocess.run([sys.executable, "-m", "opsctl.supervisor", "--instance", name, "--config", str(c.config)],
-                           capture_output=True, text=True, timeout=60, env=c.env(), cwd=str(REPO))
+        r = subprocess.run(
+            [sys.executable, "-m", "opsctl.supervisor", "--instance", name, "--config", str(c.config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=c.env(),
+            cwd=str(REPO),
+        )
         assert r.returncode == 2 and f"instance {owner!r}" in r.stderr, r.stderr[-2000:]
 
     # the same instance name with another config file is refused, not reported as "already running"
     other = write_config(a.root / "other.toml", {"port": free_port()}, FAST_SUPERVISOR)
-    r = subprocess.run([sys.executable, "-m", "opsctl.cli", "--instance", "alpha", "start", "--config", str(other)],
-                       capture_output=True, text=True, timeout=60, env=a.env(), cwd=str(REPO))
+    r = subprocess.run(
+        [sys.executable, "-m", "opsctl.cli", "--instance", "alpha", "start", "--config", str(other)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=a.env(),
+        cwd=str(REPO),
+    )
     assert r.returncode == 2 and "already runs from" in r.stderr and "--instance" in r.stderr, r.stdout + r.stderr
 
     # restart and stop one: the other never notices
@@ -127,10 +156,17 @@ def test_log_rotation_keeps_the_engine_log_bounded_while_it_serves(instances):
     pid = inst.status()["engine"]["pid"]
     with httpx.Client(timeout=60) as client:
         for i in range(150):  # each request is an http_request line in engine.log (about 150 bytes)
-            assert client.post(inst.url + "/v1/completions",
-                               json={"model": MODEL, "prompt": f"n{i}", "max_tokens": 1}).status_code == 200
-    inst.wait_for(lambda st: inst.supervisor_metrics().get('pagekeeper_supervisor_log_rotations_total{log=engine.log}',
-                                                           0) >= 2, 30, "two rotations of engine.log")
+            assert (
+                client.post(
+                    inst.url + "/v1/completions", json={"model": MODEL, "prompt": f"n{i}", "max_tokens": 1}
+                ).status_code
+                == 200
+            )
+    inst.wait_for(
+        lambda st: inst.supervisor_metrics().get("pagekeeper_supervisor_log_rotations_total{log=engine.log}", 0) >= 2,
+        30,
+        "two rotations of engine.log",
+    )
     log = inst.runtime / "engine.log"
     sizes = {p.name: p.stat().st_size for p in sorted(inst.runtime.glob("engine.log*"))}
     rotations = inst.supervisor_metrics()["pagekeeper_supervisor_log_rotations_total{log=engine.log}"]

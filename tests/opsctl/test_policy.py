@@ -5,14 +5,29 @@ from __future__ import annotations
 
 from opsctl.policy import Observation, PolicyConfig, PolicyState, decide
 
-CFG = PolicyConfig(hang_seconds=30, cooldown_seconds=60, event_window=300, events_to_act=3,
-                   fragmentation_window=600, max_restarts=3, restart_window=600, ready_timeout=120)
+CFG = PolicyConfig(
+    hang_seconds=30,
+    cooldown_seconds=60,
+    event_window=300,
+    events_to_act=3,
+    fragmentation_window=600,
+    max_restarts=3,
+    restart_window=600,
+    ready_timeout=120,
+)
 READY = PolicyState(started_at=0.0, ready_at=10.0)
 
 
 def obs(t: float, **kw) -> Observation:
-    base = dict(process_alive=True, health="ok", cache_usage=0.5, running=4, waiting=0, steps_total=t * 10,
-                allocator_efficiency=0.95)
+    base = dict(
+        process_alive=True,
+        health="ok",
+        cache_usage=0.5,
+        running=4,
+        waiting=0,
+        steps_total=t * 10,
+        allocator_efficiency=0.95,
+    )
     return Observation(t=t, **{**base, **kw})
 
 
@@ -28,9 +43,14 @@ def test_healthy_trace_never_acts():
 
 def test_high_cache_needs_three_pressure_events_in_the_window():
     # usage alone is not pressure: each event here comes with preemptions since the previous poll
-    trace = [obs(100, preemptions=0), obs(110, cache_usage=0.97, preemptions=4), obs(120, preemptions=4),
-             obs(130, cache_usage=0.99, preemptions=9), obs(140, preemptions=9),
-             obs(150, cache_usage=0.96, preemptions=12)]
+    trace = [
+        obs(100, preemptions=0),
+        obs(110, cache_usage=0.97, preemptions=4),
+        obs(120, preemptions=4),
+        obs(130, cache_usage=0.99, preemptions=9),
+        obs(140, preemptions=9),
+        obs(150, cache_usage=0.96, preemptions=12),
+    ]
     actions = run(trace)
     assert [a.kind for a in actions] == ["none"] * 5 + ["drain_restart"]
     assert actions[-1].reason == "high_cache"
@@ -43,8 +63,9 @@ def test_a_full_cache_that_costs_nothing_is_not_pressure():
     trace = [obs(100 + 10 * i, cache_usage=0.99, preemptions=7, waiting=0) for i in range(30)]
     assert all(not a.acts for a in run(trace))
     # requests kept out for pressure_wait_seconds are pressure
-    kept_out = [obs(100 + 10 * i, cache_usage=0.99, preemptions=7, waiting=2, running=6, oldest_waiting_s=8.0)
-                for i in range(3)]
+    kept_out = [
+        obs(100 + 10 * i, cache_usage=0.99, preemptions=7, waiting=2, running=6, oldest_waiting_s=8.0) for i in range(3)
+    ]
     a = decide(kept_out, READY, CFG, 120)
     assert a.kind == "drain_restart" and a.reason == "high_cache"
 
@@ -103,20 +124,28 @@ def test_the_measured_scrape_race_never_acts():
 
 def test_true_backlog_and_true_pressure_traces_fire():
     # an overloaded engine at a 1 s poll: the queue grows 2 per second and nobody leaves it
-    backlog = [obs(100.0 + i, waiting=10 + 2 * i, running=8, cache_usage=0.6, oldest_waiting_s=3.0 + i)
-               for i in range(60)]
+    backlog = [
+        obs(100.0 + i, waiting=10 + 2 * i, running=8, cache_usage=0.6, oldest_waiting_s=3.0 + i) for i in range(60)
+    ]
     fired = next(a for a in run(backlog) if a.acts)
     assert fired.reason == "backlog"
     # a saturated cache that preempts every second
-    pressure = [obs(100.0 + i, cache_usage=0.99, running=30, waiting=1, oldest_waiting_s=1.0, preemptions=3 * i)
-                for i in range(60)]
+    pressure = [
+        obs(100.0 + i, cache_usage=0.99, running=30, waiting=1, oldest_waiting_s=1.0, preemptions=3 * i)
+        for i in range(60)
+    ]
     fired = next(a for a in run(pressure) if a.acts)
     assert fired.reason == "high_cache" and fired.evidence["pressure_events"] == 3
 
 
 def test_hang_by_health_waits_for_hang_seconds_and_skips_the_drain():
-    trace = [obs(100), obs(110, health="timeout"), obs(120, health="timeout"), obs(130, health="stalled"),
-             obs(140, health="timeout")]
+    trace = [
+        obs(100),
+        obs(110, health="timeout"),
+        obs(120, health="timeout"),
+        obs(130, health="stalled"),
+        obs(140, health="timeout"),
+    ]
     actions = run(trace)
     # the clock runs from the last good answer (t=100): no answer for 30 s at t=130
     assert [a.kind for a in actions] == ["none"] * 3 + ["restart"] * 2
@@ -133,8 +162,14 @@ def test_hang_by_frozen_steps_while_requests_wait():
 
 
 def test_a_brief_outage_is_not_a_hang():
-    trace = [obs(100, health="timeout"), obs(110, health="timeout"), obs(120), obs(130, health="timeout"),
-             obs(140, health="timeout"), obs(150)]
+    trace = [
+        obs(100, health="timeout"),
+        obs(110, health="timeout"),
+        obs(120),
+        obs(130, health="timeout"),
+        obs(140, health="timeout"),
+        obs(150),
+    ]
     assert all(not a.acts for a in run(trace))
 
 
@@ -198,3 +233,17 @@ def test_fragmentation_waits_for_the_window_and_for_low_traffic():
     assert a.kind == "drain_restart" and a.reason == "fragmentation" and a.evidence["for_s"] == 700
     recovered = trace[:-1] + [obs(760, allocator_efficiency=0.8, running=0)]
     assert not decide(recovered, READY, CFG, 760).acts
+
+
+def test_actions_carry_what_the_supervisor_does_with_them():
+    """The supervisor reads drains / counts_as_crash / permanent, never the reason string."""
+    hang = decide([obs(100, health="stalled"), obs(140, health="stalled")], READY, CFG, 140)
+    assert hang.reason == "hang" and hang.drains and hang.counts_as_crash and hang.drain_cap_s == 10.0
+    dead = decide([obs(100, process_alive=False)], READY, CFG, 100)
+    assert dead.reason == "engine_exited" and dead.counts_as_crash and not dead.drains
+    failed = decide([obs(100, process_alive=False, exit_permanent=True)], READY, CFG, 100)
+    assert failed.kind == "give_up" and failed.permanent
+    hot = dict(cache_usage=0.99, waiting=3, running=1, oldest_waiting_s=40)
+    pressure = decide([obs(100 + 10 * i, **hot) for i in range(3)], READY, CFG, 120)
+    assert pressure.kind == "drain_restart" and pressure.drains and not pressure.counts_as_crash
+    assert not pressure.permanent and pressure.drain_cap_s is None

@@ -15,8 +15,24 @@ from tests.server.harness import REPO, free_port
 def _start(tmp_path, runtime):  # type: ignore[no-untyped-def]
     cfg = tmp_path / "p.toml"
     cfg.write_text(f'[engine]\nport = {free_port()}\n[supervisor]\nmetrics_port = 0\nlauncher = "process"\n')
-    return subprocess.run([sys.executable, "-m", "opsctl.cli", "--config", str(cfg), "--runtime-dir", str(runtime),
-                           "start", "--timeout", "60"], capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "opsctl.cli",
+            "--config",
+            str(cfg),
+            "--runtime-dir",
+            str(runtime),
+            "start",
+            "--timeout",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(REPO),
+    )
 
 
 def _one_error_line(r) -> str:  # type: ignore[no-untyped-def]

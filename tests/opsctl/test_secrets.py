@@ -73,8 +73,10 @@ def test_keys_from_files_that_only_their_owner_can_read(deploy, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     body = {"model": "pagekeeper-default", "prompt": "Now is", "max_tokens": 4}
     assert httpx.post(d.url + "/v1/completions", json=body).status_code == 401
-    assert httpx.post(d.url + "/v1/completions", json=body,
-                      headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    assert (
+        httpx.post(d.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}).status_code
+        == 200
+    )
     assert d.opsctl("drain", "--timeout", "2").returncode == 0  # the supervisor read the admin key file
     assert d.opsctl("resume").returncode == 0
     assert not [p for p in psutil.process_iter(["cmdline"]) if API_KEY in " ".join(p.info["cmdline"] or [])]
@@ -98,8 +100,9 @@ def test_the_engine_reading_its_config_file_itself_takes_the_keys_in_it(tmp_path
     try:
         body = {"model": "pagekeeper-default", "prompt": "Now is", "max_tokens": 2}
         assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 401
-        ok = httpx.post(server.url + "/v1/completions", json=body, timeout=60,
-                        headers={"Authorization": f"Bearer {API_KEY}"})
+        ok = httpx.post(
+            server.url + "/v1/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
+        )
         assert ok.status_code == 200
         assert httpx.post(server.url + "/drain", params={"timeout": 0}, timeout=10).status_code == 401
         assert API_KEY not in " ".join(server.args)

@@ -34,13 +34,19 @@ def test_kill_9_of_the_engine_is_restarted(deploy, record_property):
     old = st["engine"]["pid"]
     os.kill(old, signal.SIGKILL)
     killed = time.monotonic()
-    st, _ = d.wait_for(lambda s: s["engine"]["state"] == "serving" and s["engine"]["pid"] not in (None, old),
-                       60, "a new engine serving")
+    st, _ = d.wait_for(
+        lambda s: s["engine"]["state"] == "serving" and s["engine"]["pid"] not in (None, old),
+        60,
+        "a new engine serving",
+    )
     seconds = time.monotonic() - killed
     record_property("kill_to_ready_seconds", round(seconds, 2))
     print(f"kill -9 -> serving again in {seconds:.2f} s")
-    r = httpx.post(d.url + "/v1/completions", json={"model": MODEL, "prompt": "Now is", "max_tokens": 8,
-                                                    "temperature": 0}, timeout=30)
+    r = httpx.post(
+        d.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Now is", "max_tokens": 8, "temperature": 0},
+        timeout=30,
+    )
     assert r.json()["choices"][0]["text"] == " better than never."
     assert st["restarts"]["recent"][-1]["reason"] == "engine_exited"
     assert st["last_decision"]["action"] in ("none", "restart")
@@ -78,10 +84,16 @@ def test_stuck_cache_drains_then_restarts_and_no_request_is_lost(deploy):
     # 32 KV blocks of 16 tokens: a handful of long requests fills the cache for many seconds.
     # Many short prompts with long outputs: a block freed by a finished or preempted request is
     # taken by the next waiting one within a step, so the pool stays full.
-    d = deploy(engine={"kv_cache_memory_bytes": 32 * 32768, "max_num_seqs": 64, "max_model_len": 256,
-                       "enable_debug_hooks": True},
-               # the backlog rule is switched off here so that only the cache rule can act
-               supervisor={"cooldown_seconds": 0.5, "drain_timeout": 120, "backlog_factor": 1000.0})
+    d = deploy(
+        engine={
+            "kv_cache_memory_bytes": 32 * 32768,
+            "max_num_seqs": 64,
+            "max_model_len": 256,
+            "enable_debug_hooks": True,
+        },
+        # the backlog rule is switched off here so that only the cache rule can act
+        supervisor={"cooldown_seconds": 0.5, "drain_timeout": 120, "backlog_factor": 1000.0},
+    )
     _start(d)
     body = {"model": MODEL, "prompt": "Errors should", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
     short = {**body, "max_tokens": 16}
@@ -117,25 +129,32 @@ def test_stuck_cache_drains_then_restarts_and_no_request_is_lost(deploy):
     st = d.status()
     reasons = [r["reason"] for r in st["restarts"]["recent"]]
     assert reasons and set(reasons) == {"high_cache"}, (reasons, st["last_decision"])
-    events = [json.loads(l) for l in d.log("supervisor.log").splitlines() if '"action": "drain_restart"' in l]
+    events = [json.loads(line) for line in d.log("supervisor.log").splitlines() if '"action": "drain_restart"' in line]
     assert events and events[0]["evidence"]["peak_cache_usage"] > 0.95
     assert events[0]["evidence"]["preemptions_in_window"] > 0  # pressure, not just a full cache
     lost = [r for r in results if r[0] != 200]
-    print(f"stuck cache: {len(results)} requests, " + ", ".join(
-        f"{sum(1 for r in results if r[0] == c)} x {c}" for c in sorted({r[0] for r in results}, key=str)))
+    print(
+        f"stuck cache: {len(results)} requests, "
+        + ", ".join(f"{sum(1 for r in results if r[0] == c)} x {c}" for c in sorted({r[0] for r in results}, key=str))
+    )
     assert not lost, lost  # a drain-restart hands over: no 503, no reset, nothing refused
     assert all(tokens == wanted for code, tokens, wanted in results)  # complete outputs
     assert sum(1 for _, _, wanted in results if wanted == 240) == FLOOD  # the whole flood
-    log = [json.loads(l) for l in d.log("supervisor.log").splitlines() if l.startswith("{")]
-    order = [e["event"] for e in log if e["event"] in ("decision", "engine_restart")
-             and e.get("action", "drain_restart") == "drain_restart"]
+    log = [json.loads(line) for line in d.log("supervisor.log").splitlines() if line.startswith("{")]
+    order = [
+        e["event"]
+        for e in log
+        if e["event"] in ("decision", "engine_restart") and e.get("action", "drain_restart") == "drain_restart"
+    ]
     assert order[:2] == ["decision", "engine_restart"], order
-    engine_log = [json.loads(l) for l in d.log("engine.log").splitlines() if l.startswith("{")]
+    engine_log = [json.loads(line) for line in d.log("engine.log").splitlines() if line.startswith("{")]
     # the old engine handed over (it was not killed): what it held finished there, whether the flood was still
     # running when the new engine took over or had finished while the new one loaded (overlap)
     assert [e for e in engine_log if e["event"] == "handover_finished"][0]["handed_over"] is True
     m = d.supervisor_metrics()
-    assert sum(v for k, v in m.items() if k.startswith("pagekeeper_supervisor_decisions_total{action=drain_restart")) >= 1
+    assert (
+        sum(v for k, v in m.items() if k.startswith("pagekeeper_supervisor_decisions_total{action=drain_restart")) >= 1
+    )
     assert sum(v for k, v in m.items() if k.startswith("pagekeeper_supervisor_requests_lost_total")) == 0
 
 
@@ -158,8 +177,10 @@ def test_an_engine_that_exits_2_is_started_once_and_start_says_why(deploy):
 def test_an_engine_that_keeps_crashing_ends_in_a_reported_crash_loop(deploy, tmp_path):
     # exit 1 (a bug, not a config mistake) is retried until the crash-loop guard gives up
     crasher = tmp_path / "sitecustomize.py"
-    crasher.write_text("import sys\nif 'engine.server' in sys.orig_argv:\n"
-                       "    print('boom: a crash on start-up', flush=True); sys.exit(1)\n")
+    crasher.write_text(
+        "import sys\nif 'engine.server' in sys.orig_argv:\n"
+        "    print('boom: a crash on start-up', flush=True); sys.exit(1)\n"
+    )
     d = deploy(supervisor={"max_restarts": 2})
     r = d.opsctl("start", env={"PYTHONPATH": f"{tmp_path}:{d.env()['PYTHONPATH']}"})
     assert r.returncode == 6, r.stdout + r.stderr
@@ -186,14 +207,18 @@ def test_garbage_metrics_slow_metrics_and_no_nvml_are_reported_not_fatal(deploy)
     assert d.supervisor_metrics()["pagekeeper_supervisor_nvml_available"] == 0
 
     httpx.post(d.url + "/debug/metrics", params={"mode": "garbage"})
-    st, _ = d.wait_for(lambda s: (s["engine"]["metrics_error"] or "").startswith("unparseable metrics"), 10,
-                       "the garbage to be reported")
+    st, _ = d.wait_for(
+        lambda s: (s["engine"]["metrics_error"] or "").startswith("unparseable metrics"),
+        10,
+        "the garbage to be reported",
+    )
     assert st["engine"]["state"] == "serving"
     assert d.supervisor_metrics()["pagekeeper_supervisor_engine_metrics_ok"] == 0
 
     httpx.post(d.url + "/debug/metrics", params={"mode": "slow", "seconds": 3})
-    st, _ = d.wait_for(lambda s: s["engine"]["metrics_error"] == "metrics endpoint timed out", 15,
-                       "the timeout to be reported")
+    st, _ = d.wait_for(
+        lambda s: s["engine"]["metrics_error"] == "metrics endpoint timed out", 15, "the timeout to be reported"
+    )
     assert st["engine"]["state"] == "serving" and st["restarts"]["total"] == 0
 
     httpx.post(d.url + "/debug/metrics", params={"mode": "normal"})
@@ -205,9 +230,22 @@ def test_garbage_metrics_slow_metrics_and_no_nvml_are_reported_not_fatal(deploy)
 
 def test_fake_nvml_readings_are_exported(deploy, tmp_path):
     gpu_file = tmp_path / "gpus.json"
-    gpu_file.write_text(json.dumps([{"index": 0, "name": "Fake H100", "memory_used_bytes": 60 * 2**30,
-                                     "memory_total_bytes": 80 * 2**30, "utilization_ratio": 0.9,
-                                     "temperature_celsius": 71.0, "xid_errors_total": 2, "ecc_errors_total": 1}]))
+    gpu_file.write_text(
+        json.dumps(
+            [
+                {
+                    "index": 0,
+                    "name": "Fake H100",
+                    "memory_used_bytes": 60 * 2**30,
+                    "memory_total_bytes": 80 * 2**30,
+                    "utilization_ratio": 0.9,
+                    "temperature_celsius": 71.0,
+                    "xid_errors_total": 2,
+                    "ecc_errors_total": 1,
+                }
+            ]
+        )
+    )
     d = deploy()
     r = d.opsctl("start", env={"PAGEKEEPER_FAKE_NVML": str(gpu_file)})
     assert r.returncode == 0, r.stderr

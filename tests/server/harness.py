@@ -64,15 +64,29 @@ class ServerProcess:
             self.proc.wait(10)
 
 
-def start_server(tmp_path: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None,
-                 wait: bool = True, pass_fds: tuple[int, ...] = (), preexec_fn=None) -> ServerProcess:  # type: ignore[no-untyped-def]
+def start_server(
+    tmp_path: Path,
+    *args: str,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+    wait: bool = True,
+    pass_fds: tuple[int, ...] = (),
+    preexec_fn=None,
+) -> ServerProcess:  # type: ignore[no-untyped-def]
     port = port or free_port()
     log_path = tmp_path / f"server-{port}.log"
     cmd = [sys.executable, "-m", "engine.server", "--port", str(port), *args]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=str(REPO),
-                                pass_fds=pass_fds, preexec_fn=preexec_fn)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=str(REPO),
+            pass_fds=pass_fds,
+            preexec_fn=preexec_fn,
+        )
     server = ServerProcess(proc, port, log_path, cmd)
     if wait:
         try:

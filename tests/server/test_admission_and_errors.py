@@ -48,20 +48,22 @@ def test_requests_that_can_never_fit_are_400s(shared_server):
     long_prompt = "Beautiful is better than ugly. " * 60  # ~300 tokens > max_model_len 256
     r = httpx.post(shared_server.url + "/v1/completions", json={"model": MODEL, "prompt": long_prompt})
     assert r.status_code == 400 and r.json()["error"]["param"] in ("max_tokens", "prompt")
-    r = httpx.post(shared_server.url + "/v1/completions",
-                   json={"model": MODEL, "prompt": [[1, 2], [3, 10**6]]})
+    r = httpx.post(shared_server.url + "/v1/completions", json={"model": MODEL, "prompt": [[1, 2], [3, 10**6]]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]"
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"model": MODEL}, "prompt"),
-    ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, "max_tokens"),
-    ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p"),
-    ({"model": MODEL, "prompt": "x", "n": 0}, "n"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 99}, "logprobs"),
-    ({"model": MODEL, "prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
-    ({"model": MODEL, "prompt": []}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"model": MODEL}, "prompt"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p"),
+        ({"model": MODEL, "prompt": "x", "n": 0}, "n"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 99}, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
+        ({"model": MODEL, "prompt": []}, "prompt"),
+    ],
+)
 def test_bad_parameters_name_the_parameter(shared_server, body, param):
     r = httpx.post(shared_server.url + "/v1/completions", json=body)
     assert r.status_code == 400, r.text
@@ -70,8 +72,9 @@ def test_bad_parameters_name_the_parameter(shared_server, body, param):
 
 
 def test_malformed_json_and_unknown_routes(shared_server):
-    r = httpx.post(shared_server.url + "/v1/chat/completions", content=b"{not json",
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        shared_server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
     r = httpx.get(shared_server.url + "/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
@@ -127,17 +130,47 @@ def test_client_disconnect_aborts_the_request_and_frees_its_blocks(launch):
 
 def _seed_script_args(tp: int, port: int) -> list[str]:
     """The flags of the seed's production start-up script, with only the model path changed."""
-    return ["--model", str(DEFAULT_MODEL_DIR), "--tensor-parallel-size", str(tp), "--port", str(port),
-            "--host", "0.0.0.0", "--gpu-memory-utilization", "0.88", "--max-model-len", "256",
-            "--max-num-seqs", "64", "--max-num-batched-tokens", "24576", "--block-size", "16",
-            "--swap-space", "8", "--disable-log-requests", "--enable-chunked-prefill",
-            "--max-num-on-the-fly-batches", "4", "--dtype", "bfloat16", "--trust-remote-code"]
+    return [
+        "--model",
+        str(DEFAULT_MODEL_DIR),
+        "--tensor-parallel-size",
+        str(tp),
+        "--port",
+        str(port),
+        "--host",
+        "0.0.0.0",
+        "--gpu-memory-utilization",
+        "0.88",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "64",
+        "--max-num-batched-tokens",
+        "24576",
+        "--block-size",
+        "16",
+        "--swap-space",
+        "8",
+        "--disable-log-requests",
+        "--enable-chunked-prefill",
+        "--max-num-on-the-fly-batches",
+        "4",
+        "--dtype",
+        "bfloat16",
+        "--trust-remote-code",
+    ]
 
 
 def _run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "engine.server", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-m", "engine.server", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=str(REPO),
+    )
 
 
 def test_seed_startup_script_flags_start_the_server(launch):
@@ -146,8 +179,10 @@ def test_seed_startup_script_flags_start_the_server(launch):
     args.remove("--port")
     args.remove(str(port))
     server = launch(*args, port=port)
-    r = httpx.post(server.url + "/v1/completions", json={"model": str(DEFAULT_MODEL_DIR), "prompt": "Now is",
-                                                          "max_tokens": 8, "temperature": 0})
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": str(DEFAULT_MODEL_DIR), "prompt": "Now is", "max_tokens": 8, "temperature": 0},
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == " better than never."
     assert "flag_ignored_on_cpu" in server.log() and "swap-space" in server.log()
 

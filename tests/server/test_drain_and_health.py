@@ -15,8 +15,15 @@ MODEL = "pagekeeper-default"
 
 
 def _stream_tokens(url: str, max_tokens: int, out: list, idx: int) -> None:
-    body = {"model": MODEL, "prompt": "Errors should", "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": "Errors should",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
             usage = None
@@ -40,8 +47,10 @@ def test_sigterm_drains_in_flight_streams_refuses_new_work_and_exits_0(launch):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # all 8 admitted (4 running, 4 waiting)
         m = httpx.get(server.url + "/metrics").text
-        if 'vllm_num_requests_running{model_name="pagekeeper-default"} 4.0' in m and \
-                'vllm_num_requests_waiting{model_name="pagekeeper-default"} 4.0' in m:
+        if (
+            'vllm_num_requests_running{model_name="pagekeeper-default"} 4.0' in m
+            and 'vllm_num_requests_waiting{model_name="pagekeeper-default"} 4.0' in m
+        ):
             break
         time.sleep(0.01)
     server.proc.send_signal(15)
@@ -133,11 +142,19 @@ def test_sigterm_with_an_inherited_socket_answers_every_connection_already_accep
     listener.bind(("127.0.0.1", 0))
     listener.listen(64)
     port = listener.getsockname()[1]
-    server = launch("--listen-fd", str(listener.fileno()), "--enable-debug-hooks", "--drain-timeout", "60",
-                    port=port, pass_fds=(listener.fileno(),))
+    server = launch(
+        "--listen-fd",
+        str(listener.fileno()),
+        "--enable-debug-hooks",
+        "--drain-timeout",
+        "60",
+        port=port,
+        pass_fds=(listener.fileno(),),
+    )
     try:
-        blocker = threading.Thread(target=lambda: httpx.post(server.url + "/debug/block-http-loop",
-                                                             params={"seconds": 1.5}, timeout=30))
+        blocker = threading.Thread(
+            target=lambda: httpx.post(server.url + "/debug/block-http-loop", params={"seconds": 1.5}, timeout=30)
+        )
         blocker.start()
         time.sleep(0.3)  # the loop is now held
         results: list = [None] * 6

@@ -22,12 +22,32 @@ def test_schemathesis_finds_no_server_errors(launch, tmp_path):
     exe = shutil.which("schemathesis") or shutil.which("st")
     cmd = [exe] if exe else [sys.executable, "-m", "schemathesis.cli"]
     run = subprocess.run(
-        [*cmd, "run", server.url + "/openapi.json", "--checks", "not_a_server_error", "--max-examples", "120",
-         "--exclude-path", "/drain", "--seed", "1", "--workers", "2", "--no-color"],
-        capture_output=True, text=True, timeout=900, cwd=tmp_path,
+        [
+            *cmd,
+            "run",
+            server.url + "/openapi.json",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "120",
+            "--exclude-path",
+            "/drain",
+            "--seed",
+            "1",
+            "--workers",
+            "2",
+            "--no-color",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
     )
-    statuses = [json.loads(line)["status"] for line in server.log().splitlines()
-                if line.startswith("{") and '"http_request"' in line]
+    statuses = [
+        json.loads(line)["status"]
+        for line in server.log().splitlines()
+        if line.startswith("{") and '"http_request"' in line
+    ]
     assert len(statuses) >= 1000, (len(statuses), run.stdout[-3000:])
     server_errors = [s for s in statuses if s >= 500]
     assert not server_errors, run.stdout[-5000:]
@@ -35,8 +55,10 @@ def test_schemathesis_finds_no_server_errors(launch, tmp_path):
     assert sum(s == 200 for s in statuses) > 100  # the fuzzer reached the engine, not only validation
     # still serving, and nothing left behind in the KV cache
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
-    r = httpx.post(server.url + "/v1/completions",
-                   json={"model": "pagekeeper-default", "prompt": "Now is", "max_tokens": 8, "temperature": 0})
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": "pagekeeper-default", "prompt": "Now is", "max_tokens": 8, "temperature": 0},
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == " better than never."
     metrics = httpx.get(server.url + "/metrics").text
     assert 'vllm_gpu_cache_usage_perc{model_name="pagekeeper-default"} 0.0' in metrics

@@ -35,8 +35,17 @@ def _engine(launch, listener: socket.socket, tmp_path, name: str):  # type: igno
     answered by the other engine)."""
     ctl = tmp_path / f"{name}.sock"
     inflight = tmp_path / f"{name}.inflight"
-    server = launch("--listen-fd", str(listener.fileno()), "--control-socket", str(ctl), "--inflight-file",
-                    str(inflight), port=listener.getsockname()[1], pass_fds=(listener.fileno(),), wait=False)
+    server = launch(
+        "--listen-fd",
+        str(listener.fileno()),
+        "--control-socket",
+        str(ctl),
+        "--inflight-file",
+        str(inflight),
+        port=listener.getsockname()[1],
+        pass_fds=(listener.fileno(),),
+        wait=False,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         assert server.proc.poll() is None, server.log()[-3000:]
@@ -83,8 +92,10 @@ def test_stop_now_answers_in_flight_requests_with_a_retryable_503(launch, tmp_pa
     try:
         server, ctl, inflight = _engine(launch, listener, tmp_path, "e")
         body = {"model": "pagekeeper-default", "prompt": "Errors should", "max_tokens": 200, "ignore_eos": True}
-        with httpx.Client(base_url=server.url, timeout=60) as c, \
-                c.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+        with (
+            httpx.Client(base_url=server.url, timeout=60) as c,
+            c.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream,
+        ):
             lines = stream.iter_lines()
             first = next(lines)
             assert first.startswith("data: {")

@@ -53,20 +53,29 @@ def test_huge_requests_are_refused_at_once_and_health_keeps_answering(launch):
     try:
         # 64 prompts of 1e6 characters (63.5 MB): over the body limit, refused before the body is read
         body = json.dumps({"model": MODEL, "prompt": ["x" * 1_000_000] * 64, "max_tokens": 4}).encode()
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
         status, took = _raw_request(server.port, head, body)
         print(f"{len(body) / 1e6:.1f} MB request: HTTP {status} after {took:.2f} s")
         assert status == 413 and took < 2
         # under the body limit but far longer than max_model_len: a 400 naming the prompt, before tokenizing
         t = time.monotonic()
-        r = httpx.post(server.url + "/v1/completions", timeout=30,
-                       json={"model": MODEL, "prompt": ["x" * 1_000_000] * 8, "max_tokens": 4})
+        r = httpx.post(
+            server.url + "/v1/completions",
+            timeout=30,
+            json={"model": MODEL, "prompt": ["x" * 1_000_000] * 8, "max_tokens": 4},
+        )
         took = time.monotonic() - t
         print(f"8 x 1e6-character prompts: HTTP {r.status_code} after {took:.2f} s: {r.json()['error']['message']}")
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and took < 2
-        chunked = httpx.post(server.url + "/v1/completions", content=iter([b"{" + b" " * 2**20] * 40),
-                             headers={"content-type": "application/json"}, timeout=30)
+        chunked = httpx.post(
+            server.url + "/v1/completions",
+            content=iter([b"{" + b" " * 2**20] * 40),
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
         assert chunked.status_code == 413  # no Content-Length: counted as it is read
     finally:
         stop.set()
@@ -109,8 +118,10 @@ def test_idle_connections_cannot_exhaust_the_file_limit(launch):
             s.close()
     p99 = statistics.quantiles(latencies, n=100)[98]
     log_bytes = server.log_path.stat().st_size
-    print(f"1,100 idle connections, 20 s, file limit 1024: {len(codes)} requests, "
-          f"{sum(c == 200 for c in codes)} x 200, p99 {p99:.3f} s, max {max(latencies):.3f} s, log {log_bytes} bytes")
+    print(
+        f"1,100 idle connections, 20 s, file limit 1024: {len(codes)} requests, "
+        f"{sum(c == 200 for c in codes)} x 200, p99 {p99:.3f} s, max {max(latencies):.3f} s, log {log_bytes} bytes"
+    )
     assert all(c == 200 for c in codes), codes
     assert p99 < 2.0
     assert log_bytes < 2**20

@@ -9,17 +9,33 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 CONTRACT = [
-    "vllm_num_requests_running", "vllm_num_requests_waiting", "vllm_num_requests_swapped",
-    "vllm_gpu_cache_usage_perc", "vllm_cpu_cache_usage_perc",
-    "vllm_prefix_cache_blocks_used", "vllm_prefix_cache_blocks_total", "vllm_prefix_cache_hit_rate",
-    "vllm_prefix_cache_queries_total", "vllm_prefix_cache_hits_total",
-    "vllm_request_success_total", "vllm_request_failure_total",
-    "vllm_prompt_tokens_total", "vllm_generation_tokens_total", "vllm_num_preemptions_total",
-    "vllm_time_to_first_token_seconds", "vllm_time_per_output_token_seconds",
-    "vllm_e2e_request_latency_seconds", "vllm_request_queue_time_seconds",
-    "vllm_kv_cache_token_utilization", "vllm_gpu_memory_allocated_bytes", "vllm_gpu_memory_reserved_bytes",
-    "vllm_gpu_allocator_efficiency", "vllm_fragmentation_buffer_bytes", "vllm_engine_steps_total",
-    "vllm_engine_draining", "vllm_cache_config_info",
+    "vllm_num_requests_running",
+    "vllm_num_requests_waiting",
+    "vllm_num_requests_swapped",
+    "vllm_gpu_cache_usage_perc",
+    "vllm_cpu_cache_usage_perc",
+    "vllm_prefix_cache_blocks_used",
+    "vllm_prefix_cache_blocks_total",
+    "vllm_prefix_cache_hit_rate",
+    "vllm_prefix_cache_queries_total",
+    "vllm_prefix_cache_hits_total",
+    "vllm_request_success_total",
+    "vllm_request_failure_total",
+    "vllm_prompt_tokens_total",
+    "vllm_generation_tokens_total",
+    "vllm_num_preemptions_total",
+    "vllm_time_to_first_token_seconds",
+    "vllm_time_per_output_token_seconds",
+    "vllm_e2e_request_latency_seconds",
+    "vllm_request_queue_time_seconds",
+    "vllm_kv_cache_token_utilization",
+    "vllm_gpu_memory_allocated_bytes",
+    "vllm_gpu_memory_reserved_bytes",
+    "vllm_gpu_allocator_efficiency",
+    "vllm_fragmentation_buffer_bytes",
+    "vllm_engine_steps_total",
+    "vllm_engine_draining",
+    "vllm_cache_config_info",
 ]
 
 
@@ -48,11 +64,16 @@ def test_every_contract_metric_is_exported_and_values_move(launch):
     before = scrape(server.url)
     assert before["vllm_request_success_total{finished_reason=stop}"] == 0
 
-    body = {"model": "pagekeeper-default", "prompt": "Flat is", "max_tokens": 200, "ignore_eos": True,
-            "temperature": 0}
+    body = {"model": "pagekeeper-default", "prompt": "Flat is", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
     results = []
-    threads = [threading.Thread(target=lambda: results.append(
-        httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code)) for _ in range(2)]
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(
+                httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code
+            )
+        )
+        for _ in range(2)
+    ]
     for t in threads:
         t.start()
     seen_running = seen_waiting = False

@@ -40,8 +40,9 @@ def test_completion_batch_of_prompts_and_n(client):
     r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=20, temperature=0, n=2)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert [c.text for c in r.choices] == [ZEN["Flat is"]] * 2 + [ZEN["Sparse is"]] * 2
-    sampled = client.completions.create(model=MODEL, prompt="Simple is", max_tokens=8, temperature=2.0, n=2,
-                                        seed=5, extra_body={"ignore_eos": True})
+    sampled = client.completions.create(
+        model=MODEL, prompt="Simple is", max_tokens=8, temperature=2.0, n=2, seed=5, extra_body={"ignore_eos": True}
+    )
     assert len(sampled.choices) == 2 and sampled.usage.completion_tokens == 16
 
 
@@ -52,8 +53,16 @@ def test_stop_strings(client):
 
 
 def test_streaming_completion_reassembles_to_the_full_text(client):
-    chunks = list(client.completions.create(model=MODEL, prompt="Explicit is", max_tokens=20, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Explicit is",
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == ZEN["Explicit is"]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
@@ -61,23 +70,33 @@ def test_streaming_completion_reassembles_to_the_full_text(client):
 
 
 def test_streaming_with_a_stop_string_never_shows_the_cut_text(client):
-    chunks = list(client.completions.create(model=MODEL, prompt="Beautiful is", max_tokens=20, temperature=0,
-                                            stream=True, stop=" ugly"))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="Beautiful is", max_tokens=20, temperature=0, stream=True, stop=" ugly"
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == " better than"
 
 
 def test_chat_completion(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Now is"}],
-                                       temperature=0, max_tokens=20)
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Now is"}], temperature=0, max_tokens=20
+    )
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == ZEN["Now is"]
     assert r.usage.completion_tokens > 0
 
 
 def test_streaming_chat_with_n_and_usage(client):
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Flat is"}],
-                                            temperature=0, max_tokens=20, n=2, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Flat is"}],
+        temperature=0,
+        max_tokens=20,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     texts = {0: "", 1: ""}
     usage = None
     for chunk in stream:
@@ -94,8 +113,14 @@ def test_logprobs(client):
     assert len(lp.tokens) == len(lp.token_logprobs) == 3
     assert all(v <= 0 for v in lp.token_logprobs)
     assert all(len(t) == 2 for t in lp.top_logprobs)
-    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Readability"}],
-                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    c = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Readability"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = c.choices[0].logprobs.content
     assert len(content) == 3 and all(len(e.top_logprobs) == 2 for e in content)
 

@@ -35,26 +35,61 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 SYSTEMD = Path("/lib/systemd/systemd")
 BOX_TARGET = "pagekeeper-box.target"
-BOX_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
-           "SYSTEMD_PAGER": "", "SYSTEMD_COLORS": "0", "PYTHONUNBUFFERED": "1"}
+BOX_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LANG": "C.UTF-8",
+    "SYSTEMD_PAGER": "",
+    "SYSTEMD_COLORS": "0",
+    "PYTHONUNBUFFERED": "1",
+}
 
 # Units the host's configuration would pull into sysinit.target & co. that have no business in a box
 # sharing the host's network and kernel.  Everything wanted by the host's targets is masked as well
 # (see _masks); these are masked even if nothing wants them.
 ALWAYS_MASKED = [
-    "systemd-timesyncd.service", "systemd-networkd.service", "systemd-networkd.socket", "systemd-resolved.service",
-    "systemd-modules-load.service", "systemd-sysctl.service", "systemd-binfmt.service", "systemd-udevd.service",
-    "systemd-udev-trigger.service", "systemd-udev-settle.service", "systemd-hwdb-update.service",
-    "systemd-pstore.service", "systemd-firstboot.service", "systemd-repart.service", "kmod-static-nodes.service",
-    "proc-sys-fs-binfmt_misc.automount", "systemd-pcrphase.service", "systemd-pcrphase-sysinit.service",
-    "systemd-random-seed.service", "systemd-machine-id-commit.service", "systemd-update-utmp.service",
-    "systemd-journald-audit.socket", "sys-kernel-debug.mount", "sys-kernel-tracing.mount",
-    "sys-kernel-config.mount", "sys-fs-fuse-connections.mount", "dev-hugepages.mount", "dev-mqueue.mount",
-    "getty.target", "console-getty.service", "systemd-logind.service", "dbus.socket", "dbus.service",
+    "systemd-timesyncd.service",
+    "systemd-networkd.service",
+    "systemd-networkd.socket",
+    "systemd-resolved.service",
+    "systemd-modules-load.service",
+    "systemd-sysctl.service",
+    "systemd-binfmt.service",
+    "systemd-udevd.service",
+    "systemd-udev-trigger.service",
+    "systemd-udev-settle.service",
+    "systemd-hwdb-update.service",
+    "systemd-pstore.service",
+    "systemd-firstboot.service",
+    "systemd-repart.service",
+    "kmod-static-nodes.service",
+    "proc-sys-fs-binfmt_misc.automount",
+    "systemd-pcrphase.service",
+    "systemd-pcrphase-sysinit.service",
+    "systemd-random-seed.service",
+    "systemd-machine-id-commit.service",
+    "systemd-update-utmp.service",
+    "systemd-journald-audit.socket",
+    "sys-kernel-debug.mount",
+    "sys-kernel-tracing.mount",
+    "sys-kernel-config.mount",
+    "sys-fs-fuse-connections.mount",
+    "dev-hugepages.mount",
+    "dev-mqueue.mount",
+    "getty.target",
+    "console-getty.service",
+    "systemd-logind.service",
+    "dbus.socket",
+    "dbus.service",
 ]
-KEEP = {"systemd-journald.service", "systemd-journald.socket", "systemd-journald-dev-log.socket",
-        "systemd-journal-flush.service", "systemd-tmpfiles-setup.service", "systemd-tmpfiles-setup-dev.service",
-        "systemd-sysusers.service"}
+KEEP = {
+    "systemd-journald.service",
+    "systemd-journald.socket",
+    "systemd-journald-dev-log.socket",
+    "systemd-journal-flush.service",
+    "systemd-tmpfiles-setup.service",
+    "systemd-tmpfiles-setup-dev.service",
+    "systemd-sysusers.service",
+}
 
 TARGET_UNIT = """\
 [Unit]
@@ -94,8 +129,12 @@ def check_available() -> None:
         raise BoxUnavailable("no overlay file system in this kernel")
     if cgroup2_root() is None:
         raise BoxUnavailable("no cgroup2 hierarchy mounted on the host")
-    r = subprocess.run(["unshare", "--pid", "--mount", "--uts", "--ipc", "--cgroup", "--fork", "true"],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        ["unshare", "--pid", "--mount", "--uts", "--ipc", "--cgroup", "--fork", "true"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if r.returncode != 0:
         raise BoxUnavailable(f"unshare of pid/mount/uts/ipc/cgroup namespaces fails: {r.stderr.strip()}")
 
@@ -111,8 +150,9 @@ def _masks() -> list[str]:
 
 
 class Box:
-    def __init__(self, workdir: Path, run_units: dict[str, str] | None = None, files_from: Path | None = None,
-                 name: str = "box") -> None:
+    def __init__(
+        self, workdir: Path, run_units: dict[str, str] | None = None, files_from: Path | None = None, name: str = "box"
+    ) -> None:
         self.workdir = workdir
         self.name = name
         self.run_units = {BOX_TARGET: TARGET_UNIT, **(run_units or {})}
@@ -136,15 +176,37 @@ class Box:
         self.cgroup.mkdir()
         master, slave = os.openpty()
         self._master = master
-        spec = {"console": os.ttyname(slave), "target": BOX_TARGET, "run_units": self.run_units,
-                "masks": [m for m in _masks() if m not in self.run_units], "hostname": f"pagekeeper-{self.name}",
-                "files_from": str(self.files_from) if self.files_from else None, "ro_binds": _other_mounts(),
-                "tmp_binds": _under_private_tmp()}
+        spec = {
+            "console": os.ttyname(slave),
+            "target": BOX_TARGET,
+            "run_units": self.run_units,
+            "masks": [m for m in _masks() if m not in self.run_units],
+            "hostname": f"pagekeeper-{self.name}",
+            "files_from": str(self.files_from) if self.files_from else None,
+            "ro_binds": _other_mounts(),
+            "tmp_binds": _under_private_tmp(),
+        }
         spec_file = self.workdir / f"{self.name}-spec.json"
         spec_file.write_text(json.dumps(spec, indent=1))
-        inner = ["setpriv", "--pdeathsig", "KILL", "--",
-                 "unshare", "--pid", "--mount", "--uts", "--ipc", "--cgroup", "--fork", "--kill-child", "--",
-                 sys.executable, "-S", str(HERE / "boxinit.py"), str(spec_file)]
+        inner = [
+            "setpriv",
+            "--pdeathsig",
+            "KILL",
+            "--",
+            "unshare",
+            "--pid",
+            "--mount",
+            "--uts",
+            "--ipc",
+            "--cgroup",
+            "--fork",
+            "--kill-child",
+            "--",
+            sys.executable,
+            "-S",
+            str(HERE / "boxinit.py"),
+            str(spec_file),
+        ]
         # Enter the box's cgroup first, so that `unshare --cgroup` makes it the root of the box's view.
         cmd = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(self.cgroup), *inner]
         self.proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
@@ -199,8 +261,9 @@ class Box:
             if state in ("running", "degraded"):
                 return
             time.sleep(0.05)
-        raise TimeoutError(f"the box did not finish booting (state {state!r}):\n{self.console()}\n"
-                           f"{self.ctl('list-jobs').stdout}")
+        raise TimeoutError(
+            f"the box did not finish booting (state {state!r}):\n{self.console()}\n{self.ctl('list-jobs').stdout}"
+        )
 
     def stop(self, timeout: float = 20.0) -> None:
         """Power the box off; kill what is left; remove its cgroup.  Safe to call twice, and after failures."""
@@ -243,13 +306,19 @@ class Box:
 
     # -- control --------------------------------------------------------------------------------------
 
-    def run(self, *cmd: str, timeout: float = 120, env: dict[str, str] | None = None,
-            input: str | None = None) -> subprocess.CompletedProcess:
+    def run(
+        self, *cmd: str, timeout: float = 120, env: dict[str, str] | None = None, input: str | None = None
+    ) -> subprocess.CompletedProcess:
         """Run a command inside the box (its mount and pid namespaces)."""
         assert self.pid is not None
-        return subprocess.run(["nsenter", "-t", str(self.pid), "-m", "-p", "-u", "-i", "--", *cmd],
-                              capture_output=True, text=True, timeout=timeout, env={**BOX_ENV, **(env or {})},
-                              input=input)
+        return subprocess.run(
+            ["nsenter", "-t", str(self.pid), "-m", "-p", "-u", "-i", "--", *cmd],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**BOX_ENV, **(env or {})},
+            input=input,
+        )
 
     def ctl(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return self.run("systemctl", "--no-pager", *args, timeout=timeout)
@@ -271,8 +340,10 @@ class Box:
 
 def _needed_paths() -> list[Path]:
     """What the units run: the repo and the interpreter."""
-    return [Path(os.path.abspath(p)) for p in
-            (REPO, Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).resolve().parent)]
+    return [
+        Path(os.path.abspath(p))
+        for p in (REPO, Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).resolve().parent)
+    ]
 
 
 def _under_private_tmp() -> list[str]:

@@ -37,9 +37,18 @@ SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 
 # Dropped from the bounding set: what would let the box change the host (it shares the host's network).
 DROP_CAPS = {
-    "CAP_NET_ADMIN": 12, "CAP_SYS_MODULE": 16, "CAP_SYS_RAWIO": 17, "CAP_SYS_PACCT": 20, "CAP_SYS_TIME": 25,
-    "CAP_SYS_TTY_CONFIG": 26, "CAP_AUDIT_CONTROL": 30, "CAP_MAC_OVERRIDE": 32, "CAP_MAC_ADMIN": 33,
-    "CAP_SYSLOG": 34, "CAP_WAKE_ALARM": 35, "CAP_BLOCK_SUSPEND": 36,
+    "CAP_NET_ADMIN": 12,
+    "CAP_SYS_MODULE": 16,
+    "CAP_SYS_RAWIO": 17,
+    "CAP_SYS_PACCT": 20,
+    "CAP_SYS_TIME": 25,
+    "CAP_SYS_TTY_CONFIG": 26,
+    "CAP_AUDIT_CONTROL": 30,
+    "CAP_MAC_OVERRIDE": 32,
+    "CAP_MAC_ADMIN": 33,
+    "CAP_SYSLOG": 34,
+    "CAP_WAKE_ALARM": 35,
+    "CAP_BLOCK_SUSPEND": 36,
 }
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -54,8 +63,10 @@ def _check(ret: int, what: str) -> None:
 
 def mount(source: str | None, target: str | Path, fstype: str | None, flags: int = 0, data: str | None = None) -> None:
     enc = lambda v: None if v is None else str(v).encode()  # noqa: E731
-    _check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)),
-           f"mount {source} on {target} ({fstype}, {data})")
+    _check(
+        libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)),
+        f"mount {source} on {target} ({fstype}, {data})",
+    )
 
 
 def bind(source: str | Path, target: Path, readonly: bool = False, extra: int = 0) -> None:
@@ -102,8 +113,12 @@ def build_root(spec: dict) -> Path:
     os.symlink("pts/ptmx", dev / "ptmx")
     (dev / "shm").mkdir()
     mount("tmpfs", dev / "shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, dev / name)
     bind(spec["console"], dev / "console")
 
@@ -144,10 +159,17 @@ def main() -> None:
     for cap in DROP_CAPS.values():
         libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # unknown caps on old kernels: EINVAL, ignored
     pivot(root)
-    env = {"container": "pagekeeper-box", "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-           "LANG": "C.UTF-8", "TERM": "dumb"}
-    os.execve("/lib/systemd/systemd", ["/lib/systemd/systemd", "--system", f"--unit={spec['target']}",
-                                        "--show-status=no", "--log-color=no"], env)
+    env = {
+        "container": "pagekeeper-box",
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "LANG": "C.UTF-8",
+        "TERM": "dumb",
+    }
+    os.execve(
+        "/lib/systemd/systemd",
+        ["/lib/systemd/systemd", "--system", f"--unit={spec['target']}", "--show-status=no", "--log-color=no"],
+        env,
+    )
 
 
 if __name__ == "__main__":

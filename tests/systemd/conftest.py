@@ -43,8 +43,10 @@ class Deployment:
         return f"http://127.0.0.1:{self.port}"
 
     def show(self, unit: str = ENGINE, *props: str) -> dict[str, str]:
-        return self.box.show(unit, *(props or ("ActiveState", "SubState", "MainPID", "NRestarts", "Result",
-                                                "StatusText", "ExecMainStatus")))
+        return self.box.show(
+            unit,
+            *(props or ("ActiveState", "SubState", "MainPID", "NRestarts", "Result", "StatusText", "ExecMainStatus")),
+        )
 
     def main_pid(self) -> int:
         return int(self.show(ENGINE, "MainPID")["MainPID"])
@@ -68,8 +70,18 @@ class Deployment:
         raise AssertionError(f"engine not serving after {timeout}s: {last}\n{self.box.journal(ENGINE)[-4000:]}")
 
     def opsctl(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-        return self.box.run(sys.executable, "-m", "opsctl.cli", "--config", CONFIG, "--runtime-dir", "/run/pagekeeper",
-                            *args, timeout=timeout, env={"PYTHONPATH": str(REPO)})
+        return self.box.run(
+            sys.executable,
+            "-m",
+            "opsctl.cli",
+            "--config",
+            CONFIG,
+            "--runtime-dir",
+            "/run/pagekeeper",
+            *args,
+            timeout=timeout,
+            env={"PYTHONPATH": str(REPO)},
+        )
 
     def write(self, path: str, text: str) -> None:
         r = self.box.run("sh", "-c", 'mkdir -p "$(dirname "$0")" && cat > "$0"', path, input=text)
@@ -100,25 +112,42 @@ def deploy(box_support, tmp_path: Path, request: pytest.FixtureRequest):
     """
     boxes: list[Box] = []
 
-    def make(engine: dict[str, Any] | None = None, supervisor: dict[str, Any] | None = None,
-             dropins: dict[str, str] | None = None, installed: bool = True,
-             instances: dict[str, dict[str, Any]] | None = None, env_file: str | None = None) -> Deployment:
+    def make(
+        engine: dict[str, Any] | None = None,
+        supervisor: dict[str, Any] | None = None,
+        dropins: dict[str, str] | None = None,
+        installed: bool = True,
+        instances: dict[str, dict[str, Any]] | None = None,
+        env_file: str | None = None,
+    ) -> Deployment:
         port = free_port()
         stage = tmp_path / f"install{len(boxes)}"
         (stage / "etc/pagekeeper").mkdir(parents=True)
-        write_config(stage / "etc/pagekeeper/pagekeeper.toml", {"port": port, **(engine or {})},
-                     {"launcher": "systemd", "metrics_port": 0, **(supervisor or {})})
+        write_config(
+            stage / "etc/pagekeeper/pagekeeper.toml",
+            {"port": port, **(engine or {})},
+            {"launcher": "systemd", "metrics_port": 0, **(supervisor or {})},
+        )
         instance_ports = {}
         for name, instance_engine in (instances or {}).items():
             instance_ports[name] = free_port()
-            write_config(stage / f"{name}.toml", {"port": instance_ports[name], **instance_engine},
-                         {"launcher": "systemd", "metrics_port": 0, **(supervisor or {})})
+            write_config(
+                stage / f"{name}.toml",
+                {"port": instance_ports[name], **instance_engine},
+                {"launcher": "systemd", "metrics_port": 0, **(supervisor or {})},
+            )
         if installed:
-            for args in [["install"]] + [["--instance", name, "--config", str(stage / f"{name}.toml"), "install"]
-                                         for name in instance_ports]:
-                r = subprocess.run([sys.executable, "-m", "opsctl.cli", *args, "--prefix", str(stage)],
-                                   cwd=str(REPO), capture_output=True, text=True, timeout=120,
-                                   env={**os.environ, "PYTHONPATH": str(REPO)})
+            for args in [["install"]] + [
+                ["--instance", name, "--config", str(stage / f"{name}.toml"), "install"] for name in instance_ports
+            ]:
+                r = subprocess.run(
+                    [sys.executable, "-m", "opsctl.cli", *args, "--prefix", str(stage)],
+                    cwd=str(REPO),
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                    env={**os.environ, "PYTHONPATH": str(REPO)},
+                )
                 assert r.returncode == 0, r.stdout + r.stderr
             if env_file is not None:  # appended to every instance's environment file (keys, for example)
                 for env in (stage / "etc/pagekeeper").glob("*.env"):

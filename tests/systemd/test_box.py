@@ -67,8 +67,11 @@ def test_start_returns_when_the_engine_serves_hardened_and_stop_drains(deploy, r
     assert state["ActiveState"] == "active" and state["SubState"] == "running"
     assert state["StatusText"] == f"serving {MODEL} on 127.0.0.1:{d.port}"
     assert any(s.startswith("loading") for s in seen), seen
-    r = httpx.post(d.url + "/v1/completions", json={"model": MODEL, "prompt": "Now is", "max_tokens": 8,
-                                                    "temperature": 0}, timeout=30)
+    r = httpx.post(
+        d.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Now is", "max_tokens": 8, "temperature": 0},
+        timeout=30,
+    )
     assert r.json()["choices"][0]["text"] == " better than never."
 
     # the hardening is in force on the running engine
@@ -117,8 +120,10 @@ def test_watchdog_restarts_a_stopped_engine_and_one_whose_step_loop_hangs(deploy
     assert d.show()["NRestarts"] == "2"
     record_property("sigstop_to_serving_seconds", round(sigstop_s, 2))
     record_property("frozen_loop_to_serving_seconds", round(freeze_s, 2))
-    print(f"WatchdogSec=3: SIGSTOP -> new engine serving in {sigstop_s:.1f} s; "
-          f"frozen step loop -> new engine serving in {freeze_s:.1f} s")
+    print(
+        f"WatchdogSec=3: SIGSTOP -> new engine serving in {sigstop_s:.1f} s; "
+        f"frozen step loop -> new engine serving in {freeze_s:.1f} s"
+    )
     dumps = d.box.journal(ENGINE, lines=2000).count("Fatal Python error: Aborted")
     print(f"faulthandler stack dumps in the journal: {dumps}")
 
@@ -140,14 +145,20 @@ def test_kill_9_restarts_config_errors_fail_at_once_and_crash_loops_hit_the_star
     d.box.ctl("reset-failed", ENGINE)
     assert d.box.ctl("start", ENGINE).returncode != 0
     state = d.show()
-    assert (state["ActiveState"], state["Result"], state["ExecMainStatus"], state["NRestarts"]) == \
-        ("failed", "exit-code", "2", "0"), state
+    assert (state["ActiveState"], state["Result"], state["ExecMainStatus"], state["NRestarts"]) == (
+        "failed",
+        "exit-code",
+        "2",
+        "0",
+    ), state
     assert "/nonexistent/model" in d.box.journal(ENGINE)
 
     # A binary that crashes at start is started StartLimitBurst (5) times, then the unit stays failed.
-    d.write(f"/run/systemd/system/{ENGINE}.d/90-crash.conf",
-            "[Service]\nExecStart=\nExecStart=/bin/sh -c 'echo pagekeeper-test: crashing at start >&2; exit 1'\n"
-            "RestartSec=100ms\n")
+    d.write(
+        f"/run/systemd/system/{ENGINE}.d/90-crash.conf",
+        "[Service]\nExecStart=\nExecStart=/bin/sh -c 'echo pagekeeper-test: crashing at start >&2; exit 1'\n"
+        "RestartSec=100ms\n",
+    )
     assert d.box.ctl("daemon-reload").returncode == 0
     d.box.ctl("reset-failed", ENGINE, SOCKET)
     started = time.monotonic()
@@ -221,9 +232,15 @@ def test_socket_activation_restart_refuses_and_fails_nothing(deploy, record_prop
     failed = [x for x in results if x[2] not in ("ok", "refused")]
     slowest = max(x[1] for x in results)
     across = [x for x in results if x[0] < t + restart_s and x[0] + x[1] > t + restart_s]  # answered by the new engine
-    summary = {"requests": len(results), "before_restart": before, "refused": len(refused), "failed": len(failed),
-               "slowest_s": round(slowest, 2), "waited_through_restart": len(across),
-               "systemctl_restart_s": round(restart_s, 2)}
+    summary = {
+        "requests": len(results),
+        "before_restart": before,
+        "refused": len(refused),
+        "failed": len(failed),
+        "slowest_s": round(slowest, 2),
+        "waited_through_restart": len(across),
+        "systemctl_restart_s": round(restart_s, 2),
+    }
     record_property("socket_activation", summary)
     print(f"socket activation through `systemctl restart {ENGINE}`: {summary}")
     assert not refused and not failed, (refused + failed)[:10]
@@ -232,8 +249,10 @@ def test_socket_activation_restart_refuses_and_fails_nothing(deploy, record_prop
 
 
 def test_supervisor_under_systemd_drains_then_restarts_the_engine_through_systemctl(deploy):
-    d = deploy(engine={"drain_timeout": 60},
-               supervisor={"poll_interval": 0.5, "probe_timeout": 2.0, "cooldown_seconds": 1.0, "drain_timeout": 60})
+    d = deploy(
+        engine={"drain_timeout": 60},
+        supervisor={"poll_interval": 0.5, "probe_timeout": 2.0, "cooldown_seconds": 1.0, "drain_timeout": 60},
+    )
     assert d.box.ctl("start", SUPERVISOR).returncode == 0
     first, _ = d.wait_serving(120)  # the supervisor started the engine with systemctl
     socket_since = d.show(SOCKET, "ActiveEnterTimestampMonotonic")
@@ -249,8 +268,15 @@ def test_supervisor_under_systemd_drains_then_restarts_the_engine_through_system
     streams = 4
 
     def stream() -> None:
-        body = {"model": MODEL, "prompt": "Errors should", "max_tokens": 230, "ignore_eos": True, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": MODEL,
+            "prompt": "Errors should",
+            "max_tokens": 230,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with httpx.stream("POST", d.url + "/v1/completions", json=body, timeout=120) as r:
             usage = None
             for line in r.iter_lines():
@@ -280,8 +306,10 @@ def test_supervisor_under_systemd_drains_then_restarts_the_engine_through_system
     started = d.events(ENGINE, "handover_started")
     finished = d.events(ENGINE, "handover_finished")
     restarts = d.events(SUPERVISOR, "engine_restart")
-    print(f"in flight when SIGTERM arrived: {stopped_accepting and stopped_accepting[-1]['in_flight']}, "
-          f"when the handover began: {started and started[-1]['in_flight']}, streams finished: {len(result)}")
+    print(
+        f"in flight when SIGTERM arrived: {stopped_accepting and stopped_accepting[-1]['in_flight']}, "
+        f"when the handover began: {started and started[-1]['in_flight']}, streams finished: {len(result)}"
+    )
     assert stopped_accepting and stopped_accepting[-1]["in_flight"] >= 1, stopped_accepting
     assert started, started
     assert finished and finished[-1]["handed_over"] is True, finished
@@ -303,8 +331,15 @@ def test_opsctl_install_and_uninstall_on_a_running_systemd(deploy):
     daemon-reload; the enabled socket starts the engine on the first connection; `opsctl uninstall`
     stops, disables and removes everything."""
     d = deploy(installed=False)
-    install = d.box.run(sys.executable, "-m", "opsctl.cli", "--config", "/pagekeeper-test.toml", "install",
-                        env={"PYTHONPATH": str(REPO)})
+    install = d.box.run(
+        sys.executable,
+        "-m",
+        "opsctl.cli",
+        "--config",
+        "/pagekeeper-test.toml",
+        "install",
+        env={"PYTHONPATH": str(REPO)},
+    )
     assert install.returncode == 0, install.stdout + install.stderr
     assert "systemctl daemon-reload" in install.stdout
     assert d.box.read("/etc/pagekeeper/pagekeeper.toml") == d.box.read("/pagekeeper-test.toml")
@@ -337,8 +372,11 @@ def test_two_instances_under_systemd_with_keys_that_no_command_line_shows(deploy
     key and an admin key in its 0600 environment file: `ps` shows neither key, /drain without the admin key
     is refused, and restarting or stopping one instance leaves the other serving."""
     api_key, admin_key = "sk-box-api-7f3a91", "sk-box-admin-c24e08"
-    d = deploy(instances={"b": {}}, supervisor={"poll_interval": 0.5, "cooldown_seconds": 1.0},
-               env_file=f"PAGEKEEPER_API_KEY={api_key}\nPAGEKEEPER_ADMIN_KEY={admin_key}\n")
+    d = deploy(
+        instances={"b": {}},
+        supervisor={"poll_interval": 0.5, "cooldown_seconds": 1.0},
+        env_file=f"PAGEKEEPER_API_KEY={api_key}\nPAGEKEEPER_ADMIN_KEY={admin_key}\n",
+    )
     b_port = d.instance_ports["b"]
     b_url = f"http://127.0.0.1:{b_port}"
     assert d.box.run("stat", "-c", "%a", "/etc/pagekeeper/b.env").stdout.strip() == "600"
@@ -354,14 +392,24 @@ def test_two_instances_under_systemd_with_keys_that_no_command_line_shows(deploy
                 break
         except httpx.HTTPError:
             pass
-        assert time.monotonic() < deadline, d.box.run("journalctl", "--no-pager", "-o", "cat", "-u", "pagekeeper-engine@b.service").stdout[:6000]
+        assert time.monotonic() < deadline, d.box.run(
+            "journalctl", "--no-pager", "-o", "cat", "-u", "pagekeeper-engine@b.service"
+        ).stdout[:6000]
         time.sleep(0.2)
 
     def opsctl(instance: str, *args: str) -> subprocess.CompletedProcess:
-        return d.box.run(sys.executable, "-m", "opsctl.cli", "--instance", instance, *args,
-                         env={"PYTHONPATH": str(REPO)}, timeout=180)
+        return d.box.run(
+            sys.executable,
+            "-m",
+            "opsctl.cli",
+            "--instance",
+            instance,
+            *args,
+            env={"PYTHONPATH": str(REPO)},
+            timeout=180,
+        )
 
-    for instance, (supervisor, engine) in units.items():
+    for instance, (_supervisor, engine) in units.items():
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and opsctl(instance, "status").returncode != 0:
             time.sleep(0.3)

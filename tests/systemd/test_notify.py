@@ -77,8 +77,10 @@ def test_notifier_speaks_to_an_abstract_socket_and_rate_limits_the_watchdog():
     sink = NotifySocket(b"\0" + name.encode())
     now = [100.0]
     try:
-        n = Notifier(environ={"NOTIFY_SOCKET": "@" + name, "WATCHDOG_USEC": "2000000",
-                              "WATCHDOG_PID": str(os.getpid())}, clock=lambda: now[0])
+        n = Notifier(
+            environ={"NOTIFY_SOCKET": "@" + name, "WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid())},
+            clock=lambda: now[0],
+        )
         assert n.watchdog_interval == 2.0
         assert n.ready("serving  model\non port") is True
         assert [n.watchdog() for _ in range(3)] == [False, False, False]  # READY=1 carried a ping
@@ -101,8 +103,13 @@ def test_engine_reports_ready_status_watchdog_and_stopping(tmp_path: Path):
     sink = NotifySocket(str(sock_path))
     server = None
     try:
-        server = start_server(tmp_path, "--enable-debug-hooks", "--drain-timeout", "30",
-                              env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "400000"})
+        server = start_server(
+            tmp_path,
+            "--enable-debug-hooks",
+            "--drain-timeout",
+            "30",
+            env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "400000"},
+        )
         ready_at = sink.wait_for("READY", "1")
         statuses = sink.values("STATUS")
         assert statuses[0] == "loading pagekeeper-default", statuses
@@ -145,8 +152,14 @@ def _engine_on_fd(tmp_path: Path, name: str, fd: int) -> ServerProcess:
     log_path = tmp_path / f"{name}.log"
     cmd = [sys.executable, "-m", "engine.server", "--listen-fd", str(fd)]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO), pass_fds=(fd,),
-                                env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=str(REPO),
+            pass_fds=(fd,),
+            env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"},
+        )
     return ServerProcess(proc, 0, log_path, cmd)
 
 
@@ -168,8 +181,9 @@ def test_sigterm_with_an_inherited_socket_stops_accepting_so_connections_wait_fo
         assert '"event": "stopped_accepting"' in servers[0].log()
         result: list = []
         body = {"model": "pagekeeper-default", "prompt": "Beautiful is", "max_tokens": 4, "temperature": 0}
-        client = threading.Thread(target=lambda: result.append(
-            httpx.post(url + "/v1/completions", json=body, timeout=120)))
+        client = threading.Thread(
+            target=lambda: result.append(httpx.post(url + "/v1/completions", json=body, timeout=120))
+        )
         client.start()  # no engine: the kernel accepts the connection and it waits in the queue
         time.sleep(0.5)
         assert client.is_alive() and not result

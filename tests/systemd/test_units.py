@@ -14,27 +14,52 @@ from pathlib import Path
 
 import pytest
 
-from opsctl.install import (DEFAULT_CONFIG, DROPIN_NAME, ENGINE_UNIT, SOCKET_UNIT, SUPERVISOR_UNIT, TEMPLATE_NAMES,
-                            UNITS, Layout, get_key, render_units)
 from opsctl.config import load_config
+from opsctl.install import (
+    DEFAULT_CONFIG,
+    DROPIN_NAME,
+    ENGINE_UNIT,
+    SOCKET_UNIT,
+    SUPERVISOR_UNIT,
+    TEMPLATE_NAMES,
+    UNITS,
+    Layout,
+    get_key,
+    render_units,
+)
 from opsctl.launcher import SystemdLauncher
 from tests.server.harness import REPO
 
 UNIT_DIR = REPO / "systemd"
 MAX_EXPOSURE = 4.0
 # Keys that systemd 252 (Debian 12) does not know: units must not use them.
-NEWER_THAN_252 = ("RestartSteps", "RestartMaxDelaySec", "OpenFile", "ExitType=cgroup", "Type=notify-reload",
-                  "ReloadSignal", "MemoryZSwapMax", "SurviveFinalKillSignal", "ImportCredential",
-                  "ProtectHostname=private", "PrivatePIDs", "DelegateSubgroup", "MemoryPressureWatch")
+NEWER_THAN_252 = (
+    "RestartSteps",
+    "RestartMaxDelaySec",
+    "OpenFile",
+    "ExitType=cgroup",
+    "Type=notify-reload",
+    "ReloadSignal",
+    "MemoryZSwapMax",
+    "SurviveFinalKillSignal",
+    "ImportCredential",
+    "ProtectHostname=private",
+    "PrivatePIDs",
+    "DelegateSubgroup",
+    "MemoryPressureWatch",
+)
 
-needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                                   reason="systemd-analyze not installed (scripts/setup.sh --test installs systemd)")
+needs_analyze = pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="systemd-analyze not installed (scripts/setup.sh --test installs systemd)",
+)
 
 
 def opsctl(*args: str, config: Path | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "opsctl.cli", *(["--config", str(config)] if config else []), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +85,13 @@ def test_systemd_analyze_verify_is_silent_for_every_unit(installed):
 @needs_analyze
 def test_engine_unit_exposure_is_at_most_4(installed, record_property):
     scores = {}
-    for unit in (UNIT_DIR / ENGINE_UNIT, installed / "etc/systemd/system" / ENGINE_UNIT,
-                 UNIT_DIR / SUPERVISOR_UNIT):
-        r = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--no-pager", str(unit)],
-                           capture_output=True, text=True, timeout=60)
+    for unit in (UNIT_DIR / ENGINE_UNIT, installed / "etc/systemd/system" / ENGINE_UNIT, UNIT_DIR / SUPERVISOR_UNIT):
+        r = subprocess.run(
+            ["systemd-analyze", "security", "--offline=yes", "--no-pager", str(unit)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         m = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", r.stdout)
         assert m, r.stdout + r.stderr
         scores[str(unit.relative_to(unit.parents[1]))] = float(m.group(1))
@@ -92,9 +120,15 @@ def test_engine_unit_has_the_required_settings():
     assert get("LimitMEMLOCK") == "infinity" and get("DevicePolicy") == "closed"
     allowed = re.findall(r"^DeviceAllow=(\S+)", text, re.M)
     assert {"/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "char-nvidia"} <= set(allowed)
-    for key, value in (("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"), ("PrivateTmp", "yes"),
-                       ("ProtectKernelTunables", "yes"), ("ProtectKernelModules", "yes"),
-                       ("ProtectKernelLogs", "yes"), ("RestrictNamespaces", "yes")):
+    for key, value in (
+        ("NoNewPrivileges", "yes"),
+        ("ProtectSystem", "strict"),
+        ("PrivateTmp", "yes"),
+        ("ProtectKernelTunables", "yes"),
+        ("ProtectKernelModules", "yes"),
+        ("ProtectKernelLogs", "yes"),
+        ("RestrictNamespaces", "yes"),
+    ):
         assert get(key) == value, key
     assert get("ProtectHome") in ("yes", "tmpfs")
     assert get("StateDirectory") and get("CacheDirectory")
@@ -110,15 +144,18 @@ def test_environment_file_sets_the_cuda_allocator(installed):
 
 def test_install_renders_the_interpreter_listen_address_and_stop_timeout(tmp_path):
     cfg_file = tmp_path / "my.toml"
-    cfg_file.write_text('[engine]\nhost = "0.0.0.0"\nport = 8123\ndrain_timeout = 300\n'
-                        '[supervisor]\ndrain_timeout = 100\n')
+    cfg_file.write_text(
+        '[engine]\nhost = "0.0.0.0"\nport = 8123\ndrain_timeout = 300\n[supervisor]\ndrain_timeout = 100\n'
+    )
     prefix = tmp_path / "root"
     r = opsctl("install", "--prefix", str(prefix), config=cfg_file)
     assert r.returncode == 0, r.stderr
     units = prefix / "etc/systemd/system"
     engine = (units / ENGINE_UNIT).read_text()
-    assert get_key(engine, "Service", "ExecStart") == \
-        f"{sys.executable} -m engine.server --config /etc/pagekeeper/pagekeeper.toml"
+    assert (
+        get_key(engine, "Service", "ExecStart")
+        == f"{sys.executable} -m engine.server --config /etc/pagekeeper/pagekeeper.toml"
+    )
     assert get_key(engine, "Service", "TimeoutStopSec") == "330"  # > the drain timeout
     assert get_key((units / SOCKET_UNIT).read_text(), "Socket", "ListenStream") == "0.0.0.0:8123"
     supervisor = (units / SUPERVISOR_UNIT).read_text()
@@ -176,8 +213,11 @@ def test_paths_under_home_directories_are_bound_read_only_into_the_units(tmp_pat
     layout = Layout.detect(cfg, python="/var/tmp/venv/bin/python")
     assert Path("/tmp/ci/models/llama") in layout.visible and Path("/var/tmp/venv/bin/python") in layout.visible
     cfg.engine["model"] = "/home/alice/models/llama"
-    layout = Layout(python="/home/alice/venv/bin/python", code_root=Path("/home/alice/src/pagekeeper"),
-                    visible=[Path("/home/alice/venv"), Path("/home/alice/src/pagekeeper")])
+    layout = Layout(
+        python="/home/alice/venv/bin/python",
+        code_root=Path("/home/alice/src/pagekeeper"),
+        visible=[Path("/home/alice/venv"), Path("/home/alice/src/pagekeeper")],
+    )
     units = render_units(cfg, layout)
     engine = units[ENGINE_UNIT]
     assert re.findall(r"^BindReadOnlyPaths=(.*)$", engine, re.M) == ["/home/alice/venv", "/home/alice/src/pagekeeper"]
@@ -197,10 +237,13 @@ def test_systemd_launcher_restarts_the_service_never_the_socket(tmp_path, monkey
     launcher.stop(5)
     # --no-drain: SIGINT to the engine (it answers in-flight requests 503 at once), then the restart
     launcher.restart(drain=False)
-    assert log.read_text().splitlines() == [f"restart {ENGINE_UNIT}", f"start {ENGINE_UNIT}",
-                                            f"stop {SOCKET_UNIT} {ENGINE_UNIT}",
-                                            f"kill --kill-whom=main --signal=SIGINT {ENGINE_UNIT}",
-                                            f"restart {ENGINE_UNIT}"]
+    assert log.read_text().splitlines() == [
+        f"restart {ENGINE_UNIT}",
+        f"start {ENGINE_UNIT}",
+        f"stop {SOCKET_UNIT} {ENGINE_UNIT}",
+        f"kill --kill-whom=main --signal=SIGINT {ENGINE_UNIT}",
+        f"restart {ENGINE_UNIT}",
+    ]
 
 
 def _instance_config(tmp_path: Path, name: str, port: int) -> Path:
@@ -219,13 +262,24 @@ def test_named_instances_install_template_units_and_their_own_drop_ins(tmp_path)
     r = opsctl("--instance", "b", "install", "--prefix", str(prefix), config=wrong)
     assert r.returncode == 2 and "instance = 'c'" in r.stderr, r.stderr
     for name, port in (("b", 8101), ("c", 8102)):
-        r = opsctl("--instance", name, "install", "--prefix", str(prefix), config=_instance_config(tmp_path, name, port))
+        r = opsctl(
+            "--instance", name, "install", "--prefix", str(prefix), config=_instance_config(tmp_path, name, port)
+        )
         assert r.returncode == 0, r.stderr
-        assert f"systemctl enable --now pagekeeper-engine@{name}.socket pagekeeper-supervisor@{name}.service" in r.stdout
+        assert (
+            f"systemctl enable --now pagekeeper-engine@{name}.socket pagekeeper-supervisor@{name}.service" in r.stdout
+        )
     assert sorted(p.name for p in units.iterdir()) == sorted(
-        [*TEMPLATE_NAMES.values(), "pagekeeper-engine@b.service.d", "pagekeeper-engine@b.socket.d",
-         "pagekeeper-supervisor@b.service.d", "pagekeeper-engine@c.service.d", "pagekeeper-engine@c.socket.d",
-         "pagekeeper-supervisor@c.service.d"])
+        [
+            *TEMPLATE_NAMES.values(),
+            "pagekeeper-engine@b.service.d",
+            "pagekeeper-engine@b.socket.d",
+            "pagekeeper-supervisor@b.service.d",
+            "pagekeeper-engine@c.service.d",
+            "pagekeeper-engine@c.socket.d",
+            "pagekeeper-supervisor@c.service.d",
+        ]
+    )
     engine = (units / "pagekeeper-engine@.service").read_text()
     assert get_key(engine, "Service", "ExecStart").endswith("-m engine.server --config /etc/pagekeeper/%i.toml")
     assert get_key(engine, "Service", "EnvironmentFile") == "/etc/pagekeeper/%i.env"
@@ -234,8 +288,9 @@ def test_named_instances_install_template_units_and_their_own_drop_ins(tmp_path)
     supervisor = (units / "pagekeeper-supervisor@.service").read_text()
     assert "--runtime-dir /run/pagekeeper@%i --instance %i" in get_key(supervisor, "Service", "ExecStart")
     assert get_key(supervisor, "Service", "RuntimeDirectory") == "pagekeeper@%i"
-    assert "ListenStream" not in "".join(ln for ln in (units / "pagekeeper-engine@.socket").read_text().splitlines()
-                                         if not ln.startswith("#"))
+    assert "ListenStream" not in "".join(
+        ln for ln in (units / "pagekeeper-engine@.socket").read_text().splitlines() if not ln.startswith("#")
+    )
     socket_dropin = (units / f"pagekeeper-engine@c.socket.d/{DROPIN_NAME}").read_text()
     assert socket_dropin.splitlines()[1:] == ["[Socket]", "ListenStream=", "ListenStream=127.0.0.1:8102"]
     assert "TimeoutStopSec=50" in (units / f"pagekeeper-engine@b.service.d/{DROPIN_NAME}").read_text()
@@ -266,6 +321,7 @@ def test_systemd_analyze_verify_is_silent_for_an_instance_of_each_template(tmp_p
         text = (units / template).read_text().replace("%i", "b")
         (check / instance).write_text(text + "\n" + (units / f"{instance}.d" / DROPIN_NAME).read_text())
     for path in sorted(check.iterdir()):
-        r = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True, timeout=60,
-                           cwd=str(check))
+        r = subprocess.run(
+            ["systemd-analyze", "verify", str(path)], capture_output=True, text=True, timeout=60, cwd=str(check)
+        )
         assert r.returncode == 0 and r.stderr == "" and r.stdout == "", f"{path.name}:\n{r.stdout}{r.stderr}"

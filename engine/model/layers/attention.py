@@ -51,7 +51,13 @@ class PagedAttention(nn.Module):
         assert backend is not None, "the model runner sets the attention backend before the first step"
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         return backend.paged_attention(
-            q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            self.scale, meta.max_query_len, meta.max_seq_len,
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scale,
+            meta.max_query_len,
+            meta.max_seq_len,
             num_decodes=meta.num_decodes,
         )

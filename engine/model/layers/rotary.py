@@ -51,8 +51,9 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Ten
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any],
-                 device: torch.device | str) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any], device: torch.device | str
+    ) -> None:
         super().__init__()
         if scaling["rope_type"] not in SUPPORTED_ROPE_TYPES:
             raise ValueError(

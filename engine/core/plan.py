@@ -1,0 +1,79 @@
+"""A step plan as plain data: what the scheduler decided, and all the runner needs to run it.
+
+The plan holds no live objects (no requests, no tensors, no tokenizer): ids, counts, token ids,
+block ids and sampling settings.  That makes it the one thing that crosses from the scheduler to
+the runner, in-process today and to tensor-parallel worker processes later, and it lets the runner
+keep its own persistent per-sequence state (block tables, random generators) updated from plans.
+
+A sequence's block table travels as a change: `table_start` and `table_blocks` say "keep the first
+`table_start` blocks you have and append these", so a decode step sends at most one new block id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """How a sequence's next tokens are drawn (SamplingParams minus what only the host needs)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: disabled
+    logprobs: int | None = None  # top-k logprobs wanted (0: only the chosen token's); None: none
+    seed: int | None = None  # a sequence with a seed draws from its own generator
+
+
+@dataclass(slots=True)
+class NewSeq:
+    """A sequence the runner has not seen yet: it creates its sampling state once."""
+
+    seq_id: str
+    sampling: SamplingSpec
+
+
+@dataclass(slots=True)
+class SeqStep:
+    """One sequence's share of a step: positions [start, start + num_tokens) get KV computed."""
+
+    seq_id: str
+    start: int  # tokens that already had KV before this step
+    num_tokens: int  # tokens computed this step
+    # Ids of those positions the host knows.  One fewer than num_tokens when the last input is the
+    # token that the step still on the device samples (async scheduling): the runner then takes it
+    # from row `pending_row` of that step's samples, on the device.
+    token_ids: list[int]
+    pending_row: int = -1
+    table_start: int = 0  # the runner keeps this many blocks of the table it has ...
+    table_blocks: list[int] = field(default_factory=list)  # ... and appends these
+    # Sequences that sample a token from this step's last position: empty while a prompt is still
+    # being prefilled in chunks, [seq_id] normally, and the n > 1 siblings after it when the shared
+    # prompt completes.
+    sample_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    seqs: list[SeqStep] = field(default_factory=list)
+    new_seqs: list[NewSeq] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # sequences the runner may forget
+    preempted: list[str] = field(default_factory=list)  # sequences this step pushed out (for the record)
+    # Block movements to run before the forward, in this order: (gpu, cpu), (cpu, gpu), (src, dst).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def has_block_ops(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copies)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing for the device to do (forgetting finished sequences needs no step)."""
+        return not self.seqs and not self.has_block_ops
+
+    def sampled_ids(self) -> list[str]:
+        """The sequences that get a token from this step, in the order of the step's sample rows."""
+        return [sid for s in self.seqs for sid in s.sample_ids]

@@ -1,0 +1,120 @@
+"""Bringing the runner up: load the weights, profile a worst-case step, size the KV cache, capture graphs.
+
+This is the runner's business because every figure in it is about the device: the step that is
+profiled is built as a plain plan and run on a throwaway runner, so the engine core only receives
+the finished runner and the block counts the scheduler needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import structlog
+import torch
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
+from engine.memory.budget import (
+    KVPlan,
+    device_baseline,
+    plan_kv_cache,
+    profile_graph_memory,
+    profile_step,
+    set_allocator_defaults,
+)
+from engine.model.loader import ModelInfo, load_model
+from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
+
+log = structlog.get_logger("pagekeeper.engine")
+
+
+@dataclass
+class StartedRunner:
+    runner: ModelRunner
+    model: nn.Module
+    kv_plan: KVPlan
+    preemption_mode: str  # "swap" or "recompute", resolved for the device
+    num_cpu_blocks: int  # swap space in blocks (0: preempted sequences are recomputed)
+    graph_capture_seconds: float
+
+
+def start_runner(config: EngineConfig, model_info: ModelInfo, device: torch.device) -> StartedRunner:
+    """Load the model and build a runner whose KV cache fills the budget `config` allows."""
+    baseline = profile = None
+    if device.type == "cuda":
+        set_allocator_defaults()
+        baseline = device_baseline(device)
+    model = load_model(model_info, config.max_model_len, device, config.load_format)
+    per_block = kv_bytes_per_block(model, config.block_size, model_info.dtype)
+    if device.type == "cuda":
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        profile = profile_step(device, weights, lambda: dummy_step(config, model_info, model, device))
+        if not config.enforce_eager:
+            profile.graph_bytes = graph_pool_bytes(config, model_info, model, device)
+    kv_plan = plan_kv_cache(config, per_block, device, baseline, profile)
+    preemption_mode = config.resolved_preemption_mode(device.type)
+    num_cpu_blocks = int(config.swap_space * 2**30) // per_block if preemption_mode == "swap" else 0
+    if preemption_mode == "swap" and num_cpu_blocks == 0:
+        log.warning(
+            "swap_space_too_small",
+            swap_space_gib=config.swap_space,
+            bytes_per_block=per_block,
+            effect="preempted requests are recomputed",
+        )
+    runner = ModelRunner(
+        model,
+        kv_plan.num_blocks,
+        config.block_size,
+        model_info.dtype,
+        device,
+        config.seed,
+        num_cpu_blocks,
+        max_model_len=config.max_model_len,
+    )
+    capture_seconds = 0.0
+    if device.type == "cuda" and not config.enforce_eager:
+        capture_seconds = runner.capture_decode_graphs(config.max_num_seqs)
+    return StartedRunner(runner, model, kv_plan, preemption_mode, num_cpu_blocks, capture_seconds)
+
+
+def dummy_step(config: EngineConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> None:
+    """The largest step the scheduler can build (max_num_batched_tokens over as many sequences as
+    max_model_len requires), on a throwaway KV cache: what start-up profiling measures."""
+    assert config.max_num_batched_tokens is not None and config.max_model_len is not None
+    bs = config.block_size
+    lengths, left = [], config.max_num_batched_tokens
+    while left > 0 and len(lengths) < config.max_num_seqs:
+        lengths.append(min(left, config.max_model_len))
+        left -= lengths[-1]
+    vocab = int(model_info.hf_config.vocab_size)
+    plan = StepPlan(num_batched_tokens=sum(lengths))
+    next_block = 0
+    greedy = SamplingSpec(temperature=0.0)
+    for i, n in enumerate(lengths):
+        k = -(-n // bs)
+        sid = f"profile-{i}"
+        plan.new_seqs.append(NewSeq(sid, greedy))
+        ids = [(7 * j) % vocab for j in range(n)]
+        plan.seqs.append(
+            SeqStep(sid, 0, n, ids, table_blocks=list(range(next_block, next_block + k)), sample_ids=[sid])
+        )
+        next_block += k
+    runner = ModelRunner(model, next_block, bs, model_info.dtype, device, config.seed)
+    runner.execute(plan)
+    del runner
+
+
+def graph_pool_bytes(config: EngineConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> int:
+    """Memory the decode graphs keep: the largest one captured once over a throwaway cache of one
+    sequence (the pool's size does not depend on the cache's; the others reuse its blocks)."""
+    assert config.max_model_len is not None
+    blocks = -(-config.max_model_len // config.block_size)
+    runner = ModelRunner(
+        model, blocks, config.block_size, model_info.dtype, device, config.seed, max_model_len=config.max_model_len
+    )
+    used = profile_graph_memory(device, partial(runner.capture_decode_graphs, config.max_num_seqs, only_largest=True))
+    del runner
+    torch.cuda.empty_cache()
+    return used

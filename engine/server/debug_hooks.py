@@ -1,0 +1,113 @@
+"""Fault injection for tests (`--enable-debug-hooks`): nothing here exists in a server without the flag.
+
+The hooks are installed, not polled: the step loop gets a hook that can hold it (a hang), and
+/metrics gets a middleware that can answer garbage or slowly (a broken scrape target).  Without the
+flag the routes are not mounted (404) and neither the step loop nor /metrics has an extra branch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any, Awaitable, Callable
+
+import structlog
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+
+from engine.server.state import ServerState, require_admin
+
+log = structlog.get_logger("pagekeeper.server")
+
+router = APIRouter(dependencies=[Depends(require_admin)], include_in_schema=False)
+
+_GARBAGE = b"this is {not prometheus text\nvllm_num_requests_running{{{ 1\n"
+
+
+class DebugHooks:
+    def __init__(self) -> None:
+        self._frozen = threading.Event()
+        self._freeze_until = 0.0
+        self.metrics_mode = "normal"
+        self.metrics_seconds = 0.0
+
+    def freeze(self, seconds: float) -> None:
+        self._freeze_until = time.monotonic() + seconds
+        self._frozen.set()
+        log.warning("step_loop_frozen", seconds=seconds)
+
+    def hold_step_loop(self) -> None:
+        """A step-loop hook: sleep (holding no lock) while a freeze lasts."""
+        if not self._frozen.is_set():
+            return
+        while time.monotonic() < self._freeze_until:
+            time.sleep(0.05)
+        self._frozen.clear()
+
+
+def _hooks(http: Request) -> DebugHooks:
+    hooks: DebugHooks = http.app.state.debug_hooks
+    return hooks
+
+
+@router.post("/debug/freeze")
+async def freeze(http: Request, seconds: float = Query(..., gt=0.0, le=3600.0)) -> dict[str, float]:
+    """Stop the step loop for `seconds` (hang detection)."""
+    _hooks(http).freeze(seconds)
+    return {"frozen_seconds": seconds}
+
+
+@router.post("/debug/block-http-loop")
+async def block_http_loop(seconds: float = Query(..., gt=0.0, le=60.0)) -> dict[str, float]:
+    """Hold the HTTP event loop for `seconds`, as a CPU-starved host would, so that connections and
+    signals pile up and are handled in the same loop iteration."""
+    time.sleep(seconds)  # deliberately blocking
+    return {"blocked_seconds": seconds}
+
+
+@router.post("/debug/metrics")
+async def debug_metrics(
+    http: Request,
+    mode: str = Query(..., pattern="^(normal|garbage|slow)$"),
+    seconds: float = Query(5.0, ge=0.0, le=600.0),
+) -> dict[str, Any]:
+    """Make /metrics answer garbage, or slowly (tests of its scrapers)."""
+    hooks = _hooks(http)
+    hooks.metrics_mode, hooks.metrics_seconds = mode, seconds
+    return {"mode": mode, "seconds": seconds}
+
+
+class _MetricsFaults:
+    """ASGI middleware in front of /metrics that applies the mode /debug/metrics set."""
+
+    def __init__(self, app: Any, hooks: DebugHooks) -> None:
+        self.app = app
+        self.hooks = hooks
+
+    async def __call__(
+        self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
+    ) -> None:
+        if scope["type"] == "http" and scope["path"] == "/metrics":
+            if self.hooks.metrics_mode == "garbage":
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
+                    }
+                )
+                await send({"type": "http.response.body", "body": _GARBAGE})
+                return
+            if self.hooks.metrics_mode == "slow":
+                await asyncio.sleep(self.hooks.metrics_seconds)
+        await self.app(scope, receive, send)
+
+
+def install(app: FastAPI, state: ServerState) -> DebugHooks:
+    hooks = DebugHooks()
+    app.state.debug_hooks = hooks
+    state.async_engine.add_loop_hook(hooks.hold_step_loop)
+    app.include_router(router)
+    app.add_middleware(_MetricsFaults, hooks=hooks)
+    log.warning("debug_hooks_enabled", routes=["/debug/freeze", "/debug/block-http-loop", "/debug/metrics"])
+    return hooks

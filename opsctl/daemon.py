@@ -1,0 +1,444 @@
+"""The supervisor daemon's loop: observe the engine, decide with the policy, act through the launcher.
+
+One loop thread does every poll and every action, so actions never overlap (a drain is never racing a
+restart); commands from `opsctl` (opsctl/control_server.py) are queued to that same thread and run between
+polls.  Every decision is logged as one structured event with its evidence and counted in the exporter
+(opsctl/exporter.py); `status()` is what `opsctl status` shows (opsctl/status.py), and its engine state
+is derived and checked in opsctl/state.py.
+
+What runs the engine (a child process, a systemd unit) is the launcher's business (opsctl/launcher.py);
+the process around this loop (lock, signals, wiring) is opsctl/supervisor.py.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import structlog
+
+from engine.config import ConfigError
+from opsctl.config import PagekeeperConfig
+from opsctl.constants import EXIT_PERMANENT, SUPERVISOR_LOG_NAME
+from opsctl.exporter import SupervisorMetrics
+from opsctl.exporter import serve as serve_metrics
+from opsctl.launcher import Launcher, RestartFailed
+from opsctl.logrotate import rotate_if_large
+from opsctl.policy import Action, Observation, PolicyState, decide
+from opsctl.probes import EngineProbe, GpuProbe, GpuReading, ProcessProbe
+from opsctl.runtime import write_last_failure
+from opsctl.state import EngineState, StateTracker, derive
+from opsctl.status import (
+    CrashLoopStatus,
+    Decision,
+    EngineStatus,
+    GpuStatus,
+    RestartRecord,
+    RestartsStatus,
+    Status,
+    SupervisorStatus,
+)
+
+log = structlog.get_logger("pagekeeper.supervisor")
+
+
+@dataclass
+class _Command:
+    name: str
+    args: dict[str, Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    reply: dict[str, Any] = field(default_factory=dict)
+
+
+class Supervisor:
+    """Observe the engine, decide with the policy, act through the launcher; answer commands in between."""
+
+    def __init__(self, cfg: PagekeeperConfig, launcher: Launcher, engine: EngineProbe, gpu: GpuProbe) -> None:
+        self.cfg = cfg
+        self.sup = cfg.supervisor
+        self.policy_cfg = self.sup.policy()
+        self.launcher = launcher
+        self.engine = engine
+        self.gpu = gpu
+        self.process = ProcessProbe()
+        self.history: deque[Observation] = deque(maxlen=self.sup.history_len())
+        self.state = PolicyState(started_at=time.monotonic())
+        self.started_wall = time.time()
+        self.engine_started_wall = time.time()
+        self.restart_log: list[RestartRecord] = []
+        self.last_decision: Decision | None = None
+        self.last_gpu: list[GpuReading] = []
+        self.last_reading: dict[str, Any] = {}
+        self.gave_up_reason: str | None = None
+        self.failed_permanently = False
+        self.ever_served = False
+        self.exit_code = 0
+        self.busy: EngineState | None = None  # the action in progress, for status
+        self.tracker = StateTracker()
+        self.commands: queue.Queue[_Command] = queue.Queue()
+        self.stopping = False
+        self.lock = threading.RLock()
+        self.metrics = SupervisorMetrics(self)
+        self.metrics.nvml.set(1 if gpu.available else 0)
+        self.metrics.info.labels(_model_name(cfg), cfg.engine_url, launcher.name).set(1)
+        self.metrics_port: int | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def serve_metrics(self) -> None:
+        self.metrics_port = serve_metrics(self.metrics, self.sup.metrics_host, self.sup.metrics_port)
+
+    def run(self) -> int:
+        log.info(
+            "supervisor_started",
+            launcher=self.launcher.name,
+            engine_url=self.cfg.engine_url,
+            poll_interval=self.sup.poll_interval,
+            dry_run=self.sup.dry_run,
+            gpu=self.gpu.reason,
+        )
+        if self.launcher.alive():  # adopted from a predecessor: it has served already
+            self.ever_served = True
+        else:
+            self._start_engine()
+        while not self.stopping:
+            self.poll_once()
+            self._wait_and_serve_commands(self.sup.poll_interval)
+        log.info("supervisor_stopped", exit_code=self.exit_code)
+        return self.exit_code
+
+    def _wait_and_serve_commands(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                cmd = self.commands.get(timeout=left)
+            except queue.Empty:
+                return
+            try:
+                cmd.reply = self._run_command(cmd)
+            except Exception as e:  # a failed command must not kill the daemon
+                log.exception("command_failed", command=cmd.name)
+                cmd.reply = {"ok": False, "error": str(e)}
+            if not self.stopping:
+                self.history.append(self.observe())  # status right after a command is the new state
+            cmd.done.set()
+
+    # -- one poll -------------------------------------------------------------------------------
+
+    def observe(self) -> Observation:
+        sent = time.monotonic()  # an observation is dated when its probes were sent
+        alive = self.launcher.alive()
+        pid = self.launcher.pid()
+        proc = self.process.read(pid if alive else None)
+        reading = self.engine.read() if alive else None
+        m = reading.metrics if reading else {}
+        obs = Observation(
+            t=sent,
+            process_alive=alive and proc.alive,
+            health=reading.health if reading else "unreachable",
+            cache_usage=m.get("cache_usage"),
+            running=m.get("running"),
+            waiting=m.get("waiting"),
+            steps_total=m.get("steps_total"),
+            allocator_efficiency=m.get("allocator_efficiency"),
+            oldest_waiting_s=m.get("oldest_waiting_s"),
+            preemptions=m.get("preemptions"),
+            metrics_error=reading.metrics_error if reading else "engine not running",
+            exit_permanent=not alive and self.launcher.exit_is_permanent(),
+        )
+        gpu = self.gpu.read()
+        with self.lock:
+            self.last_gpu = gpu
+            self.last_reading = {
+                "health": obs.health,
+                "health_detail": reading.health_detail if reading else "",
+                "metrics": m,
+                "metrics_error": obs.metrics_error,
+                "model": reading.model_name if reading else None,
+                "process": proc,
+            }
+            self._refresh_state(alive)
+        self.metrics.polls.inc()
+        self.metrics.engine_up.set(1 if obs.health in ("ok", "draining") else 0)
+        self.metrics.scrape_ok.set(0 if obs.metrics_error else 1)
+        return obs
+
+    def poll_once(self) -> Action:
+        obs = self.observe()
+        self.history.append(obs)
+        if self.state.ready_at is None and obs.health == "ok":
+            with self.lock:
+                self.state = replace(self.state, ready_at=obs.t)
+                self.ever_served = True
+                self._refresh_state(obs.process_alive)
+            log.info("engine_ready", seconds_since_start=round(obs.t - self.state.started_at, 2))
+        action = decide(list(self.history), self.state, self.policy_cfg, time.monotonic())
+        self._record(action)
+        self._rotate_logs()
+        if action.acts and not self.sup.dry_run:
+            self._execute(action)
+        return action
+
+    def _rotate_logs(self) -> None:
+        """Keep the process launcher's log files under [supervisor] log_max_bytes (journald does it under systemd)."""
+        paths = [self.launcher.log_path(), self.sup.runtime_path() / SUPERVISOR_LOG_NAME]
+        for path in paths:
+            if path is None:
+                continue
+            try:
+                if rotate_if_large(path, self.sup.log_max_bytes, self.sup.log_backups):
+                    self.metrics.log_rotations.labels(path.name).inc()
+                    log.info(
+                        "log_rotated", log=str(path), max_bytes=self.sup.log_max_bytes, backups=self.sup.log_backups
+                    )
+            except (OSError, ConfigError) as e:  # a full disk must not take the supervisor down
+                log.warning("log_rotation_failed", log=str(path), error=str(e))
+
+    def _record(self, action: Action) -> None:
+        previous = self.last_decision
+        entry = Decision(action.kind, action.reason, action.evidence, time.time(), self.sup.dry_run)
+        with self.lock:
+            self.last_decision = entry
+        if action.acts:
+            self.metrics.decisions.labels(action.kind, action.reason).inc()
+            log.warning(
+                "decision", action=action.kind, reason=action.reason, evidence=action.evidence, dry_run=self.sup.dry_run
+            )
+        elif previous is None or previous.reason != action.reason:
+            log.info("decision", action=action.kind, reason=action.reason, evidence=action.evidence)
+
+    # -- actions ----------------------------------------------------------------------------------
+
+    def _execute(self, action: Action) -> None:
+        if action.kind == "give_up":
+            self._give_up(action)
+            return
+        decided_at = time.time()
+        timeout = self.sup.drain_timeout
+        if action.drain_cap_s is not None and not self._overlap():
+            timeout = min(timeout, action.drain_cap_s)  # one GPU: the old engine holds the memory its successor needs
+        self._restart(
+            action.reason,
+            counts_as_crash=action.counts_as_crash,
+            drain=action.drains,
+            timeout=timeout,
+            decided_at=decided_at,
+        )
+
+    def _give_up(self, action: Action) -> None:
+        detail = self.launcher.exit_summary() or action.reason
+        permanent = action.permanent
+        with self.lock:
+            self.state = replace(self.state, gave_up=True)
+            self.gave_up_reason = detail
+            self.failed_permanently = permanent
+            self._refresh_state()
+        self.metrics.gave_up.set(1)
+        if permanent:
+            log.error(
+                "engine_failed_permanently",
+                last_exit=detail,
+                hint="exit code 2 is a mistake a person must fix (see the line above); it is not retried",
+            )
+        else:
+            log.error(
+                "crash_loop_gave_up",
+                restarts=len(self.state.restarts),
+                last_exit=detail,
+                hint="fix the cause, then `opsctl restart`",
+            )
+        if permanent and not self.ever_served:
+            # Nothing to supervise until a person changes something: say why and leave.
+            write_last_failure(self.sup.runtime_path(), detail)
+            self.exit_code = EXIT_PERMANENT
+            self.stopping = True
+
+    def _count_lost(self, reason: str, count: int) -> None:
+        if count > 0:
+            self.metrics.lost.labels(reason).inc(count)
+            log.warning("requests_lost", reason=reason, count=count)
+
+    def _overlap(self) -> bool:
+        return self.launcher.overlap
+
+    def _restart(
+        self, reason: str, counts_as_crash: bool, drain: bool, timeout: float, decided_at: float | None = None
+    ) -> None:
+        self._set_busy(EngineState.RESTARTING)
+        log.warning("engine_restart", reason=reason, drain=drain, timeout_s=timeout)
+        try:
+            retired = self.launcher.restart(drain=drain, timeout=timeout, ready_timeout=self.sup.ready_timeout)
+        except RestartFailed as e:
+            log.error("restart_failed", reason=reason, error=str(e))
+            self._set_busy(None)
+            raise
+        finally:
+            self.launcher.forget_exit()
+        self._count_lost(retired.reason, retired.lost)
+        now = time.monotonic()
+        restarts = self.state.restarts + ((now,) if counts_as_crash else ())
+        # Overlap: the new engine already serves (the launcher waited for it), so it is ready now.
+        ready_at = now if retired.successor_serving else None
+        with self.lock:
+            self.state = PolicyState(started_at=now, ready_at=ready_at, restarts=restarts)
+            self.history.clear()
+            self.engine_started_wall = time.time()
+            self.restart_log.append(RestartRecord(time.time(), decided_at or time.time(), reason, retired.lost))
+            self._set_busy(None)
+        self.metrics.restarts.labels(reason).inc()
+        self.metrics.last_restart.set(time.time())
+
+    def _start_engine(self) -> None:
+        self.launcher.start()
+        self.state = replace(self.state, started_at=time.monotonic())
+        self.engine_started_wall = time.time()
+
+    # -- commands (run on the loop thread) ------------------------------------------------------
+
+    def submit(self, name: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
+        if name == "status":
+            return {"ok": True, "status": self.status().to_json()}
+        cmd = _Command(name, args)
+        self.commands.put(cmd)
+        if not cmd.done.wait(timeout):
+            return {"ok": False, "error": f"{name} did not finish within {timeout:.0f} s; see `opsctl status`"}
+        return cmd.reply
+
+    def request_stop(self, engine: bool) -> None:
+        """Queue a draining stop from a signal handler (where queue.put could deadlock on the queue's lock)."""
+        stop = _Command("stop", {"drain": True, "engine": engine})
+        threading.Thread(target=self.commands.put, args=(stop,)).start()
+
+    def _run_command(self, cmd: _Command) -> dict[str, Any]:
+        if cmd.args.get("drain_timeout") is not None and not self.launcher.drain_timeout_per_command:
+            return {
+                "ok": False,
+                "error": "under systemd the engine drains for its own [engine] drain_timeout "
+                "(bounded by TimeoutStopSec=); --drain-timeout cannot change it per command",
+            }
+        timeout = float(cmd.args.get("drain_timeout") or self.sup.drain_timeout)
+        if cmd.name == "drain":  # a load balancer's drain: the engine answers 503 until resumed
+            self._set_busy(EngineState.DRAINING)
+            try:
+                return {"ok": True, "drain": self.engine.drain(float(cmd.args.get("timeout") or timeout))}
+            finally:
+                self._set_busy(None)
+        if cmd.name == "resume":
+            return {"ok": True, "resume": self.engine.resume()}
+        if cmd.name == "restart":
+            with self.lock:  # one step from gave_up to restarting: status never sees the engine in between
+                self.state = replace(self.state, gave_up=False)
+                self.gave_up_reason = None
+                self.failed_permanently = False
+                self._set_busy(EngineState.RESTARTING)
+            self.metrics.gave_up.set(0)
+            try:
+                self._restart("manual", counts_as_crash=False, drain=bool(cmd.args.get("drain", True)), timeout=timeout)
+            except RestartFailed as e:
+                return {"ok": False, "error": str(e)}
+            return {"ok": True}
+        if cmd.name == "stop":
+            self._set_busy(EngineState.STOPPING)
+            if cmd.args.get("engine", True):
+                retired = self.launcher.stop(drain=bool(cmd.args.get("drain", True)), timeout=timeout)
+                self._count_lost(retired.reason, retired.lost)
+            self.stopping = True
+            return {"ok": True}
+        return {"ok": False, "error": f"unknown command {cmd.name!r}"}
+
+    def _set_busy(self, action: EngineState | None) -> None:
+        with self.lock:
+            self.busy = action
+            self._refresh_state()
+
+    def _refresh_state(self, alive: bool | None = None) -> EngineState:
+        """Derive the reported state from what changed (opsctl/state.py checks the transition)."""
+        with self.lock:
+            if alive is None:
+                alive = self.launcher.alive()
+            return self.tracker.update(
+                derive(
+                    gave_up=self.state.gave_up,
+                    permanent=self.failed_permanently,
+                    busy=self.busy,
+                    alive=alive,
+                    ready=self.state.ready_at is not None,
+                    health=self.last_reading.get("health", "unknown"),
+                )
+            )
+
+    def status(self) -> Status:
+        with self.lock:
+            reading = dict(self.last_reading)
+            metrics = reading.get("metrics", {})
+            alive = self.launcher.alive()
+            health = reading.get("health", "unknown")
+            state = self._refresh_state(alive)
+
+            def count(key: str) -> int | None:
+                value = metrics.get(key)
+                return int(value) if value is not None else None
+
+            log_path = self.launcher.log_path()
+            return Status(
+                engine=EngineStatus(
+                    state=state,
+                    health=health,
+                    health_detail=reading.get("health_detail"),
+                    pid=self.launcher.pid() if alive else None,
+                    uptime_s=round(time.time() - self.engine_started_wall, 1) if alive else None,
+                    url=self.cfg.engine_url,
+                    model=reading.get("model"),
+                    kv_cache_usage=metrics.get("cache_usage"),
+                    running=count("running"),
+                    waiting=count("waiting"),
+                    oldest_waiting_s=metrics.get("oldest_waiting_s"),
+                    steps_total=count("steps_total"),
+                    metrics_error=reading.get("metrics_error"),
+                    process=reading.get("process"),
+                    last_exit=self.launcher.exit_summary(),
+                ),
+                gpu=GpuStatus(self.gpu.available, self.gpu.reason, list(self.last_gpu)),
+                last_decision=self.last_decision,
+                restarts=RestartsStatus(
+                    total=len(self.restart_log),
+                    recent=self.restart_log[-10:],
+                    counted_for_crash_loop=len(self.state.restarts),
+                ),
+                crash_loop=CrashLoopStatus(
+                    gave_up=self.state.gave_up,
+                    reason=self.gave_up_reason,
+                    permanent=self.failed_permanently,
+                    max_restarts=self.sup.max_restarts,
+                    restart_window_s=self.sup.restart_window,
+                ),
+                supervisor=SupervisorStatus(
+                    pid=os.getpid(),
+                    launcher=self.launcher.name,
+                    dry_run=self.sup.dry_run,
+                    uptime_s=round(time.time() - self.started_wall, 1),
+                    metrics_url=f"http://{self.sup.metrics_host}:{self.metrics_port}/metrics",
+                    config=self.cfg.source,
+                    instance=self.sup.instance,
+                    runtime_dir=str(self.sup.runtime_path()),
+                    poll_interval_s=self.sup.poll_interval,
+                    handover="overlap" if self._overlap() else "sequential",
+                ),
+                engine_log=str(log_path) if log_path else None,
+            )
+
+
+def _model_name(cfg: PagekeeperConfig) -> str:
+    """The served model name the engine will report, as its metrics' model_name label."""
+    from engine.config import EngineConfig
+
+    known = {k: v for k, v in cfg.engine.items() if k in ("model", "served_model_name")}
+    return EngineConfig(**known).model_name()

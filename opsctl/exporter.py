@@ -1,0 +1,139 @@
+"""The supervisor's Prometheus exporter: its metric definitions and the HTTP server that serves them.
+
+Kept apart from the daemon's loop so that the metric contract (DESIGN.md: `pagekeeper_supervisor_*` and
+the NVML readings as `pagekeeper_gpu_*`) is one short file that the alert rules' tests can load without
+starting anything (tests/alerts/test_rules.py).  Every labelled series exists from the start, so that
+`increase()` sees the first restart of each kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Protocol
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.config import ConfigError
+from opsctl.constants import ENGINE_LOG_NAME, SUPERVISOR_LOG_NAME
+from opsctl.policy import EFFECTS
+from opsctl.probes import GpuReading
+
+log = structlog.get_logger("pagekeeper.supervisor")
+
+
+class GpuSource(Protocol):
+    """Whatever holds the last poll's NVML readings (the supervisor)."""
+
+    last_gpu: list[GpuReading]
+
+
+class _GpuCollector:
+    """Exports the latest NVML readings at scrape time (values come from the last poll)."""
+
+    def __init__(self, source: GpuSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Any]:
+        readings: list[GpuReading] = self.source.last_gpu
+        fams = {
+            "memory_used_bytes": GaugeMetricFamily(
+                "pagekeeper_gpu_memory_used_bytes", "GPU memory used (NVML)", labels=["gpu"]
+            ),
+            "memory_total_bytes": GaugeMetricFamily(
+                "pagekeeper_gpu_memory_total_bytes", "GPU memory total (NVML)", labels=["gpu"]
+            ),
+            "utilization_ratio": GaugeMetricFamily(
+                "pagekeeper_gpu_utilization_ratio", "GPU utilization 0-1 (NVML)", labels=["gpu"]
+            ),
+            "temperature_celsius": GaugeMetricFamily(
+                "pagekeeper_gpu_temperature_celsius", "GPU temperature (NVML)", labels=["gpu"]
+            ),
+        }
+        xid = CounterMetricFamily("pagekeeper_gpu_xid_errors", "Critical XID events seen (NVML)", labels=["gpu"])
+        ecc = CounterMetricFamily("pagekeeper_gpu_ecc_errors", "Uncorrected volatile ECC errors (NVML)", labels=["gpu"])
+        for g in readings:
+            if g.ecc_errors_total is not None:
+                ecc.add_metric([str(g.index)], float(g.ecc_errors_total))
+            for key, fam in fams.items():
+                value = getattr(g, key)
+                if value is not None:
+                    fam.add_metric([str(g.index)], float(value))
+            xid.add_metric([str(g.index)], float(g.xid_errors_total))
+        yield from fams.values()
+        yield xid
+        yield ecc
+
+
+# (action, reason) pairs the policy can decide (opsctl/policy.py).
+ACTIONS = tuple((effect.kind, reason) for reason, effect in EFFECTS.items())
+LOST_REASONS = ("engine_exited", "killed", "no_drain")
+
+
+class SupervisorMetrics:
+    """The supervisor's own series (`pagekeeper_supervisor_*`, `pagekeeper_gpu_*`), in a registry of their own."""
+
+    def __init__(self, source: GpuSource) -> None:
+        self.registry = r = CollectorRegistry()
+        self.engine_up = Gauge("pagekeeper_supervisor_engine_up", "1 while the engine answers /health", registry=r)
+        self.restarts = Counter(
+            "pagekeeper_supervisor_restarts", "Engine restarts by the supervisor", ["reason"], registry=r
+        )
+        self.decisions = Counter(
+            "pagekeeper_supervisor_decisions", "Acting decisions (also in dry-run)", ["action", "reason"], registry=r
+        )
+        self.gave_up = Gauge(
+            "pagekeeper_supervisor_crash_loop_gave_up", "1 after the crash-loop guard gave up", registry=r
+        )
+        self.last_restart = Gauge(
+            "pagekeeper_supervisor_last_restart_timestamp_seconds", "Unix time of the last restart", registry=r
+        )
+        self.scrape_ok = Gauge(
+            "pagekeeper_supervisor_engine_metrics_ok", "1 when the last engine /metrics parsed", registry=r
+        )
+        self.nvml = Gauge("pagekeeper_supervisor_nvml_available", "1 when NVML readings are available", registry=r)
+        self.polls = Counter("pagekeeper_supervisor_polls", "Polls of the engine", registry=r)
+        self.lost = Counter(
+            "pagekeeper_supervisor_requests_lost",
+            "Requests in flight that got no answer: the "
+            "engine died (engine_exited), was killed after its drain timeout (killed), or was "
+            "restarted with --no-drain (no_drain: answered with a clean 503)",
+            ["reason"],
+            registry=r,
+        )
+        self.log_rotations = Counter(
+            "pagekeeper_supervisor_log_rotations",
+            "Size-based rotations of the process launcher's logs ([supervisor] log_max_bytes)",
+            ["log"],
+            registry=r,
+        )
+        self.info = Gauge(
+            "pagekeeper_supervisor_info",
+            "The engine this supervisor runs (always 1)",
+            ["model_name", "engine_url", "launcher"],
+            registry=r,
+        )
+        # Every series exists from the start, so increase() sees the first restart of each kind.
+        for action, reason in ACTIONS:
+            self.decisions.labels(action, reason)
+        for reason in {reason for kind, reason in ACTIONS if kind != "give_up"} | {"manual"}:
+            self.restarts.labels(reason)
+        for reason in LOST_REASONS:
+            self.lost.labels(reason)
+        for name in (ENGINE_LOG_NAME, SUPERVISOR_LOG_NAME):
+            self.log_rotations.labels(name)
+        r.register(_GpuCollector(source))
+
+
+def serve(metrics: SupervisorMetrics, host: str, port: int) -> int:
+    """Serve /metrics on host:port (0: any free port) from a thread; the port it got.  A port that is
+    taken is a mistake a person fixes in the config: ConfigError, not a traceback."""
+    try:
+        server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+    except OSError as e:
+        raise ConfigError(
+            f"[supervisor] metrics_port {port} on {host}: {e.strerror}; choose another port (0 = any free port)"
+        ) from e
+    bound = int(server.server_port)
+    log.info("supervisor_metrics", url=f"http://{host}:{bound}/metrics")
+    return bound
