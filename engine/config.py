@@ -56,7 +56,10 @@ class EngineConfig:
     )
     kv_cache_memory_bytes: int | None = field(
         default=None,
-        metadata=_flag("Exact KV cache size in bytes; overrides the profiled budget (and the CPU default)."),
+        metadata=_flag(
+            "Exact KV cache size in bytes (per tensor-parallel rank); overrides the profiled budget "
+            "(and the CPU default)."
+        ),
     )
     cpu_kv_cache_fraction: float = field(
         default=0.1,
@@ -102,7 +105,11 @@ class EngineConfig:
         ),
     )
     tensor_parallel_size: int = field(
-        default=1, metadata=_flag("GPUs to shard the model over (only 1 is supported yet).")
+        default=1,
+        metadata=_flag(
+            "Ranks to shard the model over (one process and one GPU each, cuda:0..N-1 of "
+            "CUDA_VISIBLE_DEVICES; on CPU, N processes over gloo)."
+        ),
     )
     fragmentation_buffer_factor: float = field(
         default=2.0,
@@ -137,11 +144,6 @@ class EngineConfig:
             raise ConfigError(f"--fragmentation-buffer-factor must be >= 0, got {self.fragmentation_buffer_factor}")
         if self.preemption_mode not in (None, "swap", "recompute"):
             raise ConfigError(f"--preemption-mode must be swap or recompute, got {self.preemption_mode!r}")
-        if self.tensor_parallel_size > 1:
-            raise ConfigError(
-                f"--tensor-parallel-size {self.tensor_parallel_size} is not supported yet: "
-                "pagekeeper serves on one GPU; use --tensor-parallel-size 1 with a model that fits one GPU"
-            )
 
     def resolve_limits(self, model_max_len: int, sliding_window: int | None = None) -> None:
         """Fill max_model_len and max_num_batched_tokens once the checkpoint's limits are known."""

@@ -22,6 +22,16 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (one GPU: nothing to stop); also done at exit."""
+        self.llm_engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

@@ -178,6 +178,10 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self.outputs)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes now (at exit they are stopped anyway)."""
+        self.core.close()
+
     def stats(self) -> EngineSnapshot:
         """Plain numbers for the metrics layer, taken between steps."""
         return self.core.snapshot()

@@ -72,13 +72,14 @@ def _config(arch: str, vocab: int):
     raise ValueError(arch)
 
 
-def make_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
-    """Write a float32 random checkpoint of `arch` with the embedded tokenizer; returns its directory."""
+def make_checkpoint(arch: str, out_dir: Path, seed: int = 0, extra_vocab: int = 0) -> Path:
+    """Write a float32 random checkpoint of `arch` with the embedded tokenizer; returns its directory.
+    `extra_vocab` rows past the tokenizer's make a vocabulary that tensor-parallel ranks must pad."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(arch, len(tok))).float()
+    model = AutoModelForCausalLM.from_config(_config(arch, len(tok) + extra_vocab)).float()
     if arch == "qwen2":
         # Biases start at zero in HF's init; make them matter so that a dropped bias fails the test.
         for layer in model.model.layers:

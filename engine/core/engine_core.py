@@ -20,10 +20,11 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.logs import configure_logging
+from engine.memory.budget import KVPlan, ranks_table
 from engine.metrics import EngineSnapshot
-from engine.model.loader import ModelInfo, inspect_model, load_tokenizer
+from engine.model.loader import ModelInfo, check_tensor_parallel, inspect_model, load_tokenizer
 from engine.runner.sampler import DeviceSample
-from engine.runner.startup import start_runner
+from engine.runner.startup import StepRunner
 
 log = structlog.get_logger("pagekeeper.engine")
 
@@ -54,13 +55,18 @@ class EngineCore:
         self.model_info: ModelInfo = inspect_model(config)
         config.resolve_limits(self.model_info.max_position_embeddings, self.model_info.sliding_window)
         self.tokenizer = load_tokenizer(config)
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(self.model_info, config.tensor_parallel_size)  # before any process starts
         started = time.monotonic()
-        up = start_runner(config, self.model_info, self.device)
-        self.runner, self.model, self.kv_plan = up.runner, up.model, up.kv_plan
+        from engine.distributed.executor import start_engine_runner
+
+        up, runner, self.rank_plans = start_engine_runner(config, self.model_info)
+        self.runner: StepRunner = runner
+        self.model, self.kv_plan = up.model, up.kv_plan
         self.preemption_mode = up.preemption_mode
         self.graph_capture_seconds = up.graph_capture_seconds
         self.kv = KVCacheManager(
-            self.kv_plan.num_blocks, config.block_size, config.enable_prefix_caching, up.num_cpu_blocks
+            self.kv_plan.usable_blocks, config.block_size, config.enable_prefix_caching, up.num_cpu_blocks
         )
         self.eos_token_ids = frozenset(self.model_info.eos_token_ids)
         assert config.max_num_batched_tokens is not None
@@ -84,7 +90,8 @@ class EngineCore:
             device=str(self.device),
             max_model_len=config.max_model_len,
             block_size=config.block_size,
-            num_blocks=self.kv_plan.num_blocks,
+            tensor_parallel_size=config.tensor_parallel_size,
+            num_blocks=self.kv_plan.usable_blocks,
             kv_bytes=self.kv_plan.kv_bytes,
             preemption_mode=self.preemption_mode,
             num_cpu_blocks=up.num_cpu_blocks,
@@ -94,12 +101,21 @@ class EngineCore:
             pipeline_depth=self.pipeline_depth,
             load_seconds=round(time.monotonic() - started, 3),
         )
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" or config.tensor_parallel_size > 1:
             log.info(
                 "memory_plan",
-                table="\n" + self.kv_plan.table(),
+                table="\n" + ranks_table(self.rank_plans),
                 fragmentation_buffer_bytes=self.kv_plan.fragmentation_buffer_bytes,
             )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (one GPU: nothing to do)."""
+        self.runner.close()
+
+    @property
+    def memory_plans(self) -> list[KVPlan]:
+        """Every rank's KV plan (one entry on one GPU)."""
+        return self.rank_plans
 
     # -- requests ------------------------------------------------------------------------------
 

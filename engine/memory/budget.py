@@ -69,6 +69,12 @@ class KVPlan:
     fragmentation_buffer_bytes: int = 0
     graph_bytes: int | None = None
     profile: Profile | None = field(default=None, repr=False)
+    # Tensor parallelism: the blocks every rank uses, the smallest rank's plan (None: this plan alone).
+    agreed_blocks: int | None = None
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks if self.agreed_blocks is None else self.agreed_blocks
 
     @property
     def num_tokens(self) -> int:
@@ -81,11 +87,15 @@ class KVPlan:
 
     def table(self) -> str:
         """The plan as the one-screen table printed at start-up."""
+        rows = self.rows()
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
+    def rows(self) -> list[tuple[str, str]]:
         def gib(x: int | None) -> str:
             return "-" if x is None else f"{x / 2**30:8.2f} GiB"
 
-        rows = [
+        return [
             ("device memory (total)", gib(self.total_bytes)),
             ("weights", gib(self.weights_bytes)),
             ("peak activations", gib(self.activation_bytes)),
@@ -97,8 +107,23 @@ class KVPlan:
             ("KV tokens", f"{self.num_tokens}"),
             ("max concurrency at max_model_len", f"{self.max_concurrency:.1f} x {self.max_model_len} tokens"),
         ]
-        width = max(len(r[0]) for r in rows)
-        return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def ranks_table(plans: list[KVPlan]) -> str:
+    """Every tensor-parallel rank's plan side by side, and the block count they agreed on (the smallest)."""
+    if len(plans) == 1:
+        return plans[0].table()
+    columns = [p.rows() for p in plans]
+    names = [name for name, _ in columns[0]]
+    values = [[v.strip() for _, v in col] for col in columns]
+    header = ["", *(f"rank {r}" for r in range(len(plans)))]
+    body = [[name, *(col[i] for col in values)] for i, name in enumerate(names)]
+    agreed = min(p.num_blocks for p in plans)
+    body.append(["KV blocks every rank uses", *(str(agreed) for _ in plans)])
+    widths = [max(len(row[c]) for row in [header, *body]) for c in range(len(header))]
+    return "\n".join(
+        "  " + "  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row)).rstrip() for row in [header, *body]
+    )
 
 
 def set_allocator_defaults() -> None:
@@ -191,7 +216,9 @@ def plan_kv_cache(
         import psutil
 
         useful_blocks = config.max_num_seqs * blocks_for_tokens(config.max_model_len, config.block_size)
-        kv_bytes = int(psutil.virtual_memory().available * config.cpu_kv_cache_fraction)
+        # Tensor-parallel CPU ranks share one machine's RAM: each takes its share of the fraction.
+        ram = psutil.virtual_memory().available * config.cpu_kv_cache_fraction / config.tensor_parallel_size
+        kv_bytes = int(ram)
         kv_bytes = min(kv_bytes, useful_blocks * bytes_per_block)
         plan.source = f"--cpu-kv-cache-fraction {config.cpu_kv_cache_fraction} of free RAM"
     plan.num_blocks = max(0, kv_bytes // bytes_per_block)

@@ -6,6 +6,7 @@ costs, and how many tokens and max-length sequences the KV cache would hold on t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def checkpoint_parameters(model_dir: Path) -> int:
     """Number of parameters, from the safetensors headers only."""
     total = 0
     for _name, tensor in iter_checkpoint(model_dir, meta=True):  # a broken file is a ModelLoadError naming it
-        total += tensor.numel()
+        total += math.prod(tensor.shape)
     return total
 
 

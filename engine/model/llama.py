@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 import kernels
+from engine.distributed.group import SINGLE, HeadSplit, Part, TPGroup
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
-from engine.model.layers.linear import MergedLinear
+from engine.model.layers.linear import MergedLinear, RowLinear, VocabEmbedding
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import RotaryEmbedding, rope_settings
 from engine.model.weights import load_named_weights
@@ -67,18 +68,26 @@ class LlamaShape:
         )
 
 
+def _rows(heads: Part, head_dim: int) -> Part:
+    """A head split as rows of a projection matrix."""
+    return Part(heads.full * head_dim, heads.start * head_dim, heads.size * head_dim)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, s: LlamaShape, rotary: RotaryEmbedding) -> None:
+    """Heads are split over the tensor-parallel ranks (HeadSplit): q/k/v column-parallel, o_proj row-parallel."""
+
+    def __init__(self, s: LlamaShape, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        self.qkv_proj = MergedLinear(s.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=s.qkv_bias)
-        self.o_proj = nn.Linear(q_size, s.hidden_size, bias=s.o_bias)
+        heads = HeadSplit.of(s.num_heads, s.num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, s.head_dim
+        q, kv = _rows(heads.q, s.head_dim), _rows(heads.kv, s.head_dim)
+        self.qkv_proj = MergedLinear(s.hidden_size, {"q": q, "k": kv, "v": kv}, bias=s.qkv_bias)
+        self.o_proj = RowLinear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_bias, tp=tp)
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps) if s.qk_norm else None
         self.rotary = rotary
-        self.attn = PagedAttention(s.num_heads, s.num_kv_heads, s.head_dim, s.head_dim**-0.5)
-        self._split = (q_size, kv_size, kv_size)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, s.head_dim, s.head_dim**-0.5)
+        self._split = (q.size, kv.size, kv.size)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -96,24 +105,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, s: LlamaShape) -> None:
+    def __init__(self, s: LlamaShape, tp: TPGroup) -> None:
         super().__init__()
-        i = s.intermediate_size
+        i = Part.even(s.intermediate_size, tp, "intermediate_size")
         self.gate_up_proj = MergedLinear(s.hidden_size, {"gate": i, "up": i}, bias=s.mlp_bias)
-        self.down_proj = nn.Linear(i, s.hidden_size, bias=s.mlp_bias)
-        self._i = i
+        self.down_proj = RowLinear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.fused_backend(x.device).silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, s: LlamaShape, rotary: RotaryEmbedding) -> None:
+    def __init__(self, s: LlamaShape, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.self_attn = LlamaAttention(s, rotary)
+        self.self_attn = LlamaAttention(s, rotary, tp)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.mlp = LlamaMLP(s)
+        self.mlp = LlamaMLP(s, tp)
 
     def forward(
         self,
@@ -132,10 +140,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaInner(nn.Module):
-    def __init__(self, s: LlamaShape, rotary: RotaryEmbedding) -> None:
+    def __init__(self, s: LlamaShape, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(s, rotary) for _ in range(s.num_layers))
+        self.embed_tokens = VocabEmbedding(s.vocab_size, s.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(s, rotary, tp) for _ in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
 
@@ -150,21 +158,28 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, hf_config: Any, architecture: str, max_positions: int, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        hf_config: Any,
+        architecture: str,
+        max_positions: int,
+        device: torch.device | str,
+        tp: TPGroup = SINGLE,
+    ) -> None:
         super().__init__()
         self.shape = s = LlamaShape.from_hf(hf_config, architecture)
         self.rotary = RotaryEmbedding(s.head_dim, max_positions, s.rope_theta, s.rope_scaling, device)
-        self.model = LlamaInner(s, self.rotary)
-        self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        self.model = LlamaInner(s, self.rotary, tp)
+        self.lm_head = None if s.tie_word_embeddings else VocabEmbedding(s.vocab_size, s.hidden_size, tp)
 
-    # KV cache geometry, read by the runner to size and shape the cache.
+    # KV cache geometry on this rank, read by the runner to size and shape the cache.
     @property
     def num_layers(self) -> int:
         return self.shape.num_layers
 
     @property
     def num_kv_heads(self) -> int:
-        return self.shape.num_kv_heads
+        return self.model.layers[0].self_attn.num_kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -180,8 +195,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
+        """[T, vocab] on every rank (vocab-parallel shards, gathered)."""
+        return (self.model.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def rename(name: str) -> str | None:

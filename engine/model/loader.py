@@ -8,6 +8,7 @@ that says what to change; the CLI prints it and exits 2.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from engine.config import ConfigError, EngineConfig
+from engine.distributed.group import SINGLE, TPGroup
 from engine.model.registry import ARCHITECTURES, supported
 from engine.model.weights import ModelLoadError, iter_checkpoint
 
@@ -129,19 +131,29 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def _build_on_meta(info: ModelInfo, max_model_len: int, device: torch.device) -> nn.Module:
+def _build_on_meta(info: ModelInfo, max_model_len: int, device: torch.device, tp: TPGroup = SINGLE) -> nn.Module:
     cls = ARCHITECTURES[info.architecture]
     try:
         with torch.device("meta"), _default_dtype(info.dtype):
-            return cls(info.hf_config, info.architecture, max_model_len, device)
+            return cls(info.hf_config, info.architecture, max_model_len, device, tp=tp)
     except ValueError as e:
         raise ConfigError(f"--model {info.path}: {e}") from e
 
 
-def load_model(info: ModelInfo, max_model_len: int, device: torch.device, load_format: str = "auto") -> nn.Module:
+def check_tensor_parallel(info: ModelInfo, tp_size: int) -> None:
+    """ConfigError unless the model's heads and widths split over `tp_size` ranks (every rank's shapes
+    are checked on the meta device, so nothing is allocated)."""
+    for rank in range(tp_size):
+        _build_on_meta(info, 1, torch.device("cpu"), TPGroup(rank, tp_size))
+
+
+def load_model(
+    info: ModelInfo, max_model_len: int, device: torch.device, load_format: str = "auto", tp: TPGroup = SINGLE
+) -> nn.Module:
     """Build the model without initialising weights (meta device), then fill it from the checkpoint
-    (or, with load_format="dummy", with random weights: benchmarks of a shape need no download)."""
-    model = _build_on_meta(info, max_model_len, device).to_empty(device=device)
+    (or, with load_format="dummy", with random weights: benchmarks of a shape need no download).
+    With tensor parallelism each rank builds and reads only its shard."""
+    model = _build_on_meta(info, max_model_len, device, tp).to_empty(device=device)
     if load_format == "dummy":
         _random_weights(model)
     else:
@@ -180,11 +192,33 @@ def check_checkpoint(info: ModelInfo) -> int:
 
 @torch.no_grad()
 def _random_weights(model: nn.Module) -> None:
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    """N(0, 0.02) weights, unit norms, zero biases, each checkpoint tensor drawn from a generator
+    seeded by its name: every tensor-parallel rank holds its slice of the same model, so outputs at
+    --tensor-parallel-size N can be compared with 1."""
+    modules = dict(model.named_modules())
     for name, p in model.named_parameters():
         if "norm" in name and name.endswith("weight"):
             p.fill_(1.0)
-        elif name.endswith("bias"):
+            continue
+        if name.endswith("bias"):
             p.zero_()
-        else:
-            p.normal_(0.0, 0.02, generator=gen)
+            continue
+        owner_name, leaf = name.rsplit(".", 1)
+        owner = modules[owner_name]
+        slice_of = getattr(owner, "checkpoint_slice", None)
+        shards = list(getattr(owner, "shard_offsets", {None: None})) if slice_of is not None else [None]
+        for shard in shards:
+            where = slice_of(leaf, shard or None) if slice_of is not None else None
+            full = list(p.shape)
+            if where is not None:
+                full[where.dim] = where.full
+            gen = torch.Generator(device=p.device).manual_seed(zlib.crc32(f"{name}:{shard}".encode()))
+            values = torch.empty(full, dtype=p.dtype, device=p.device).normal_(0.0, 0.02, generator=gen)
+            if where is None:
+                p.copy_(values)
+            else:
+                p.narrow(where.dim, where.dest, where.size).copy_(values.narrow(where.dim, where.start, where.size))
+    for m in model.modules():
+        finish = getattr(m, "finish_load", None)
+        if finish is not None:
+            finish()

@@ -117,6 +117,9 @@ class ModelRunner:
         self.static: StaticInputs | None = None
         self._seqs: dict[str, _SeqState] = {}
 
+    def close(self) -> None:
+        """Nothing to stop on one device (the tensor-parallel runner stops its workers here)."""
+
     @property
     def num_sequences(self) -> int:
         """Sequences whose state the runner holds (the finished ones are forgotten by the next plan)."""

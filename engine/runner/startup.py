@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable, Protocol
 
 import structlog
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
+from engine.distributed.group import SINGLE, TPGroup
 from engine.memory.budget import (
     KVPlan,
     device_baseline,
@@ -25,9 +27,22 @@ from engine.memory.budget import (
     set_allocator_defaults,
 )
 from engine.model.loader import ModelInfo, load_model
+from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
+from engine.runner.sampler import DeviceSample
 
 log = structlog.get_logger("pagekeeper.engine")
+
+
+class StepRunner(Protocol):
+    """What the engine core drives: one GPU's ModelRunner, or rank 0 of a tensor-parallel group."""
+
+    @property
+    def graphs(self) -> DecodeGraphs | None: ...
+
+    def launch(self, plan: StepPlan, previous: DeviceSample | None = None) -> DeviceSample | None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -40,13 +55,22 @@ class StartedRunner:
     graph_capture_seconds: float
 
 
-def start_runner(config: EngineConfig, model_info: ModelInfo, device: torch.device) -> StartedRunner:
-    """Load the model and build a runner whose KV cache fills the budget `config` allows."""
+def start_runner(
+    config: EngineConfig,
+    model_info: ModelInfo,
+    device: torch.device,
+    tp: TPGroup = SINGLE,
+    agree: Callable[[KVPlan], int] | None = None,
+) -> StartedRunner:
+    """Load the model (this rank's shard) and build a runner whose KV cache fills the budget `config`
+    allows.  With tensor parallelism every rank profiles its own budget and `agree` turns this
+    rank's plan into the block count all ranks use (the smallest)."""
     baseline = profile = None
     if device.type == "cuda":
         set_allocator_defaults()
         baseline = device_baseline(device)
-    model = load_model(model_info, config.max_model_len, device, config.load_format)
+    assert config.max_model_len is not None
+    model = load_model(model_info, config.max_model_len, device, config.load_format, tp)
     per_block = kv_bytes_per_block(model, config.block_size, model_info.dtype)
     if device.type == "cuda":
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -54,6 +78,8 @@ def start_runner(config: EngineConfig, model_info: ModelInfo, device: torch.devi
         if not config.enforce_eager:
             profile.graph_bytes = graph_pool_bytes(config, model_info, model, device)
     kv_plan = plan_kv_cache(config, per_block, device, baseline, profile)
+    if agree is not None:
+        kv_plan.agreed_blocks = agree(kv_plan)
     preemption_mode = config.resolved_preemption_mode(device.type)
     num_cpu_blocks = int(config.swap_space * 2**30) // per_block if preemption_mode == "swap" else 0
     if preemption_mode == "swap" and num_cpu_blocks == 0:
@@ -65,7 +91,7 @@ def start_runner(config: EngineConfig, model_info: ModelInfo, device: torch.devi
         )
     runner = ModelRunner(
         model,
-        kv_plan.num_blocks,
+        kv_plan.usable_blocks,
         config.block_size,
         model_info.dtype,
         device,

@@ -1,0 +1,226 @@
+"""Rank 0 of a tensor-parallel engine: its own runner, the workers it spawned, and their plans.
+
+Why rank 0 lives in the engine process (and not in a worker like the others): the scheduler and
+rank 0's runner then share one process, so the step pipeline is unchanged from one GPU: rank 0
+queues step k+1 on its GPU while step k computes, reads its own sampled tokens from pinned memory,
+and nothing crosses a process boundary on the way back.  The only per-step traffic is one pickled
+plan (plain data: ids and counts, see engine/core/plan.py) written to each worker's pipe before
+rank 0 launches the same plan; the collectives inside the forward keep the ranks in step.
+
+Failure is loud and quick, never a hang: a watchdog thread waits on the workers' process handles,
+and when one exits while the engine runs it logs the worker's one-line reason, prints it as the
+last line on stderr, and ends the engine process with exit 1 (2 when the worker hit a ConfigError),
+so that the supervisor restarts it.  rank 0 blocked inside an all-reduce is no obstacle: the
+watchdog does not wait for it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, NoReturn
+
+import structlog
+import torch
+
+from engine.config import EngineConfig
+from engine.core.plan import StepPlan
+from engine.distributed.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
+from engine.distributed.worker import WorkerArgs, reason_file
+from engine.memory.budget import KVPlan
+from engine.model.loader import ModelInfo
+from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.model_runner import ModelRunner
+from engine.runner.sampler import DeviceSample
+from engine.runner.startup import StartedRunner, start_runner
+
+log = structlog.get_logger("pagekeeper.engine")
+
+WORKER_STOP_S = 10.0
+
+
+class TensorParallelRunner:
+    """Looks like a ModelRunner to the engine core (launch, graphs); fans each plan out first."""
+
+    def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
+        import torch.distributed as dist
+
+        size = config.tensor_parallel_size
+        self.size = size
+        self.rank_plans: list[KVPlan] = []
+        self._closing = False
+        self._failed = threading.Lock()
+        self._reasons = tempfile.mkdtemp(prefix="pagekeeper-tp-")
+        self._wake_r, self._wake_w = os.pipe()
+        device = rank_device(config, 0)
+        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._conns: list[Connection] = []
+        self._pidfds: list[int] = []
+        for rank in range(1, size):
+            proc, conn = _spawn_worker(WorkerArgs(config, rank, size, store.port, self._reasons, os.getpid()))
+            self._procs.append(proc)
+            self._conns.append(conn)
+            self._pidfds.append(os.pidfd_open(proc.pid))
+        log.info("tp_workers_started", size=size, pids=[p.pid for p in self._procs], device=str(device))
+        threading.Thread(target=self._watch, daemon=True, name="tp-watchdog").start()
+        atexit.register(self.close)
+        try:
+            tp = join_group(store, 0, size, device)
+            self.started: StartedRunner = start_runner(config, info, device, tp, self._agree)
+            for rank, conn in enumerate(self._conns, start=1):
+                kind, _ = self._recv(rank, conn)
+                assert kind == "ready", kind
+        except BaseException:
+            self.close()
+            raise
+        self.local: ModelRunner = self.started.runner
+
+    # -- start-up --------------------------------------------------------------------------------
+
+    def _recv(self, rank: int, conn: Connection) -> Any:
+        try:
+            return conn.recv()
+        except (EOFError, OSError):
+            self._rank_failed(rank)
+
+    def _agree(self, own: KVPlan) -> int:
+        """Every rank's KV plan; all use the smallest block count."""
+        plans = [own] + [self._recv(rank, conn)[1] for rank, conn in enumerate(self._conns, start=1)]
+        blocks = min(p.num_blocks for p in plans)
+        for rank, conn in enumerate(self._conns, start=1):
+            self._send(rank, conn, ("num_blocks", blocks))
+        for p in plans:
+            p.agreed_blocks = blocks
+        self.rank_plans = plans
+        return blocks
+
+    def _send(self, rank: int, conn: Connection, obj: Any) -> None:
+        try:
+            conn.send(obj)
+        except (BrokenPipeError, OSError):
+            self._rank_failed(rank)
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self.local.graphs
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.local.kv_caches
+
+    def launch(self, plan: StepPlan, previous: DeviceSample | None = None) -> DeviceSample | None:
+        data = pickle.dumps((plan, previous is not None), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send_bytes(data)
+            except (BrokenPipeError, OSError):
+                self._rank_failed(rank)
+        return self.local.launch(plan, previous)
+
+    # -- failure and shutdown ------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        handles = {fd: rank for rank, fd in enumerate(self._pidfds, start=1)}
+        ready = wait([*handles, self._wake_r])
+        if self._closing:
+            return
+        for h in ready:
+            if h in handles:
+                self._rank_failed(handles[h])
+
+    def _rank_failed(self, rank: int) -> NoReturn:
+        """A worker is gone while the engine runs: say why in one line and end the engine now."""
+        if self._closing:
+            raise RuntimeError(f"tensor-parallel rank {rank} stopped while the engine was stopping")
+        self._failed.acquire()  # the first reporter exits the process; any other waits here for that
+        proc = self._procs[rank - 1]
+        try:
+            code: int | None = proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        reason, config_error = None, False
+        try:
+            found = json.loads(reason_file(self._reasons, rank).read_text())
+            reason, config_error = found["reason"], bool(found["config"])
+        except (OSError, ValueError, KeyError):
+            pass
+        if reason is None:
+            reason = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        exit_code = 2 if config_error else 1
+        line = f"tensor-parallel rank {rank} (pid {proc.pid}) failed: {reason}; the engine stops (exit {exit_code})"
+        log.error("tp_rank_failed", rank=rank, pid=proc.pid, reason=reason, exit_code=exit_code)
+        sys.stderr.write(f"pagekeeper engine: {line}\n")
+        sys.stderr.flush()
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+        os._exit(exit_code)
+
+    def close(self) -> None:
+        """Stop the workers (they finish the plan they run, then leave); safe to call twice."""
+        if self._closing:
+            return
+        self._closing = True
+        os.write(self._wake_w, b"x")
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(None))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            try:
+                p.wait(timeout=WORKER_STOP_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=WORKER_STOP_S)
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # shutting down: a broken group is no reason to fail the exit
+            pass
+        shutil.rmtree(self._reasons, ignore_errors=True)
+
+
+def _spawn_worker(args: WorkerArgs) -> tuple[subprocess.Popen[bytes], Connection]:
+    """`python -m engine.distributed.worker FD` with one end of a socket pair; sends it its WorkerArgs.
+
+    Same process group as the engine (a stop of the group stops every rank), same environment
+    (CUDA_VISIBLE_DEVICES, NCCL_* settings), and the engine's package first on its path."""
+    ours, theirs = socket.socketpair()
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.distributed.worker", str(theirs.fileno())],
+        pass_fds=[theirs.fileno()],
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+    theirs.close()
+    conn = Connection(ours.detach())
+    conn.send(args)
+    return proc, conn
+
+
+def start_engine_runner(config: EngineConfig, info: ModelInfo) -> tuple[StartedRunner, Any, list[KVPlan]]:
+    """(the started rank-0 runner, the runner the core drives, every rank's KV plan)."""
+    if config.tensor_parallel_size == 1:
+        up = start_runner(config, info, rank_device(config, 0))
+        return up, up.runner, [up.kv_plan]
+    tp = TensorParallelRunner(config, info)
+    return tp.started, tp, tp.rank_plans

@@ -1,0 +1,65 @@
+"""What every tensor-parallel rank does the same way: pick its device, join the process group.
+
+One process per rank, on one host: rank r uses `cuda:r` of the GPUs CUDA_VISIBLE_DEVICES shows
+(NCCL), or the CPU (gloo, which is how CI runs all of it).  The rendezvous is a TCPStore that rank 0
+opens on an ephemeral loopback port before it spawns the others, so two engines on one machine
+(a supervised restart overlaps them) never race for a port.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+
+from engine.config import ConfigError, EngineConfig
+from engine.distributed.group import TPGroup
+
+# A collective that waits longer than this means a rank is gone or stuck: NCCL/gloo raise, the rank
+# exits and the engine stops with exit 1 (never an engine that hangs).  Generous, because the first
+# step of each shape compiles Triton kernels on every rank before its first all-reduce.
+COLLECTIVE_TIMEOUT = timedelta(seconds=300)
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """The device of `rank`; ConfigError when the GPUs are too few or a single one was named."""
+    device = config.resolved_device()
+    size = config.tensor_parallel_size
+    if device == "cpu":
+        return torch.device("cpu")
+    if size > 1 and device != "cuda":
+        raise ConfigError(
+            f"--device {device} with --tensor-parallel-size {size}: rank r uses cuda:r; choose the GPUs "
+            "with CUDA_VISIBLE_DEVICES and pass --device cuda"
+        )
+    if size == 1:
+        return torch.device(device)
+    visible = torch.cuda.device_count()
+    if visible < size:
+        raise ConfigError(
+            f"--tensor-parallel-size {size} needs {size} GPUs, {visible} visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            f"use --tensor-parallel-size {visible} or make more GPUs visible"
+        )
+    return torch.device(f"cuda:{rank}")
+
+
+def cpu_threads_per_rank(size: int) -> int:
+    """CPU ranks share the cores: oversubscribed threads make every all-reduce wait for the slowest."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def join_group(store: torch.distributed.Store, rank: int, size: int, device: torch.device) -> TPGroup:
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(
+            "nccl", store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT, device_id=device
+        )
+    else:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback, whatever the hostname resolves to
+        torch.set_num_threads(cpu_threads_per_rank(size))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    return TPGroup(rank, size, None)

@@ -1,0 +1,143 @@
+"""A tensor-parallel rank other than 0: its shard of the model and of the KV cache, run plan by plan.
+
+Rank 0 (the engine process) schedules; every other rank only follows.  Each step's plan arrives as
+one pickled message on a pipe and the worker runs exactly what rank 0's runner runs: the same
+`launch(plan, previous)`, so the all-reduces line up and a pending token (async scheduling) is taken
+from the worker's own samples of the step before, which equal rank 0's (every rank samples from the
+same gathered logits with the same seeds).  Nothing comes back per step: only rank 0's tokens are read.
+
+A worker never outlives its engine, and never fails silently: an exception is written, as one line,
+where rank 0's watchdog reads it, and the worker exits; rank 0 then stops the engine with that line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from engine.config import ConfigError, EngineConfig
+
+PARENT_POLL_S = 0.5
+
+
+@dataclass
+class WorkerArgs:
+    config: EngineConfig  # resolved (max_model_len, max_num_batched_tokens filled in by rank 0)
+    rank: int
+    size: int
+    store_port: int
+    reasons_dir: str
+    parent_pid: int
+
+
+def reason_file(reasons_dir: str, rank: int) -> Path:
+    return Path(reasons_dir) / f"rank{rank}.json"
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def main() -> None:
+    """`python -m engine.distributed.worker FD`: FD is this worker's end of a socket pair with rank 0,
+    whose first message is the WorkerArgs.  A plain module run, not multiprocessing's spawn, so the
+    worker never imports the engine's own `__main__` (a user's script without a main guard)."""
+    import sys
+
+    conn = Connection(int(sys.argv[1]))
+    try:
+        args = conn.recv()
+    except EOFError:
+        os._exit(0)
+    run_worker(args, conn)
+
+
+def run_worker(args: WorkerArgs, conn: Connection) -> None:
+    """Serve as one rank until rank 0 says stop (or goes away); never returns."""
+    # Ctrl-C and systemd's SIGTERM reach the whole process group: only rank 0 decides when to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True, name="parent-watch").start()
+    try:
+        _serve(args, conn)
+    except EOFError:
+        os._exit(0)  # rank 0 closed the pipe: it is gone or stopping, nothing to report
+    except BaseException as e:
+        _report(args, e)
+        os._exit(2 if isinstance(e, ConfigError) else 1)
+    os._exit(0)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Rank 0 killed (SIGKILL, OOM killer): no message will come, so leave on our own."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
+
+
+def _report(args: WorkerArgs, e: BaseException) -> None:
+    import structlog
+
+    structlog.get_logger("pagekeeper.engine").error(
+        "tp_rank_error", rank=args.rank, error=one_line(e), traceback=traceback.format_exc()
+    )
+    path = reason_file(args.reasons_dir, args.rank)
+    try:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"reason": one_line(e), "config": isinstance(e, ConfigError)}))
+        tmp.replace(path)
+    except OSError:
+        pass  # rank 0 still reports the exit code
+
+
+def _serve(args: WorkerArgs, conn: Connection) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from engine.distributed.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
+    from engine.logs import configure_logging
+    from engine.memory.budget import KVPlan
+    from engine.model.loader import inspect_model
+    from engine.runner.sampler import DeviceSample
+    from engine.runner.startup import start_runner
+
+    configure_logging()
+    config = args.config
+    device = rank_device(config, args.rank)
+    store = dist.TCPStore("127.0.0.1", args.store_port, args.size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    tp = join_group(store, args.rank, args.size, device)
+    info = inspect_model(config)
+
+    def agree(plan: KVPlan) -> int:
+        conn.send(("kv_plan", plan))
+        kind, blocks = conn.recv()
+        assert kind == "num_blocks", kind
+        return int(blocks)
+
+    up = start_runner(config, info, device, tp, agree)
+    conn.send(("ready", up.graph_capture_seconds))
+    runner = up.runner
+    last: DeviceSample | None = None
+    with torch.inference_mode():
+        while True:
+            message = pickle.loads(conn.recv_bytes())
+            if message is None:
+                break
+            plan, use_previous = message
+            last = runner.launch(plan, last if use_previous else None)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
