@@ -72,12 +72,13 @@ def start_runner(
     assert config.max_model_len is not None
     model = load_model(model_info, config.max_model_len, device, config.load_format, tp)
     per_block = kv_bytes_per_block(model, config.block_size, model_info.dtype)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if device.type == "cuda":
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
         profile = profile_step(device, weights, lambda: dummy_step(config, model_info, model, device))
         if not config.enforce_eager:
             profile.graph_bytes = graph_pool_bytes(config, model_info, model, device)
     kv_plan = plan_kv_cache(config, per_block, device, baseline, profile)
+    kv_plan.weights_bytes = weights  # this rank's shard (also on CPU, where nothing is profiled)
     if agree is not None:
         kv_plan.agreed_blocks = agree(kv_plan)
     preemption_mode = config.resolved_preemption_mode(device.type)

@@ -1,0 +1,49 @@
+"""Tensor parallelism on real GPUs (NCCL): CUDA graphs capture the all-reduces, tokens equal one GPU.
+
+Needs at least 2 GPUs; skipped elsewhere (the CPU tests in tests/engine/test_tensor_parallel.py
+cover the same logic over gloo).  float32 on a small checkpoint, so tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.checkpoints import make_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_tp2_on_gpus_matches_one_gpu(tmp_path, eager):
+    path = make_checkpoint("llama", tmp_path / "llama", extra_vocab=3)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(384) for _ in range(n)] for n in (1, 5, 17, 40, 90, 120)] * 3
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    sampled = [SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True, seed=i) for i in range(len(prompts))]
+    out = {}
+    for tp in (1, 2):
+        with LLM(
+            str(path),
+            tensor_parallel_size=tp,
+            device="cuda",
+            dtype="float32",
+            max_model_len=256,
+            max_num_seqs=16,
+            enforce_eager=eager,
+            gpu_memory_utilization=0.3,
+        ) as llm:
+            if not eager:
+                assert llm.llm_engine.core.runner.graphs is not None
+            g = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+            s = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sampled)]
+            out[tp] = (g, s)
+            assert len(llm.llm_engine.core.memory_plans) == tp
+    assert out[2][0] == out[1][0]
+    assert out[2][1] == out[1][1]
