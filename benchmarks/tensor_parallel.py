@@ -94,44 +94,47 @@ def run_size(
     llm = LLM(model, tensor_parallel_size=tp, **engine_args)
     cold = time.perf_counter() - t
     try:
-        core = llm.llm_engine.core
-        check = prompts_for(args.check_prompts, 64, cfg["vocab_size"], seed=1)
-        greedy = SamplingParams(temperature=0, max_tokens=args.check_tokens, ignore_eos=True)
-        tokens = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in check], greedy)]
-        prompts = prompts_for(args.num_prompts, args.input_len, cfg["vocab_size"], seed=0)
-        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": p} for p in prompts[:32]], params, use_tqdm=False)  # warm-up
-        _sync()
-        t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        _sync()
-        elapsed = time.perf_counter() - t
-        assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
-        result = {
-            "tp": tp,
-            "cold_start_s": round(cold, 1),
-            "graph_capture_s": round(core.graph_capture_seconds, 1),
-            "generate_s": round(elapsed, 2),
-            "tok_s": round(args.num_prompts * args.output_len / elapsed, 1),
-            "memory_plan_per_rank": [
-                {
-                    "rank": r,
-                    "weights_GiB": round((p.weights_bytes or 0) / 2**30, 2),
-                    "activations_GiB": round((p.activation_bytes or 0) / 2**30, 2),
-                    "graphs_GiB": round((p.graph_bytes or 0) / 2**30, 2),
-                    "other_GiB": round((p.non_torch_bytes or 0) / 2**30, 2),
-                    "kv_GiB": round(p.kv_bytes / 2**30, 2),
-                    "kv_blocks": p.num_blocks,
-                    "agreed_blocks": p.usable_blocks,
-                }
-                for r, p in enumerate(core.memory_plans)
-            ],
-            "memory_plan_table": ranks_table(core.memory_plans),
-        }
+        result, tokens = _measure(llm, cfg, args)
     finally:
         llm.close()
-        llm = None
+        del llm  # the engine's memory goes back to the device before the next size starts
         _free()
+    return {"tp": tp, "cold_start_s": round(cold, 1), **result}, tokens
+
+
+def _measure(llm: LLM, cfg: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, Any], list[list[int]]]:
+    core = llm.llm_engine.core
+    check = prompts_for(args.check_prompts, 64, cfg["vocab_size"], seed=1)
+    greedy = SamplingParams(temperature=0, max_tokens=args.check_tokens, ignore_eos=True)
+    tokens = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in check], greedy)]
+    prompts = prompts_for(args.num_prompts, args.input_len, cfg["vocab_size"], seed=0)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:32]], params, use_tqdm=False)  # warm-up
+    _sync()
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    _sync()
+    elapsed = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
+    result = {
+        "graph_capture_s": round(core.graph_capture_seconds, 1),
+        "generate_s": round(elapsed, 2),
+        "tok_s": round(args.num_prompts * args.output_len / elapsed, 1),
+        "memory_plan_per_rank": [
+            {
+                "rank": r,
+                "weights_GiB": round((p.weights_bytes or 0) / 2**30, 2),
+                "activations_GiB": round((p.activation_bytes or 0) / 2**30, 2),
+                "graphs_GiB": round((p.graph_bytes or 0) / 2**30, 2),
+                "other_GiB": round((p.non_torch_bytes or 0) / 2**30, 2),
+                "kv_GiB": round(p.kv_bytes / 2**30, 2),
+                "kv_blocks": p.num_blocks,
+                "agreed_blocks": p.usable_blocks,
+            }
+            for r, p in enumerate(core.memory_plans)
+        ],
+        "memory_plan_table": ranks_table(core.memory_plans),
+    }
     return result, tokens
 
 

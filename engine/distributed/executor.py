@@ -174,6 +174,7 @@ class TensorParallelRunner:
         if self._closing:
             return
         self._closing = True
+        atexit.unregister(self.close)  # which also lets a closed engine's memory be freed
         os.write(self._wake_w, b"x")
         for conn in self._conns:
             try:

@@ -119,9 +119,10 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
 
     def agree(plan: KVPlan) -> int:
         conn.send(("kv_plan", plan))
-        kind, blocks = conn.recv()
-        assert kind == "num_blocks", kind
-        return int(blocks)
+        answer = conn.recv()
+        if answer is None:  # rank 0 failed its own start-up and is stopping: it reports why
+            raise EOFError
+        return int(answer[1])
 
     up = start_runner(config, info, device, tp, agree)
     conn.send(("ready", up.graph_capture_seconds))
