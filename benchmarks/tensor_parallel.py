@@ -107,6 +107,10 @@ def _measure(llm: LLM, cfg: dict[str, Any], args: argparse.Namespace) -> tuple[d
     check = prompts_for(args.check_prompts, 64, cfg["vocab_size"], seed=1)
     greedy = SamplingParams(temperature=0, max_tokens=args.check_tokens, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in check], greedy)]
+    noise = None
+    if args.noise_control:
+        alone = [llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in check]
+        noise = compare(tokens, alone)
     prompts = prompts_for(args.num_prompts, args.input_len, cfg["vocab_size"], seed=0)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:32]], params, use_tqdm=False)  # warm-up
@@ -135,7 +139,22 @@ def _measure(llm: LLM, cfg: dict[str, Any], args: argparse.Namespace) -> tuple[d
         ],
         "memory_plan_table": ranks_table(core.memory_plans),
     }
+    if noise is not None:
+        result["check_batched_vs_alone"] = noise
     return result, tokens
+
+
+def compare(first: list[list[int]], other: list[list[int]]) -> dict[str, Any]:
+    """How far greedy continuations agree: identical ones, where the others first differ, token match rate."""
+    flips = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(first, other)]
+    return {
+        "prompts": len(other),
+        "identical": sum(f is None for f in flips),
+        "first_divergence_at": [f for f in flips if f is not None],
+        "token_match_rate": round(
+            sum(a == b for x, y in zip(first, other) for a, b in zip(x, y)) / sum(len(x) for x in other), 4
+        ),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--check-prompts", type=int, default=32)
     p.add_argument("--check-tokens", type=int, default=64)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="on the GPU")
+    p.add_argument(
+        "--noise-control",
+        action="store_true",
+        help="also run each check prompt alone: the flip rate batch composition alone causes on one GPU",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available() and not args.quick
@@ -164,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     model, cfg = shape_dir(args.shape, not gpu)
     engine_args: dict[str, Any] = dict(
         device="cuda" if gpu else "cpu",
-        dtype="bfloat16" if gpu else "float32",
+        dtype=args.dtype if gpu else "float32",
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len or -(-(args.input_len + args.output_len) // 256) * 256,
@@ -191,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"tp-{name}-{args.shape}-{date}.json"
+    suffix = "" if args.dtype == "bfloat16" or not gpu else f"-{args.dtype}"
+    suffix += "-noise" if args.noise_control else ""
+    path = args.out / f"tp-{name}-{args.shape}{suffix}-{date}.json"
 
     def save() -> None:
         path.write_text(json.dumps(result, indent=2) + "\n")
@@ -220,19 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         if baseline_tokens is None:
             baseline_tokens = tokens
         else:
-            flips = [
-                next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(baseline_tokens, tokens)
-            ]
-            run["check_vs_first"] = {
-                "prompts": len(tokens),
-                "identical": sum(f is None for f in flips),
-                "first_divergence_at": [f for f in flips if f is not None],
-                "token_match_rate": round(
-                    sum(a == b for x, y in zip(baseline_tokens, tokens) for a, b in zip(x, y))
-                    / sum(len(x) for x in tokens),
-                    4,
-                ),
-            }
+            run["check_vs_first"] = compare(baseline_tokens, tokens)
         if gpu:
             roof = tp_roofline(cfg, tp, args, ceilings, result["allreduce"].get(str(tp), {}))
             run["roofline"] = {k: round(v, 3) for k, v in roof.items()}

@@ -47,6 +47,7 @@ from engine.runner.startup import StartedRunner, start_runner
 log = structlog.get_logger("pagekeeper.engine")
 
 WORKER_STOP_S = 10.0
+GROUP_LEAVE_S = 15.0
 
 
 class TensorParallelRunner:
@@ -181,20 +182,40 @@ class TensorParallelRunner:
                 conn.send_bytes(pickle.dumps(None))
             except (BrokenPipeError, OSError):
                 pass
+        self.local.release_graphs()
+        # Every rank leaves the process group at the same time (NCCL's teardown waits for its peers);
+        # a peer that is already gone must not hang the exit, so it is waited for only so long.
+        leave = threading.Thread(target=_leave_group, daemon=True, name="tp-leave")
+        leave.start()
+        leave.join(GROUP_LEAVE_S)
+        if leave.is_alive():
+            # NCCL's teardown is stuck inside C++ (pytorch/pytorch#115388 and kin): the interpreter's
+            # own exit would then abort.  Leave without it; the OS reclaims the communicators.
+            log.warning("tp_group_leave_timeout", seconds=GROUP_LEAVE_S, effect="the process exits without it")
+            atexit.register(_exit_without_teardown)
         for p in self._procs:
             try:
                 p.wait(timeout=WORKER_STOP_S)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=WORKER_STOP_S)
-        try:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # shutting down: a broken group is no reason to fail the exit
-            pass
         shutil.rmtree(self._reasons, ignore_errors=True)
+
+
+def _exit_without_teardown() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as e:  # shutting down: a broken group is no reason to fail the exit
+        log.warning("tp_group_leave_failed", error=str(e))
 
 
 def _spawn_worker(args: WorkerArgs) -> tuple[subprocess.Popen[bytes], Connection]:

@@ -135,8 +135,8 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
                 break
             plan, use_previous = message
             last = runner.launch(plan, last if use_previous else None)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    del last
+    runner.release_graphs()  # before leaving the group: NCCL's teardown waits for graphs that captured it
     dist.destroy_process_group()
 
 

@@ -120,6 +120,18 @@ class ModelRunner:
     def close(self) -> None:
         """Nothing to stop on one device (the tensor-parallel runner stops its workers here)."""
 
+    def release_graphs(self) -> None:
+        """Destroy the captured decode graphs.  A graph that captured NCCL all-reduces keeps the
+        communicator busy: NCCL's teardown (destroy_process_group) hangs until the graphs are gone
+        (pytorch/pytorch#115388), so tensor-parallel ranks release them before leaving the group."""
+        import gc
+
+        self.graphs = None
+        self.static = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @property
     def num_sequences(self) -> int:
         """Sequences whose state the runner holds (the finished ones are forgotten by the next plan)."""

@@ -216,5 +216,9 @@ def test_configuration_errors_are_clear(tmp_path, checkpoint):
         LLM(max_model_len=100000)
     with pytest.raises(ConfigError, match="needs .* blocks"):
         LLM(max_model_len=256, kv_cache_memory_bytes=4096)
-    with pytest.raises(ConfigError, match="--tensor-parallel-size 2 is not supported yet"):
-        LLM(tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 3 does not divide the model's 4 attention heads"):
+        LLM(tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 8 does not divide"):
+        LLM(tensor_parallel_size=8)
+    with pytest.raises(ConfigError, match="--device cuda:1 with --tensor-parallel-size 2: rank r uses cuda:r"):
+        LLM(tensor_parallel_size=2, device="cuda:1")

@@ -6,6 +6,7 @@ cover the same logic over gloo).  float32 on a small checkpoint, so tokens must 
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -20,6 +21,35 @@ pytestmark = [
 ]
 
 
+def _run(path, tp: int, eager: bool, prompts, params, sampled) -> tuple[list, list]:
+    import time
+
+    llm = LLM(
+        str(path),
+        tensor_parallel_size=tp,
+        device="cuda",
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=16,
+        enforce_eager=eager,
+        gpu_memory_utilization=0.3,
+    )
+    if not eager:
+        assert llm.llm_engine.core.runner.graphs is not None
+    assert len(llm.llm_engine.core.memory_plans) == tp
+    g = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    s = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sampled)]
+    started = time.monotonic()
+    llm.close()
+    closed = time.monotonic() - started
+    print(f"tp={tp} eager={eager}: close took {closed:.2f} s")
+    assert closed < 10, "leaving the NCCL group hung (graphs must be released first)"
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()  # the next engine's budget must not count this one's memory
+    return g, s
+
+
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_tp2_on_gpus_matches_one_gpu(tmp_path, eager):
     path = make_checkpoint("llama", tmp_path / "llama", extra_vocab=3)
@@ -27,23 +57,7 @@ def test_tp2_on_gpus_matches_one_gpu(tmp_path, eager):
     prompts = [[rng.randrange(384) for _ in range(n)] for n in (1, 5, 17, 40, 90, 120)] * 3
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     sampled = [SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True, seed=i) for i in range(len(prompts))]
-    out = {}
-    for tp in (1, 2):
-        with LLM(
-            str(path),
-            tensor_parallel_size=tp,
-            device="cuda",
-            dtype="float32",
-            max_model_len=256,
-            max_num_seqs=16,
-            enforce_eager=eager,
-            gpu_memory_utilization=0.3,
-        ) as llm:
-            if not eager:
-                assert llm.llm_engine.core.runner.graphs is not None
-            g = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-            s = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sampled)]
-            out[tp] = (g, s)
-            assert len(llm.llm_engine.core.memory_plans) == tp
-    assert out[2][0] == out[1][0]
-    assert out[2][1] == out[1][1]
+    one = _run(path, 1, eager, prompts, params, sampled)
+    two = _run(path, 2, eager, prompts, params, sampled)
+    assert two[0] == one[0]
+    assert two[1] == one[1]

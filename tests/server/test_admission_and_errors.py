@@ -187,10 +187,11 @@ def test_seed_startup_script_flags_start_the_server(launch):
     assert "flag_ignored_on_cpu" in server.log() and "swap-space" in server.log()
 
 
-def test_tensor_parallel_is_a_clear_exit_2():
-    r = _run(_seed_script_args(4, free_port()))
+def test_a_tensor_parallel_size_the_heads_do_not_split_over_is_a_clear_exit_2():
+    r = _run(_seed_script_args(3, free_port()))
     assert r.returncode == 2
-    assert "--tensor-parallel-size 4 is not supported yet" in r.stderr
+    assert "--tensor-parallel-size 3 does not divide the model's 4 attention heads; use one of 1, 2, 4" in r.stderr
+    assert "engine.distributed.worker" not in r.stderr  # refused before any worker started
 
 
 def test_a_taken_port_is_a_clear_exit_2():
