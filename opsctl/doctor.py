@@ -11,6 +11,7 @@ import socket
 from typing import Callable
 
 from engine.config import ConfigError, EngineConfig
+from engine.kv.kv_cache_manager import blocks_for_tokens
 from opsctl import control
 from opsctl.config import PagekeeperConfig
 from opsctl.probes import gpu_probe
@@ -103,30 +104,47 @@ def _memory_plan(cfg: PagekeeperConfig, gpu, report) -> bool:  # type: ignore[no
         return False
     try:
         readings = gpu.read() if gpu.available else []
-        g = readings[0] if readings else None
-        plan = estimate(econf, g.memory_total_bytes if g else None, g.memory_used_bytes if g else 0)
+        plan = estimate(econf, [(g.memory_total_bytes, g.memory_used_bytes) for g in readings])
     except (ConfigError, OSError, RuntimeError) as e:
         report(False, "model", str(e))
         return False
+    tp = econf.tensor_parallel_size
     report(
         True,
         "model",
-        f"{econf.model_path()} ({plan.architecture}, {plan.dtype}, weights {plan.weight_bytes / 2**20:.1f} MiB)",
+        f"{econf.model_path()} ({plan.architecture}, {plan.dtype}, weights {plan.weight_bytes / 2**20:.1f} MiB"
+        + (f" per rank x {tp} ranks)" if tp > 1 else ")"),
     )
+    if readings and len(readings) < tp:
+        report(False, "tensor parallel", f"--tensor-parallel-size {tp} needs {tp} GPUs, NVML sees {len(readings)}")
+        return False
     report(
         True,
         "kv per token",
-        f"{plan.kv_bytes_per_token} bytes; {plan.kv_bytes_per_block} per block of {plan.block_size}",
+        f"{plan.kv_bytes_per_token} bytes; {plan.kv_bytes_per_block} per block of {plan.block_size}"
+        + (" (per rank)" if tp > 1 else ""),
     )
     if plan.kv_budget_bytes is None:
         report(None, "kv budget", plan.kv_budget_source)
         return True
-    fits = plan.max_concurrency is not None and plan.max_concurrency >= 1
-    report(
-        fits,
-        "kv budget",
-        f"{plan.kv_budget_bytes / 2**30:.2f} GiB ({plan.kv_budget_source}) = "
-        f"{plan.kv_tokens} tokens, {plan.max_concurrency:.1f} sequences of max_model_len "
-        f"{plan.max_model_len}" + ("" if fits else "; lower --max-model-len or raise the budget"),
-    )
-    return fits
+    ok = True
+    for r in plan.ranks:
+        tokens = plan.rank_kv_tokens(r) or 0
+        seqs = tokens / (blocks_for_tokens(plan.max_model_len, plan.block_size) * plan.block_size)
+        fits = seqs >= 1
+        ok = ok and fits
+        report(
+            fits,
+            "kv budget" if tp == 1 else f"kv rank {r.rank}",
+            f"{(r.kv_budget_bytes or 0) / 2**30:.2f} GiB ({plan.kv_budget_source}) = "
+            f"{tokens} tokens, {seqs:.1f} sequences of max_model_len {plan.max_model_len}"
+            + (f"; weights {_size(r.weight_bytes)}" if tp > 1 else "")
+            + ("" if fits else "; lower --max-model-len or raise the budget"),
+        )
+    if tp > 1:
+        report(ok, "kv usable", f"{plan.usable_kv_tokens} tokens (every rank holds the same blocks: the smallest wins)")
+    return ok
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -54,7 +54,7 @@ class TensorParallelRunner:
     """Looks like a ModelRunner to the engine core (launch, graphs); fans each plan out first."""
 
     def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
-        import torch.distributed as dist
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in torch.distributed.__all__
 
         size = config.tensor_parallel_size
         self.size = size
@@ -64,7 +64,7 @@ class TensorParallelRunner:
         self._reasons = tempfile.mkdtemp(prefix="pagekeeper-tp-")
         self._wake_r, self._wake_w = os.pipe()
         device = rank_device(config, 0)
-        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+        store = TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
         self._procs: list[subprocess.Popen[bytes]] = []
         self._conns: list[Connection] = []
         self._pidfds: list[int] = []
@@ -97,8 +97,8 @@ class TensorParallelRunner:
 
     def _agree(self, own: KVPlan) -> int:
         """Every rank's KV plan; all use the smallest block count."""
-        plans = [own] + [self._recv(rank, conn)[1] for rank, conn in enumerate(self._conns, start=1)]
-        blocks = min(p.num_blocks for p in plans)
+        plans: list[KVPlan] = [own] + [self._recv(rank, conn)[1] for rank, conn in enumerate(self._conns, start=1)]
+        blocks: int = min(p.num_blocks for p in plans)
         for rank, conn in enumerate(self._conns, start=1):
             self._send(rank, conn, ("num_blocks", blocks))
         for p in plans:

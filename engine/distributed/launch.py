@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ def cpu_threads_per_rank(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
-def join_group(store: torch.distributed.Store, rank: int, size: int, device: torch.device) -> TPGroup:
+def join_group(store: Any, rank: int, size: int, device: torch.device) -> TPGroup:
     import torch.distributed as dist
 
     if device.type == "cuda":

@@ -102,6 +102,7 @@ def _report(args: WorkerArgs, e: BaseException) -> None:
 def _serve(args: WorkerArgs, conn: Connection) -> None:
     import torch
     import torch.distributed as dist
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     from engine.distributed.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
     from engine.logs import configure_logging
@@ -113,7 +114,7 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
     configure_logging()
     config = args.config
     device = rank_device(config, args.rank)
-    store = dist.TCPStore("127.0.0.1", args.store_port, args.size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    store = TCPStore("127.0.0.1", args.store_port, args.size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     tp = join_group(store, args.rank, args.size, device)
     info = inspect_model(config)
 

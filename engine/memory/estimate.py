@@ -1,18 +1,18 @@
 """The memory plan for a checkpoint, computed from its files alone (no weights loaded, no GPU used).
 
 `opsctl doctor` shows it before anything starts: how big the weights are, what one token of KV
-costs, and how many tokens and max-length sequences the KV cache would hold on this device.
+costs, and how many tokens and max-length sequences the KV cache would hold on this device.  With
+tensor parallelism every rank gets its own figures (its shard of the weights, its KV heads, its
+GPU's free memory), from the model built on the meta device exactly as that rank will build it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.kv.kv_cache_manager import blocks_for_tokens
-from engine.model.weights import iter_checkpoint
+from engine.model.loader import ModelInfo
 
 _DTYPE_BYTES = {
     "F32": 4,
@@ -30,7 +30,17 @@ _DTYPE_BYTES = {
 
 
 @dataclass
+class RankEstimate:
+    rank: int
+    weight_bytes: int  # this rank's shard, as loaded
+    kv_bytes_per_token: int  # its KV heads
+    kv_budget_bytes: int | None
+
+
+@dataclass
 class MemoryEstimate:
+    """Rank 0's figures (the only rank without tensor parallelism) and every rank's in `ranks`."""
+
     architecture: str
     dtype: str
     max_model_len: int
@@ -40,6 +50,18 @@ class MemoryEstimate:
     kv_bytes_per_block: int
     kv_budget_bytes: int | None  # None when it depends on a GPU that is not here
     kv_budget_source: str
+    ranks: list[RankEstimate]
+
+    def rank_kv_tokens(self, r: RankEstimate) -> int | None:
+        if r.kv_budget_bytes is None:
+            return None
+        return (r.kv_budget_bytes // (r.kv_bytes_per_token * self.block_size)) * self.block_size
+
+    @property
+    def usable_kv_tokens(self) -> int | None:
+        """What the engine can use: every rank holds the same blocks, so the smallest rank decides."""
+        tokens = [self.rank_kv_tokens(r) for r in self.ranks]
+        return None if any(t is None for t in tokens) else min(t for t in tokens if t is not None)
 
     @property
     def kv_tokens(self) -> int | None:
@@ -55,54 +77,64 @@ class MemoryEstimate:
         return tokens / (blocks_for_tokens(self.max_model_len, self.block_size) * self.block_size)
 
 
-def checkpoint_parameters(model_dir: Path) -> int:
-    """Number of parameters, from the safetensors headers only."""
-    total = 0
-    for _name, tensor in iter_checkpoint(model_dir, meta=True):  # a broken file is a ModelLoadError naming it
-        total += math.prod(tensor.shape)
-    return total
-
-
-def estimate(config: EngineConfig, gpu_total_bytes: int | None = None, gpu_used_bytes: int = 0) -> MemoryEstimate:
+def rank_shapes(config: EngineConfig, info: ModelInfo) -> list[tuple[int, int]]:
+    """(weight bytes, KV bytes per token) of every tensor-parallel rank, from the model built on the
+    meta device as that rank builds it (ConfigError when the heads do not split)."""
     import torch
 
+    from engine.distributed.group import TPGroup
+    from engine.model.loader import build_on_meta
+
+    elem = torch.empty((), dtype=info.dtype).element_size()
+    out = []
+    n = config.tensor_parallel_size
+    for rank in range(n):
+        model = build_on_meta(info, 1, torch.device("cpu"), TPGroup(rank, n))
+        weights = sum(p.numel() for p in model.parameters()) * elem
+        out.append((weights, 2 * model.num_layers * model.num_kv_heads * model.head_dim * elem))
+    return out
+
+
+def estimate(config: EngineConfig, gpus: list[tuple[int, int]] | None = None) -> MemoryEstimate:
+    """`gpus`: (total, used) bytes of each rank's GPU (rank r on the r-th), empty without NVML."""
     from engine.model.loader import inspect_model
 
     info = inspect_model(config)
     config.resolve_limits(info.max_position_embeddings, info.sliding_window)
-    cfg = info.hf_config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    elem = torch.empty((), dtype=info.dtype).element_size()
-    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem
-    weights = checkpoint_parameters(info.path) * elem
     assert config.max_model_len is not None
-    budget: int | None
-    if config.kv_cache_memory_bytes is not None:
-        budget, source = config.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
-    elif gpu_total_bytes is not None:
-        budget = int(gpu_total_bytes * config.gpu_memory_utilization) - gpu_used_bytes - weights
-        source = "--gpu-memory-utilization (before activations and the fragmentation buffer)"
-    elif config.resolved_device() == "cpu":
-        import psutil
+    gpus = gpus or []
+    ranks = []
+    source = ""
+    for rank, (weights, per_token) in enumerate(rank_shapes(config, info)):
+        budget: int | None
+        if config.kv_cache_memory_bytes is not None:
+            budget, source = config.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
+        elif rank < len(gpus):
+            total, used = gpus[rank]
+            budget = int(total * config.gpu_memory_utilization) - used - weights
+            source = "--gpu-memory-utilization (before activations and the fragmentation buffer)"
+        elif config.resolved_device() == "cpu":
+            import psutil
 
-        useful = config.max_num_seqs * blocks_for_tokens(config.max_model_len, config.block_size)
-        budget = min(
-            int(psutil.virtual_memory().available * config.cpu_kv_cache_fraction),
-            useful * per_token * config.block_size,
-        )
-        source = "--cpu-kv-cache-fraction of available RAM"
-    else:
-        budget, source = None, "profiled at start-up on the GPU (no NVML reading here)"
+            useful = config.max_num_seqs * blocks_for_tokens(config.max_model_len, config.block_size)
+            budget = min(
+                int(psutil.virtual_memory().available * config.cpu_kv_cache_fraction / config.tensor_parallel_size),
+                useful * per_token * config.block_size,
+            )
+            source = "--cpu-kv-cache-fraction of available RAM"
+        else:
+            budget, source = None, "profiled at start-up on the GPU (no NVML reading here)"
+        ranks.append(RankEstimate(rank, weights, per_token, None if budget is None else max(0, budget)))
+    first = ranks[0]
     return MemoryEstimate(
         architecture=info.architecture,
         dtype=str(info.dtype).removeprefix("torch."),
         max_model_len=config.max_model_len,
         block_size=config.block_size,
-        weight_bytes=weights,
-        kv_bytes_per_token=per_token,
-        kv_bytes_per_block=per_token * config.block_size,
-        kv_budget_bytes=max(0, budget) if budget is not None else None,
+        weight_bytes=first.weight_bytes,
+        kv_bytes_per_token=first.kv_bytes_per_token,
+        kv_bytes_per_block=first.kv_bytes_per_token * config.block_size,
+        kv_budget_bytes=first.kv_budget_bytes,
         kv_budget_source=source,
+        ranks=ranks,
     )

@@ -131,7 +131,7 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def _build_on_meta(info: ModelInfo, max_model_len: int, device: torch.device, tp: TPGroup = SINGLE) -> nn.Module:
+def build_on_meta(info: ModelInfo, max_model_len: int, device: torch.device, tp: TPGroup = SINGLE) -> nn.Module:
     cls = ARCHITECTURES[info.architecture]
     try:
         with torch.device("meta"), _default_dtype(info.dtype):
@@ -144,7 +144,7 @@ def check_tensor_parallel(info: ModelInfo, tp_size: int) -> None:
     """ConfigError unless the model's heads and widths split over `tp_size` ranks (every rank's shapes
     are checked on the meta device, so nothing is allocated)."""
     for rank in range(tp_size):
-        _build_on_meta(info, 1, torch.device("cpu"), TPGroup(rank, tp_size))
+        build_on_meta(info, 1, torch.device("cpu"), TPGroup(rank, tp_size))
 
 
 def load_model(
@@ -153,7 +153,7 @@ def load_model(
     """Build the model without initialising weights (meta device), then fill it from the checkpoint
     (or, with load_format="dummy", with random weights: benchmarks of a shape need no download).
     With tensor parallelism each rank builds and reads only its shard."""
-    model = _build_on_meta(info, max_model_len, device, tp).to_empty(device=device)
+    model = build_on_meta(info, max_model_len, device, tp).to_empty(device=device)
     if load_format == "dummy":
         _random_weights(model)
     else:
@@ -172,7 +172,7 @@ def _in_model(info: ModelInfo, e: ModelLoadError) -> str:
 def check_checkpoint(info: ModelInfo) -> int:
     """Every file readable and every weight present with its shape, without reading the data (for
     `opsctl doctor`); returns the number of tensors, raises ModelLoadError naming what is wrong."""
-    model = _build_on_meta(
+    model = build_on_meta(
         info, int(getattr(info.hf_config, "max_position_embeddings", 2048) or 2048), torch.device("cpu")
     )
     count = 0
