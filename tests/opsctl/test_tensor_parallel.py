@@ -3,6 +3,7 @@ on request, and restart on its own when a rank dies, every worker process going 
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -38,13 +39,32 @@ def _complete(url: str) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def test_opsctl_serves_restarts_and_recovers_a_tp2_engine(deploy):
+def _gpu(index: int, xid: int) -> dict:
+    return {
+        "index": index,
+        "name": "Fake H200",
+        "memory_used_bytes": (100 + index) * 2**30,
+        "memory_total_bytes": 141 * 2**30,
+        "utilization_ratio": 0.5,
+        "temperature_celsius": 60.0,
+        "xid_errors_total": xid,
+    }
+
+
+def test_opsctl_serves_restarts_and_recovers_a_tp2_engine(deploy, tmp_path):
+    gpus = tmp_path / "gpus.json"
+    gpus.write_text(json.dumps([_gpu(0, 0), _gpu(1, 3)]))  # NVML as two GPUs, an XID on the second
     d = deploy(engine={"tensor_parallel_size": 2, "max_num_seqs": 8})
-    r = d.opsctl("start")
+    r = d.opsctl("start", env={"PAGEKEEPER_FAKE_NVML": str(gpus)})
     assert r.returncode == 0, r.stdout + r.stderr + d.log("supervisor.log")[-3000:]
     first = d.engine_pid()
     (worker,) = _workers(first)
     assert _complete(d.url) == " better than never."
+    m = d.supervisor_metrics()
+    assert m["pagekeeper_gpu_memory_used_bytes{gpu=1}"] == 101 * 2**30
+    assert (m["pagekeeper_gpu_xid_errors_total{gpu=0}"], m["pagekeeper_gpu_xid_errors_total{gpu=1}"]) == (0, 3)
+    status = d.opsctl("status").stdout
+    assert "gpu 0 " in status and "gpu 1 " in status and "xid 3" in status, status
 
     r = d.opsctl("restart", "--drain-timeout", "5")
     assert r.returncode == 0 and "restarted" in r.stdout, r.stdout + r.stderr
