@@ -7,7 +7,9 @@ test thresholds), SIGTERM to the engine, SIGSTOP (a hang), kill -9 of the engine
 supervisor (then `opsctl start` adopts the engine).  Pass: nothing refused; no error of any kind for a
 request that was not in flight at the engine's kill -9; the requests in flight at kill -9 fail at once
 (no hang) and their loss is counted by the supervisor; `--no-drain` answers its in-flight requests
-with a clean, retryable 503 `engine_restarting` (never a reset), counted as well.
+with a clean, retryable 503 `engine_restarting` (never a reset), counted as well.  The supervisor's
+own record agrees: SIGSTOP is decided a hang within its threshold plus one poll, and each fault's
+restart is counted under its reason in /metrics.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def test_no_request_fails_through_restarts_hangs_and_kills(deploy, record_proper
         return st
 
     def phase(name: str, act) -> None:  # type: ignore[no-untyped-def]
-        time.sleep(3)  # steady load before each fault
+        time.sleep(2)  # steady load before each fault
         start = time.monotonic()
         act()
         phases.append((name, start, time.monotonic()))
@@ -85,6 +87,7 @@ def test_no_request_fails_through_restarts_hangs_and_kills(deploy, record_proper
     def signal_engine(sig: signal.Signals) -> None:
         old = d.status()["engine"]["pid"]
         os.kill(old, sig)
+        marks[sig.name] = time.time()  # wall clock, as the supervisor's decided_at
         serving_with_new_pid(old)
 
     def kill_engine() -> None:
@@ -120,9 +123,12 @@ def test_no_request_fails_through_restarts_hangs_and_kills(deploy, record_proper
         phase("policy drain-restart (backlog)", policy_backlog)
         phase("SIGTERM to the engine", lambda: signal_engine(signal.SIGTERM))
         phase("SIGSTOP (hang)", lambda: signal_engine(signal.SIGSTOP))
+        after_hang, hang_metrics = d.status(), d.supervisor_metrics()  # this supervisor's record (it is killed later)
         lost_before["engine_exited"] = _lost(d, "engine_exited")
+        exited_before = d.supervisor_metrics()["pagekeeper_supervisor_restarts_total{reason=engine_exited}"]
         phase("kill -9 of the engine", kill_engine)
         kill_lost = _lost(d, "engine_exited") - lost_before["engine_exited"]
+        after_kill = d.supervisor_metrics()
         phase("kill -9 of the supervisor", kill_supervisor)
         time.sleep(3)
     finally:
@@ -184,3 +190,14 @@ def test_no_request_fails_through_restarts_hangs_and_kills(deploy, record_proper
     # the supervisor's own view agrees: every restart was one we caused, none failed
     st = d.status()
     assert st["engine"]["state"] == "serving" and not st["crash_loop"]["gave_up"]
+    hang = next(r for r in after_hang["restarts"]["recent"] if r["reason"] == "hang")
+    detected = hang["decided_at"] - marks["SIGSTOP"]
+    record_property("sigstop_to_hang_decision_seconds", round(detected, 2))
+    print(f"SIGSTOP -> hang decided after {detected:.2f} s (under load)")
+    # hang_seconds (2) + one poll: its interval (0.5) and its probe's timeout (1), + slack for the load
+    assert detected <= 2 + 0.5 + 1 + 1.5, detected
+    assert hang_metrics["pagekeeper_supervisor_restarts_total{reason=hang}"] == 1
+    assert hang_metrics["pagekeeper_supervisor_decisions_total{action=restart,reason=hang}"] == 1
+    assert after_kill["pagekeeper_supervisor_restarts_total{reason=engine_exited}"] == exited_before + 1
+    assert after_kill["pagekeeper_supervisor_engine_up"] == 1
+    assert after_kill["pagekeeper_supervisor_last_restart_timestamp_seconds"] > 0
