@@ -17,6 +17,7 @@ watchdog does not wait for it.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import pickle
@@ -28,6 +29,7 @@ import tempfile
 import threading
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, NoReturn
 
 import structlog
@@ -69,7 +71,8 @@ class TensorParallelRunner:
         self._conns: list[Connection] = []
         self._pidfds: list[int] = []
         for rank in range(1, size):
-            proc, conn = _spawn_worker(WorkerArgs(config, rank, size, store.port, self._reasons, os.getpid()))
+            args = WorkerArgs(config, plain_info(info), rank, size, store.port, self._reasons, os.getpid())
+            proc, conn = _spawn_worker(args)
             self._procs.append(proc)
             self._conns.append(conn)
             self._pidfds.append(os.pidfd_open(proc.pid))
@@ -200,6 +203,11 @@ class TensorParallelRunner:
                 p.kill()
                 p.wait(timeout=WORKER_STOP_S)
         shutil.rmtree(self._reasons, ignore_errors=True)
+
+
+def plain_info(info: ModelInfo) -> ModelInfo:
+    """`info` with its HF config as a namespace of the config's own values (see WorkerArgs.info)."""
+    return dataclasses.replace(info, hf_config=SimpleNamespace(**info.hf_config.to_dict()))
 
 
 def _exit_without_teardown() -> None:

@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from engine.config import ConfigError, EngineConfig
+from engine.model.loader import ModelInfo
 
 PARENT_POLL_S = 0.5
 
@@ -31,6 +32,9 @@ PARENT_POLL_S = 0.5
 @dataclass
 class WorkerArgs:
     config: EngineConfig  # resolved (max_model_len, max_num_batched_tokens filled in by rank 0)
+    # What rank 0 read from the checkpoint, its HF config as a plain namespace: a worker never imports
+    # transformers (about 3 s of CPU per rank at every start).
+    info: ModelInfo
     rank: int
     size: int
     store_port: int
@@ -107,7 +111,6 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
     from engine.distributed.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
     from engine.logs import configure_logging
     from engine.memory.budget import KVPlan
-    from engine.model.loader import inspect_model
     from engine.runner.sampler import DeviceSample
     from engine.runner.startup import start_runner
 
@@ -116,7 +119,7 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
     device = rank_device(config, args.rank)
     store = TCPStore("127.0.0.1", args.store_port, args.size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     tp = join_group(store, args.rank, args.size, device)
-    info = inspect_model(config)
+    info = args.info
 
     def agree(plan: KVPlan) -> int:
         conn.send(("kv_plan", plan))
