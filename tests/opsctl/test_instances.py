@@ -129,17 +129,12 @@ def test_two_named_instances_run_side_by_side_and_a_port_clash_is_refused(instan
     )
     assert r.returncode == 2 and "already runs from" in r.stderr and "--instance" in r.stderr, r.stdout + r.stderr
 
-    # restart and stop one: the other never notices
+    # restart and stop one: the other never notices (the instances are symmetric: one direction is enough)
     b_pid = sb["engine"]["pid"]
     r = a.opsctl("restart")
     assert r.returncode == 0, r.stdout + r.stderr
     assert a.status()["engine"]["pid"] != sa["engine"]["pid"]
     assert b.status()["engine"]["pid"] == b_pid and _complete(b) == 200
-    a_pid = a.status()["engine"]["pid"]
-    r = b.opsctl("restart")
-    assert r.returncode == 0, r.stdout + r.stderr
-    b_pid = b.status()["engine"]["pid"]
-    assert b_pid != sb["engine"]["pid"] and a.status()["engine"]["pid"] == a_pid and _complete(a) == 200
     r = a.opsctl("stop")
     assert r.returncode == 0, r.stdout + r.stderr
     assert a.opsctl("status").returncode == 3
