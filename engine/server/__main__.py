@@ -249,6 +249,9 @@ def serve(
 # After the listening socket is closed on SIGTERM, connections accepted just before get this long to
 # send their request (it is admitted, not refused) before the drain starts answering 503.
 ACCEPT_GRACE_S = 0.25
+# A stop without draining still answers what is in flight (503 "restarting") and closes idle
+# kept-alive connections cleanly, for at most this long.
+STOP_NOW_GRACE_S = 2.0
 
 
 def stop_accepting(servers: list[asyncio.AbstractServer]) -> None:
@@ -391,9 +394,12 @@ class DrainOnTermServer(uvicorn.Server):
         self.tracker.stopping = True  # requests that reach it from now on are answered "restarting" at once,
         # and it counts each one the abort below answers with a 503 or an error event
         aborted = self.async_engine.abort_all(RESTARTING_MESSAGE)
-        deadline = time.monotonic() + 2.0  # let each handler write its error response
-        while self.tracker.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        # Let each handler write its error response, and close kept-alive connections only once they
+        # are idle (a request that arrives on one meanwhile is answered "restarting", with Connection:
+        # close): closing a connection at the moment its client sends on it is a reset, not a 503.
+        drain = HandoverDrain(self.server_state.connections, self.tracker)
+        drain.begin()
+        await drain.wait(STOP_NOW_GRACE_S, busy=lambda: self.async_engine.num_in_flight > 0)
         log.warning("stopped_now", aborted=aborted, unanswered=self.tracker.in_flight)
         self.exit_reason = "stopped_now"
         self.should_exit = True
