@@ -17,6 +17,7 @@ from typing import Any, Literal
 BLOCK_SIZES = (8, 16, 32)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MODEL_NAME = "pagekeeper-default"  # the embedded model's served name, also accepted as --model
 
 
 class ConfigError(ValueError):
@@ -189,8 +190,8 @@ class EngineConfig:
         return "swap" if self.swap_space > 0 and device.startswith("cuda") else "recompute"
 
     def model_path(self) -> str:
-        """The checkpoint directory, the embedded default when none was given."""
-        if self.model:
+        """The checkpoint directory, the embedded default when none was given (or its served name)."""
+        if self.model and self.model != DEFAULT_MODEL_NAME:
             return os.path.expanduser(self.model)
         from engine.default_model import DEFAULT_MODEL_DIR
 
@@ -199,8 +200,8 @@ class EngineConfig:
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        if not self.model:
-            return "pagekeeper-default"
+        if not self.model or self.model == DEFAULT_MODEL_NAME:
+            return DEFAULT_MODEL_NAME
         return os.path.basename(os.path.normpath(self.model_path()))
 
     def replace(self, **changes: Any) -> EngineConfig:

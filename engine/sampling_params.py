@@ -38,6 +38,15 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's parameters that pagekeeper does not implement yet: accepted at their "off" value only
+    # (a program written for vLLM passes them), anything else is refused by name.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    best_of: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
@@ -66,6 +75,20 @@ class SamplingParams:
             raise SamplingParamsError("stop_token_ids", "stop_token_ids must be non-negative token ids")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise SamplingParamsError("seed", f"seed must be in [0, 2**63), got {self.seed}")
+        off = {
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
+            "min_tokens": 0,
+            "min_p": 0.0,
+        }
+        for name, value in off.items():
+            if getattr(self, name) != value:
+                raise SamplingParamsError(name, f"{name} is not supported yet; leave it at {value}")
+        if self.logit_bias:
+            raise SamplingParamsError("logit_bias", "logit_bias is not supported yet; leave it out")
+        if self.best_of is not None and self.best_of != self.n:
+            raise SamplingParamsError("best_of", "best_of is not supported yet (only best_of == n); leave it out")
 
     @property
     def greedy(self) -> bool:

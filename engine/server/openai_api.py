@@ -52,6 +52,9 @@ def _sampling_params(body: p._SamplingFields, max_tokens: int | None, logprobs: 
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise OpenAIError(400, f"{name} is not supported yet; send 0 or leave it out", param=name)
+    refused = p.not_yet_supported(body)
+    if refused is not None:
+        raise OpenAIError(400, refused[1], param=refused[0])
     try:
         return SamplingParams(
             n=body.n,
@@ -64,6 +67,8 @@ def _sampling_params(body: p._SamplingFields, max_tokens: int | None, logprobs: 
             stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
         )
     except SamplingParamsError as e:
         raise OpenAIError(400, str(e), param=e.param) from e
@@ -245,6 +250,14 @@ def _completion_logprobs(
 async def completions(body: p.CompletionRequest, http: Request) -> Any:
     state = get_state(http)
     _check_model(state, body.model)
+    if body.echo and body.logprobs is not None:
+        # The echoed prompt would come without its tokens' logprobs: loglikelihood scoring (lm-eval)
+        # would read wrong numbers.  Refused until prompt logprobs exist.
+        raise OpenAIError(
+            400,
+            "echo with logprobs is not supported yet (prompt-token logprobs); leave out echo or logprobs",
+            param="echo",
+        )
     if isinstance(body.prompt, str):
         state.check_length(body.prompt, "prompt")
     elif body.prompt and isinstance(body.prompt[0], str):

@@ -222,3 +222,30 @@ def test_configuration_errors_are_clear(tmp_path, checkpoint):
         LLM(tensor_parallel_size=8)
     with pytest.raises(ConfigError, match="--device cuda:1 with --tensor-parallel-size 2: rank r uses cuda:r"):
         LLM(tensor_parallel_size=2, device="cuda:1")
+
+
+def test_vllm_sampling_parameters_not_built_yet_are_refused_by_name_not_ignored():
+    from engine.sampling_params import SamplingParamsError
+
+    for name, value in (
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -0.5),
+        ("repetition_penalty", 1.2),
+        ("min_tokens", 3),
+        ("min_p", 0.05),
+        ("logit_bias", {5: 10.0}),
+        ("best_of", 4),
+    ):
+        with pytest.raises(SamplingParamsError, match=f"{name} is not supported yet") as e:
+            SamplingParams(**{name: value})
+        assert e.value.param == name
+    # their "off" values, as programs written for vLLM pass them
+    SamplingParams(presence_penalty=0.0, repetition_penalty=1.0, min_tokens=0, min_p=0.0, logit_bias={}, best_of=1)
+    SamplingParams(n=3, best_of=3)
+
+
+def test_the_served_name_of_the_embedded_model_is_a_model_name_too():
+    llm = LLM("pagekeeper-default")
+    assert llm.llm_engine.config.model_name() == "pagekeeper-default"
+    out = llm.generate("Now is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert out[0].outputs[0].text == " better than never."
