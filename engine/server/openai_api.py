@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+import structlog
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
@@ -22,6 +23,8 @@ from engine.server import protocol as p
 from engine.server.async_engine import EngineStepError, EngineStopping
 from engine.server.errors import OpenAIError, error_body, error_responses
 from engine.server.state import ServerState, get_state, require_api_key
+
+log = structlog.get_logger("pagekeeper.server")
 
 router = APIRouter(dependencies=[Depends(require_api_key)], responses=error_responses(400, 401, 404, 429, 503))
 
@@ -81,7 +84,12 @@ class _Admitted:
 
 
 def _admit(
-    state: ServerState, request_id: str, prompts: list[_Prompt], params: SamplingParams, stream: bool
+    state: ServerState,
+    request_id: str,
+    prompts: list[_Prompt],
+    params: SamplingParams,
+    stream: bool,
+    user: str | None = None,
 ) -> list[_Admitted]:
     """Refuse now (400/429/503) or accept every prompt of the request; nothing is half-admitted.
     This is the one place a served request is validated."""
@@ -102,6 +110,9 @@ def _admit(
         for a in admitted:
             state.async_engine.release(a.request_id, a.slot)
         raise
+    if user is not None and state.log_requests:
+        # OpenAI's `user`: who the request is for, so that abuse can be traced to an end user
+        log.info("request_user", request_id=request_id, user=user)
     return admitted
 
 
@@ -266,7 +277,7 @@ async def completions(body: p.CompletionRequest, http: Request) -> Any:
     prompts = await state.off_loop(_completion_prompts, state, body.prompt)
     params = _sampling_params(body, body.max_tokens, body.logprobs)
     request_id = p.new_id("cmpl")
-    admitted = _admit(state, request_id, prompts, params, bool(body.stream))
+    admitted = _admit(state, request_id, prompts, params, bool(body.stream), body.user)
     created = p.now()
     n = params.n
 
@@ -390,7 +401,7 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, logprobs)
     request_id = p.new_id("chatcmpl")
-    (admitted,) = _admit(state, request_id, [prompt], params, bool(body.stream))
+    (admitted,) = _admit(state, request_id, [prompt], params, bool(body.stream), body.user)
     created = p.now()
 
     if body.stream:

@@ -131,7 +131,11 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="only 0 is supported")
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="only 0 is supported")
-    user: str | None = Field(default=None, max_length=256, description="recorded in the request log")
+    user: str | None = Field(
+        default=None,
+        max_length=256,
+        description="logged with the request id (request_user), unless --disable-log-requests",
+    )
     skip_special_tokens: bool = Field(default=True, description="vLLM extension")
     include_stop_str_in_output: bool = Field(default=False, description="vLLM extension")
     # not implemented yet: accepted only when off (see NOT_YET)

@@ -109,3 +109,10 @@ def test_vllm_output_switches_now_work(shared_server):
     plain = _post(shared_server, "/v1/completions", _completion(stop=["never"])).json()["choices"][0]["text"]
     kept = _post(shared_server, "/v1/completions", _completion(stop=["never"], include_stop_str_in_output=True))
     assert plain == " better than " and kept.json()["choices"][0]["text"] == " better than never"
+
+
+def test_the_user_field_is_logged_with_the_request_id(shared_server):
+    r = _post(shared_server, "/v1/chat/completions", _chat(user="end-user-4711"))
+    assert r.status_code == 200, r.text
+    lines = [ln for ln in shared_server.log().splitlines() if "request_user" in ln and "end-user-4711" in ln]
+    assert lines and r.json()["id"] in lines[0], lines
