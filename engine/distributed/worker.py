@@ -131,6 +131,7 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
     up = start_runner(config, info, device, tp, agree)
     conn.send(("ready", up.graph_capture_seconds))
     runner = up.runner
+    runner.reads_samples = False  # only rank 0's samples are read
     last: DeviceSample | None = None
     with torch.inference_mode():
         while True:

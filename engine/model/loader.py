@@ -19,7 +19,7 @@ from torch import nn
 from engine.config import ConfigError, EngineConfig
 from engine.distributed.group import SINGLE, TPGroup
 from engine.model.registry import ARCHITECTURES, supported
-from engine.model.weights import ModelLoadError, iter_checkpoint
+from engine.model.weights import ModelLoadError, finish_loading, iter_checkpoint
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -218,7 +218,4 @@ def _random_weights(model: nn.Module) -> None:
                 p.copy_(values)
             else:
                 p.narrow(where.dim, where.dest, where.size).copy_(values.narrow(where.dim, where.start, where.size))
-    for m in model.modules():
-        finish = getattr(m, "finish_load", None)
-        if finish is not None:
-            finish()
+    finish_loading(model)

@@ -144,6 +144,11 @@ def load_named_weights(
     missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} weight(s), e.g. {missing[:3]}")
+    finish_loading(model)
+
+
+def finish_loading(model: nn.Module) -> None:
+    """Let layers that hold more than the checkpoint (padding rows) set it, after every weight is in."""
     for m in model.modules():
         finish = getattr(m, "finish_load", None)
         if finish is not None:

@@ -116,6 +116,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.static: StaticInputs | None = None
         self._seqs: dict[str, _SeqState] = {}
+        # False on tensor-parallel workers: nobody reads their samples on the host, so they skip the
+        # copy to pinned memory and the logprobs (which draw no random numbers: the tokens are unchanged).
+        self.reads_samples = True
 
     def close(self) -> None:
         """Nothing to stop on one device (the tensor-parallel runner stops its workers here)."""
@@ -333,7 +336,10 @@ class ModelRunner:
             logits = self.graphs.replay(inputs.graph_size)[inputs.logits_rows]
         else:
             logits = self.model.compute_logits(self.forward_hidden(inputs)[inputs.logits_rows])
-        return sample_on_device(logits, self._sampling_batch(inputs.sampled), self.generator)
+        batch = self._sampling_batch(inputs.sampled)
+        if not self.reads_samples:
+            batch.max_top_logprobs = -1
+        return sample_on_device(logits, batch, self.generator, host_copy=self.reads_samples)
 
     def execute(self, plan: StepPlan) -> SamplerOutput | None:
         """Run one step and wait for it; its samples in `plan.sampled_ids()` order."""

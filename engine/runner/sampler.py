@@ -62,9 +62,12 @@ class DeviceSample:
         return SamplerOutput(self.token_ids.tolist(), lp, top)
 
 
-def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> DeviceSample:
+def sample_on_device(
+    logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator, host_copy: bool = True
+) -> DeviceSample:
     """Sample without waiting for the device: on CUDA the results are copied into pinned host memory
-    asynchronously and `ready` marks when they have landed."""
+    asynchronously and `ready` marks when they have landed.  Without `host_copy` (a tensor-parallel
+    worker, whose samples only feed its next step on the device) there is no copy and no event."""
     logits = logits.float()
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
@@ -80,7 +83,7 @@ def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, generator: torc
         if batch.max_top_logprobs > 0:
             top_values, top_ids = logprobs.topk(batch.max_top_logprobs, dim=-1)
     out = DeviceSample(tokens, chosen_lp, top_ids, top_values)
-    if logits.device.type == "cuda":
+    if logits.device.type == "cuda" and host_copy:
         out = DeviceSample(*(_to_pinned(t) for t in (tokens, chosen_lp, top_ids, top_values)))
         out.ready = torch.cuda.Event()
         out.ready.record()

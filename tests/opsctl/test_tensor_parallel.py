@@ -11,13 +11,11 @@ import httpx
 import psutil
 import pytest
 
+from tests.server.harness import tp_workers
+
 pytestmark = pytest.mark.slow
 
 MODEL = "pagekeeper-default"
-
-
-def _workers(pid: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(pid).children() if "engine.distributed.worker" in " ".join(p.cmdline())]
 
 
 def _gone(p: psutil.Process, timeout: float = 15.0) -> bool:
@@ -58,7 +56,7 @@ def test_opsctl_serves_restarts_and_recovers_a_tp2_engine(deploy, tmp_path):
     r = d.opsctl("start", env={"PAGEKEEPER_FAKE_NVML": str(gpus)})
     assert r.returncode == 0, r.stdout + r.stderr + d.log("supervisor.log")[-3000:]
     first = d.engine_pid()
-    (worker,) = _workers(first)
+    (worker,) = tp_workers(first)
     assert _complete(d.url) == " better than never."
     m = d.supervisor_metrics()
     assert m["pagekeeper_gpu_memory_used_bytes{gpu=1}"] == 101 * 2**30
@@ -72,7 +70,7 @@ def test_opsctl_serves_restarts_and_recovers_a_tp2_engine(deploy, tmp_path):
     assert second != first and _gone(worker)  # the old engine's rank left with it
     assert _complete(d.url) == " better than never."
 
-    (worker,) = _workers(second)
+    (worker,) = tp_workers(second)
     worker.send_signal(signal.SIGKILL)
     killed = time.monotonic()
     st, _ = d.wait_for(
@@ -83,7 +81,7 @@ def test_opsctl_serves_restarts_and_recovers_a_tp2_engine(deploy, tmp_path):
     recovered = time.monotonic() - killed
     assert st["restarts"]["recent"][-1]["reason"] == "engine_exited"
     assert _complete(d.url) == " better than never."
-    (last_worker,) = _workers(st["engine"]["pid"])
+    (last_worker,) = tp_workers(st["engine"]["pid"])
     assert "tensor-parallel rank 1" in d.log("engine.log") + d.opsctl("logs").stdout
     print(f"tp=2 under opsctl: manual restart ok; rank 1 SIGKILL -> serving again in {recovered:.1f} s")
     r = d.opsctl("stop")

@@ -16,8 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def tp_workers(pid: int) -> list[psutil.Process]:
+    """The tensor-parallel worker processes (ranks > 0) an engine process started."""
+    return [p for p in psutil.Process(pid).children() if "engine.distributed.worker" in " ".join(p.cmdline())]
 
 
 def free_port() -> int:

@@ -15,18 +15,16 @@ import httpx
 import psutil
 import pytest
 
+from tests.server.harness import tp_workers
+
 pytestmark = pytest.mark.slow
 
 MODEL = "pagekeeper-default"
 
 
-def _workers(pid: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(pid).children() if "engine.distributed.worker" in " ".join(p.cmdline())]
-
-
 def test_tp2_server_serves_then_exits_1_with_one_line_when_a_rank_dies(launch):
     server = launch("--tensor-parallel-size", "2", "--max-num-seqs", "8")
-    (worker,) = _workers(server.proc.pid)
+    (worker,) = tp_workers(server.proc.pid)
     r = httpx.post(
         server.url + "/v1/completions",
         json={"model": MODEL, "prompt": "Now is", "max_tokens": 8, "temperature": 0},

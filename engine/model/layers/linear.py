@@ -46,10 +46,6 @@ class MergedLinear(nn.Linear):
             self.shard_offsets[name] = (start, part.size)
             start += part.size
 
-    def shard(self, param: torch.Tensor, shard_id: str) -> torch.Tensor:
-        start, size = self.shard_offsets[shard_id]
-        return param.data.narrow(0, start, size)
-
     def checkpoint_slice(self, leaf: str, shard_id: str | None) -> CheckpointSlice:
         part = self.parts[shard_id or ""]
         return CheckpointSlice(0, part.start, part.size, part.full, self.shard_offsets[shard_id or ""][0])
