@@ -30,7 +30,7 @@ from opsctl.exporter import serve as serve_metrics
 from opsctl.launcher import Launcher, RestartFailed
 from opsctl.logrotate import rotate_if_large
 from opsctl.policy import Action, Observation, PolicyState, decide
-from opsctl.probes import EngineProbe, GpuProbe, GpuReading, ProcessProbe
+from opsctl.probes import EngineProbe, GpuProbe, GpuReading, ProcessProbe, ProcessReading
 from opsctl.runtime import write_last_failure
 from opsctl.state import EngineState, StateTracker, derive
 from opsctl.status import (
@@ -135,9 +135,13 @@ class Supervisor:
 
     def observe(self) -> Observation:
         sent = time.monotonic()  # an observation is dated when its probes were sent
+        # The process is read before the launcher is asked: an engine that exits between the two reads is
+        # then seen dead by the launcher too, which notes its exit code.  In the other order, the probe
+        # could see it gone while the launcher had not yet reaped it, and an exit 2 was restarted.
+        proc = self.process.read(self.launcher.pid())
         alive = self.launcher.alive()
-        pid = self.launcher.pid()
-        proc = self.process.read(pid if alive else None)
+        if not alive:
+            proc = ProcessReading(alive=False)
         reading = self.engine.read() if alive else None
         m = reading.metrics if reading else {}
         obs = Observation(
