@@ -123,6 +123,14 @@ class LLMEngine:
         vocab = lim.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestRejected("prompt", f"prompt token ids must be in [0, {vocab})")
+        for field, token_ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("stop_token_ids", params.stop_token_ids or ()),
+        ):
+            bad = [t for t in token_ids if t >= vocab]
+            if bad:
+                raise RequestRejected(field, f"{field} has token id {bad[0]}; the vocabulary is [0, {vocab})")
         limit = lim.max_model_len
         if params.max_tokens is None:
             if len(ids) >= limit:
@@ -155,10 +163,29 @@ class LLMEngine:
             params=p,
             max_tokens=valid.max_tokens,
             arrival_order=next(self._arrival),
-            sampling=SamplingSpec(
-                p.temperature, p.top_p, p.top_k, p.logprobs, None if p.seed is None else p.seed + index
-            ),
+            sampling=self._sampling_spec(p, index),
             arrival_time=arrival,
+        )
+
+    def _sampling_spec(self, p: SamplingParams, index: int) -> SamplingSpec:
+        stops: tuple[int, ...] = ()
+        if p.min_tokens > 0:  # vLLM: EOS (unless ignored) and stop_token_ids wait for min_tokens
+            eos = () if p.ignore_eos else tuple(sorted(self.core.eos_token_ids))
+            stops = tuple(dict.fromkeys(eos + tuple(p.stop_token_ids or ())))
+        return SamplingSpec(
+            p.temperature,
+            p.top_p,
+            p.top_k,
+            p.logprobs,
+            None if p.seed is None else p.seed + index,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            min_p=p.min_p,
+            min_tokens=p.min_tokens,
+            min_tokens_stop_ids=stops,
+            logit_bias=tuple(sorted((p.logit_bias or {}).items())),
+            allowed_token_ids=None if p.allowed_token_ids is None else tuple(sorted(set(p.allowed_token_ids))),
         )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

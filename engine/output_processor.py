@@ -91,6 +91,7 @@ class OutputProcessor:
                     params.skip_special_tokens,
                     params.stop_strings,
                     params.include_stop_str_in_output,
+                    params.min_tokens,
                 ),
                 logprobs=[] if params.logprobs is not None else None,
             )

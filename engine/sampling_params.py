@@ -38,15 +38,14 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # vLLM's parameters that pagekeeper does not implement yet: accepted at their "off" value only
-    # (a program written for vLLM passes them), anything else is refused by name.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
-    best_of: int | None = None
+    allowed_token_ids: list[int] | None = None
+    best_of: int | None = None  # only best_of == n (nothing to choose among)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
@@ -75,18 +74,36 @@ class SamplingParams:
             raise SamplingParamsError("stop_token_ids", "stop_token_ids must be non-negative token ids")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise SamplingParamsError("seed", f"seed must be in [0, 2**63), got {self.seed}")
-        off = {
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "repetition_penalty": 1.0,
-            "min_tokens": 0,
-            "min_p": 0.0,
-        }
-        for name, value in off.items():
-            if getattr(self, name) != value:
-                raise SamplingParamsError(name, f"{name} is not supported yet; leave it at {value}")
-        if self.logit_bias:
-            raise SamplingParamsError("logit_bias", "logit_bias is not supported yet; leave it out")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise SamplingParamsError(
+                "presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"
+            )
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise SamplingParamsError(
+                "frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
+            )
+        if not 0.0 < self.repetition_penalty <= 2.0**16:
+            raise SamplingParamsError(
+                "repetition_penalty", f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0:
+            raise SamplingParamsError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(
+                "min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or token < 0:
+                raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids (>= 0), got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise SamplingParamsError("logit_bias", f"logit_bias values must be in [-100, 100], got {bias}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must not be empty")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must be token ids (>= 0)")
         if self.best_of is not None and self.best_of != self.n:
             raise SamplingParamsError("best_of", "best_of is not supported yet (only best_of == n); leave it out")
 

@@ -22,6 +22,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop_strings: tuple[str, ...] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         # A fast tokenizer's Rust core decodes ~10x quicker than transformers' Python wrapper, and the
@@ -34,6 +35,8 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._stop_strings = stop_strings
         self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens  # vLLM: stop strings count only once min_tokens are out
+        self._num_tokens = 0
         self.text = ""
         self.stopped: str | None = None  # the stop string that ended the text; later tokens are ignored
 
@@ -42,6 +45,7 @@ class IncrementalDetokenizer:
         if self.stopped is not None:
             return None
         self._ids.append(token_id)
+        self._num_tokens += 1
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
@@ -55,6 +59,8 @@ class IncrementalDetokenizer:
             self._ids = self._ids[drop:]
             self._prefix_offset -= drop
             self._read_offset -= drop
+        if self._num_tokens < self._min_tokens:
+            return None
         return self._check_stop(before)
 
     def _check_stop(self, new_text_start: int) -> str | None:

@@ -23,6 +23,23 @@ class SamplingSpec:
     top_k: int = 0  # 0: disabled
     logprobs: int | None = None  # top-k logprobs wanted (0: only the chosen token's); None: none
     seed: int | None = None  # a sequence with a seed draws from its own generator
+    # vLLM's logits adjustments (engine/runner/logits_adjust.py applies them on the device)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0  # until this many tokens are out, `min_tokens_stop_ids` cannot be sampled
+    min_tokens_stop_ids: tuple[int, ...] = ()  # EOS (unless ignore_eos) and stop_token_ids
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    allowed_token_ids: tuple[int, ...] | None = None  # every other token is masked
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def biased(self) -> bool:
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
 
 @dataclass(slots=True)
@@ -31,6 +48,9 @@ class NewSeq:
 
     seq_id: str
     sampling: SamplingSpec
+    prompt_len: int = 0  # the sample after position p is output token number p + 1 - prompt_len
+    # The prompt's ids, only when the repetition penalty needs them (it also penalizes prompt tokens).
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)

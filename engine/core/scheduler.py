@@ -196,7 +196,8 @@ class Scheduler:
     def _register(self, plan: StepPlan, req: Request) -> None:
         if not req.known_to_runner:
             req.known_to_runner = True
-            plan.new_seqs.append(NewSeq(req.seq_id, req.sampling))
+            prompt = req.prompt_token_ids if req.sampling.repetition_penalty != 1.0 else None
+            plan.new_seqs.append(NewSeq(req.seq_id, req.sampling, req.num_prompt_tokens, prompt))
 
     def _fork(self, req: Request) -> None:
         """The leader's prompt is done: the sibling shares its blocks and joins the batch."""

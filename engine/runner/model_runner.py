@@ -26,6 +26,7 @@ from engine.core.plan import SamplingSpec, StepPlan
 from engine.kv.kv_cache_manager import blocks_for_tokens
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.runner.logits_adjust import SequenceRows
 from engine.runner.sampler import DeviceSample, SamplerOutput, SamplingBatch, sample_on_device
 
 log = structlog.get_logger("pagekeeper.engine")
@@ -38,6 +39,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # rows of the hidden states whose next token is sampled
     sampled: list[str]  # the sequences those rows belong to, in the plan's order
+    sampled_out: list[int]  # how many output tokens each of them has before this step's sample
     graph_size: int | None = None  # a decode step padded to this captured batch size
     # Input rows whose token is still on the device (async scheduling), and the row of the previous
     # step's samples that holds each.
@@ -52,10 +54,18 @@ class _SeqState:
     sampling: SamplingSpec
     generator: torch.Generator | None  # its own random stream when it has a seed
     table: list[int]  # its block table, as the plans built it
+    prompt_len: int = 0
 
 
 def kv_cache_shape(model: nn.Module, num_blocks: int, block_size: int) -> tuple[int, ...]:
     return (2, num_blocks, model.num_kv_heads, block_size, model.head_dim)
+
+
+def vocab_size(model: nn.Module) -> int:
+    """The width of the model's logits."""
+    from engine.model.layers.linear import VocabEmbedding
+
+    return next(m.vocab_size for m in model.modules() if isinstance(m, VocabEmbedding))
 
 
 def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -90,6 +100,7 @@ class ModelRunner:
         seed: int,
         num_cpu_blocks: int = 0,
         max_model_len: int | None = None,
+        max_num_seqs: int = 256,
     ) -> None:
         self.model = model
         self.device = device
@@ -116,6 +127,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.static: StaticInputs | None = None
         self._seqs: dict[str, _SeqState] = {}
+        self.rows = SequenceRows(vocab_size(model), device, max_num_seqs)  # penalties, logit_bias
         # False on tensor-parallel workers: nobody reads their samples on the host, so they skip the
         # copy to pinned memory and the logprobs (which draw no random numbers: the tokens are unchanged).
         self.reads_samples = True
@@ -149,9 +161,12 @@ class ModelRunner:
         """Apply a plan's changes to the persistent batch: new and finished sequences, block tables."""
         for sid in plan.finished:
             self._seqs.pop(sid, None)
+            self.rows.remove(sid)
         for new in plan.new_seqs:
             seed = new.sampling.seed
-            self._seqs[new.seq_id] = _SeqState(new.sampling, None if seed is None else self._make_generator(seed), [])
+            generator = None if seed is None else self._make_generator(seed)
+            self._seqs[new.seq_id] = _SeqState(new.sampling, generator, [], new.prompt_len)
+            self.rows.add(new.seq_id, new.sampling, new.prompt_token_ids, self._to_device)
         for s in plan.seqs:
             table = self._seqs[s.seq_id].table
             del table[s.table_start :]
@@ -263,10 +278,12 @@ class ModelRunner:
             qsl_a = np.asarray(qsl, dtype=np.int32)
         rows: list[int] = []
         sampled: list[str] = []
+        sampled_out: list[int] = []
         for k, s in enumerate(seqs):  # sample rows in the plan's order, whatever the input order
             for sid in s.sample_ids:  # n > 1: siblings sample from the same logits
                 rows.append(last_row[k])
                 sampled.append(sid)
+                sampled_out.append(s.start + s.num_tokens - self._seqs[sid].prompt_len)
         lens_a = np.asarray(seq_lens, dtype=np.int32)
         width = max(len(t) for t in block_tables)
         n = len(seqs)
@@ -299,6 +316,7 @@ class ModelRunner:
             meta=meta,
             logits_rows=self._to_device(np.asarray(rows, dtype=np.int64)),
             sampled=sampled,
+            sampled_out=sampled_out,
             graph_size=graph_size,
             pending_rows=pending_rows or None,
             pending_sources=pending_sources or None,
@@ -336,7 +354,7 @@ class ModelRunner:
             logits = self.graphs.replay(inputs.graph_size)[inputs.logits_rows]
         else:
             logits = self.model.compute_logits(self.forward_hidden(inputs)[inputs.logits_rows])
-        batch = self._sampling_batch(inputs.sampled)
+        batch = self._sampling_batch(inputs.sampled, inputs.sampled_out)
         if not self.reads_samples:
             batch.max_top_logprobs = -1
         return sample_on_device(logits, batch, self.generator, host_copy=self.reads_samples)
@@ -365,9 +383,10 @@ class ModelRunner:
             for gpu in self.kv_caches:
                 b.copy_blocks(gpu, src, dst)
 
-    def _sampling_batch(self, seq_ids: list[str]) -> SamplingBatch:
+    def _sampling_batch(self, seq_ids: list[str], num_out: list[int]) -> SamplingBatch:
         states = [self._seqs[sid] for sid in seq_ids]
         params = [st.sampling for st in states]
+        adjust = self.rows.adjustment(params, seq_ids, num_out, self._to_device)
         wants = [p.logprobs for p in params if p.logprobs is not None]
         all_greedy = all(p.temperature == 0 for p in params)
         if all_greedy:  # the per-row tensors are only read by random sampling
@@ -385,4 +404,6 @@ class ModelRunner:
             any_greedy=any(p.temperature == 0 for p in params),
             needs_truncation=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
             max_top_logprobs=max(wants, default=-1),
+            adjust=adjust,
+            rows=self.rows if adjust is not None else None,
         )

@@ -1,4 +1,6 @@
-"""Turning logits into tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Turning logits into tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs, and
+vLLM's logits adjustments (penalties, min_tokens, logit_bias, allowed_token_ids, min_p; see
+engine/runner/logits_adjust.py).
 
 Random rows use the exponential-race form of sampling (argmax of p / q with q ~ Exp(1)), which
 draws exactly one random number per vocabulary entry.  A request with its own seed draws its
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.runner.logits_adjust import LogitsAdjustment, SequenceRows, apply_min_p
+
 
 @dataclass
 class SamplingBatch:
@@ -24,6 +28,8 @@ class SamplingBatch:
     any_greedy: bool
     needs_truncation: bool
     max_top_logprobs: int  # -1: no row wants logprobs
+    adjust: LogitsAdjustment | None = None  # this step's logits adjustments (None: none)
+    rows: SequenceRows | None = None  # the per-sequence device rows they read and `record` updates
 
 
 @dataclass
@@ -69,12 +75,18 @@ def sample_on_device(
     asynchronously and `ready` marks when they have landed.  Without `host_copy` (a tensor-parallel
     worker, whose samples only feed its next step on the device) there is no copy and no event."""
     logits = logits.float()
+    adjusted = logits
+    if batch.adjust is not None:
+        assert batch.rows is not None
+        adjusted = batch.rows.apply(logits, batch.adjust)
     if batch.all_greedy:
-        tokens = logits.argmax(dim=-1)
+        tokens = adjusted.argmax(dim=-1)
     else:
-        tokens = _random_sample(logits, batch, generator)
+        tokens = _random_sample(adjusted, batch, generator)
         if batch.any_greedy:  # decided on the host: reading the tensor would wait for the device
-            tokens = torch.where(batch.temperature == 0, logits.argmax(dim=-1), tokens)
+            tokens = torch.where(batch.temperature == 0, adjusted.argmax(dim=-1), tokens)
+    if batch.rows is not None:
+        batch.rows.record(tokens, batch.adjust)
 
     chosen_lp = top_ids = top_values = None
     if batch.max_top_logprobs >= 0:
@@ -102,6 +114,8 @@ def _to_pinned(t: torch.Tensor | None) -> torch.Tensor | None:
 def _random_sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:
     temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
     scaled = logits / temp[:, None]
+    if batch.adjust is not None and batch.adjust.min_p is not None:
+        scaled = apply_min_p(scaled, batch.adjust.min_p)
     if batch.needs_truncation:
         scaled = _truncate(scaled, batch.top_k, batch.top_p)
     probs = torch.softmax(scaled, dim=-1)

@@ -29,7 +29,7 @@ from engine.memory.budget import (
 from engine.model.loader import ModelInfo, load_model
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
-from engine.runner.sampler import DeviceSample
+from engine.runner.sampler import DeviceSample, sample_on_device
 
 log = structlog.get_logger("pagekeeper.engine")
 
@@ -99,6 +99,7 @@ def start_runner(
         config.seed,
         num_cpu_blocks,
         max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
     )
     capture_seconds = 0.0
     if device.type == "cuda" and not config.enforce_eager:
@@ -128,9 +129,34 @@ def dummy_step(config: EngineConfig, model_info: ModelInfo, model: nn.Module, de
             SeqStep(sid, 0, n, ids, table_blocks=list(range(next_block, next_block + k)), sample_ids=[sid])
         )
         next_block += k
-    runner = ModelRunner(model, next_block, bs, model_info.dtype, device, config.seed)
+    runner = ModelRunner(model, next_block, bs, model_info.dtype, device, config.seed, max_num_seqs=config.max_num_seqs)
+    runner.rows.reserve()  # the per-sequence rows of penalties and logit_bias, at full capacity
     runner.execute(plan)
+    sample_worst_case(runner, config.max_num_seqs, vocab, model_info.dtype)
     del runner
+
+
+def sample_worst_case(runner: ModelRunner, num_seqs: int, vocab: int, dtype: torch.dtype) -> None:
+    """Sample a full decode batch with every sampling feature on (the sampler's temporaries are
+    several [max_num_seqs, vocab] float32 tensors, more than a prefill step's few sampled rows need)."""
+    spec = SamplingSpec(
+        temperature=1.0,
+        top_p=0.9,
+        top_k=50,
+        logprobs=20,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.2,
+        min_p=0.05,
+        min_tokens=1,
+        min_tokens_stop_ids=(0,),
+        logit_bias=((0, 1.0),),
+    )
+    ids = [f"profile-sample-{i}" for i in range(num_seqs)]
+    runner.update_state(StepPlan(new_seqs=[NewSeq(sid, spec, 1, [0]) for sid in ids]))
+    logits = torch.randn(num_seqs, vocab, dtype=dtype, device=runner.device)
+    batch = runner._sampling_batch(ids, [0] * num_seqs)
+    sample_on_device(logits, batch, runner.generator).to_host()
 
 
 def graph_pool_bytes(config: EngineConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> int:

@@ -52,9 +52,6 @@ def _check_model(state: ServerState, model: str | None) -> None:
 
 
 def _sampling_params(body: p._SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise OpenAIError(400, f"{name} is not supported yet; send 0 or leave it out", param=name)
     refused = p.not_yet_supported(body)
     if refused is not None:
         raise OpenAIError(400, refused[1], param=refused[0])
@@ -72,9 +69,32 @@ def _sampling_params(body: p._SamplingFields, max_tokens: int | None, logprobs: 
             logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_tokens=body.min_tokens or 0,
+            min_p=body.min_p or 0.0,
+            logit_bias=_logit_bias(body.logit_bias),
+            allowed_token_ids=body.allowed_token_ids,
         )
     except SamplingParamsError as e:
         raise OpenAIError(400, str(e), param=e.param) from e
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's {"token id as a string": bias}; a key that is not a token id is a 400."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if token < 0 or str(token) != key.strip():
+            raise OpenAIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        out[token] = value
+    return out
 
 
 @dataclass

@@ -44,10 +44,6 @@ class _Request(BaseModel):
 # this check and its message, instead of a type error about a feature we do not have.
 _FEATURE = "is not supported yet"
 NOT_YET: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logit_bias": ((None, {}), _FEATURE),
-    "repetition_penalty": ((None, 1, 1.0), _FEATURE),
-    "min_tokens": ((None, 0), _FEATURE),
-    "min_p": ((None, 0, 0.0), _FEATURE),
     "best_of": ((None, 1), _FEATURE + " (only best_of 1 or equal to n)"),
     "response_format": ((None, {"type": "text"}), _FEATURE + " (structured outputs: json_object, json_schema)"),
     "guided_json": ((None,), _FEATURE + " (structured outputs)"),
@@ -56,7 +52,6 @@ NOT_YET: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_grammar": ((None,), _FEATURE + " (structured outputs)"),
     "structured_outputs": ((None,), _FEATURE + " (structured outputs)"),
     "bad_words": ((None, []), _FEATURE),
-    "allowed_token_ids": ((None,), _FEATURE),
     "prompt_logprobs": ((None,), _FEATURE + " (prompt-token logprobs)"),
     "truncate_prompt_tokens": ((None,), _FEATURE),
     "use_beam_search": ((None, False), _FEATURE),
@@ -129,8 +124,16 @@ class _SamplingFields(_Request):
     ignore_eos: bool = Field(default=False, description="vLLM extension")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="only 0 is supported")
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="only 0 is supported")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0**16, description="vLLM extension")
+    min_tokens: int | None = Field(default=None, ge=0, lt=2**31, description="vLLM extension")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="vLLM extension")
+    # OpenAI's JSON spells token ids as strings; values are added to the logits (clamped range [-100, 100])
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=2048)
+    allowed_token_ids: list[NonNegInt] | None = Field(
+        default=None, min_length=1, max_length=1_000_000, description="vLLM extension"
+    )
     user: str | None = Field(
         default=None,
         max_length=256,
@@ -139,10 +142,6 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = Field(default=True, description="vLLM extension")
     include_stop_str_in_output: bool = Field(default=False, description="vLLM extension")
     # not implemented yet: accepted only when off (see NOT_YET)
-    logit_bias: Any = None
-    repetition_penalty: Any = None
-    min_tokens: Any = None
-    min_p: Any = None
     best_of: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -150,7 +149,6 @@ class _SamplingFields(_Request):
     guided_grammar: Any = None
     structured_outputs: Any = None
     bad_words: Any = None
-    allowed_token_ids: Any = None
     prompt_logprobs: Any = None
     truncate_prompt_tokens: Any = None
     use_beam_search: Any = None

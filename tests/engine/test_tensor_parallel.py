@@ -86,6 +86,15 @@ def _engine(path, cfg, tp: int) -> LLM:
     return llm
 
 
+# Every rank keeps its own device rows of output counts from its own samples: they must agree.
+ADJUST = [
+    {},
+    {"repetition_penalty": 1.3, "frequency_penalty": 0.5},
+    {"presence_penalty": 1.0, "min_p": 0.05, "logit_bias": {7: 2.0}},
+    {"allowed_token_ids": list(range(0, 300, 3)), "min_tokens": 4},
+]
+
+
 def _run(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
     greedy = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
@@ -94,7 +103,10 @@ def _run(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[list
     )
     sampled = llm.generate(
         [{"prompt_token_ids": p} for p in prompts[:4]],
-        [SamplingParams(temperature=0.9, top_p=0.9, max_tokens=MAX_TOKENS, ignore_eos=True, seed=i) for i in range(4)],
+        [
+            SamplingParams(temperature=0.9, top_p=0.9, max_tokens=MAX_TOKENS, ignore_eos=True, seed=i, **ADJUST[i])
+            for i in range(4)
+        ],
         use_tqdm=False,
     )
     return [o.outputs[0].token_ids for o in greedy], [o.outputs[0].token_ids for o in sampled]

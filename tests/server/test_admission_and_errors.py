@@ -60,7 +60,7 @@ def test_requests_that_can_never_fit_are_400s(shared_server):
         ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p"),
         ({"model": MODEL, "prompt": "x", "n": 0}, "n"),
         ({"model": MODEL, "prompt": "x", "logprobs": 99}, "logprobs"),
-        ({"model": MODEL, "prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
+        ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
         ({"model": MODEL, "prompt": []}, "prompt"),
     ],
 )

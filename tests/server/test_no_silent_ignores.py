@@ -13,10 +13,6 @@ MODEL = "pagekeeper-default"
 CHAT_ONLY = {"response_format", "tools", "tool_choice", "functions", "function_call"}
 COMPLETION_ONLY = {"suffix"}
 ON = {  # a value that asks for the feature
-    "logit_bias": {"5": 10},
-    "repetition_penalty": 1.2,
-    "min_tokens": 4,
-    "min_p": 0.1,
     "best_of": 3,
     "response_format": {"type": "json_object"},
     "guided_json": {"type": "object"},
@@ -25,7 +21,6 @@ ON = {  # a value that asks for the feature
     "guided_grammar": 'root ::= "a"',
     "structured_outputs": {"json": {"type": "object"}},
     "bad_words": ["never"],
-    "allowed_token_ids": [5, 6],
     "prompt_logprobs": 1,
     "truncate_prompt_tokens": 4,
     "use_beam_search": True,
@@ -69,7 +64,7 @@ def test_a_feature_not_built_yet_is_a_400_naming_it(shared_server, field):
 
 
 def test_the_off_values_clients_send_by_default_are_accepted(shared_server):
-    off = dict(logit_bias={}, repetition_penalty=1.0, min_tokens=0, min_p=0.0, best_of=1, bad_words=[])
+    off = dict(best_of=1, bad_words=[])
     r = _post(shared_server, "/v1/completions", _completion(suffix=None, use_beam_search=False, **off))
     assert r.status_code == 200, r.text
     chat = _chat(response_format={"type": "text"}, tools=[], tool_choice="auto", parallel_tool_calls=True, **off)
@@ -116,3 +111,67 @@ def test_the_user_field_is_logged_with_the_request_id(shared_server):
     assert r.status_code == 200, r.text
     lines = [ln for ln in shared_server.log().splitlines() if "request_user" in ln and "end-user-4711" in ln]
     assert lines and r.json()["id"] in lines[0], lines
+
+
+def test_vllm_sampling_adjustments_are_applied(shared_server):
+    """Each adjustment changes what a greedy request returns, the way vLLM defines it (the exact
+    values are checked against a reference in tests/engine/test_logits_adjust.py)."""
+
+    def run(**extra) -> dict:
+        r = _post(shared_server, "/v1/completions", _completion(**{"max_tokens": 8, **extra}))
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def text(**extra) -> str:
+        return run(**extra)["choices"][0]["text"]
+
+    plain = text()
+    token = httpx.post(shared_server.url + "/tokenize", json={"prompt": " time", "add_special_tokens": False})
+    tid = token.json()["tokens"][-1]
+    piece = httpx.post(shared_server.url + "/detokenize", json={"tokens": [tid]}).json()["prompt"]
+    biased = {"logit_bias": {str(tid): 14}}  # enough to repeat the token, not enough to beat penalties
+    effects = {
+        "logit_bias": text(logit_bias={str(tid): 100}),
+        "allowed_token_ids": text(allowed_token_ids=[tid], temperature=1.0),
+        "repetition_penalty": text(prompt="Errors should never pass silently. Errors should", repetition_penalty=5.0),
+        "frequency_penalty": text(**biased, frequency_penalty=1.0),
+        "presence_penalty": text(**biased, frequency_penalty=1.0, presence_penalty=2.0),
+        "min_p": text(temperature=1.0, min_p=1.0, seed=3),
+    }
+    for name, value in effects.items():
+        print(f"{name}: {value!r} (plain: {plain!r})")
+    assert effects["logit_bias"] == effects["allowed_token_ids"] == piece * 8
+    assert effects["repetition_penalty"] != text(prompt="Errors should never pass silently. Errors should")
+    assert text(**biased) == piece * 8
+    assert effects["frequency_penalty"] != piece * 8  # each repeat costs 1 more
+    assert effects["presence_penalty"] not in (piece * 8, effects["frequency_penalty"])  # 2 more, from the first
+    assert effects["min_p"] == plain  # min_p 1 keeps only the most likely token
+    first = run()["choices"][0]
+    stop = httpx.post(shared_server.url + "/tokenize", json={"prompt": first["text"], "add_special_tokens": False})
+    stop_id = stop.json()["tokens"][0]
+    early = run(stop_token_ids=[stop_id])
+    held = run(stop_token_ids=[stop_id], min_tokens=5)
+    print(
+        f"stop_token_ids=[{stop_id}]: {early['usage']['completion_tokens']} tokens; with min_tokens 5: "
+        f"{held['usage']['completion_tokens']}"
+    )
+    assert early["usage"]["completion_tokens"] == 1 and held["usage"]["completion_tokens"] >= 5
+
+
+def test_bad_adjustment_values_are_a_400_naming_them(shared_server):
+    for field, value in (
+        ("logit_bias", {"not-a-token": 1}),
+        ("logit_bias", {"5": 500}),
+        ("logit_bias", {"99999999": 1}),
+        ("allowed_token_ids", [99999999]),
+        ("repetition_penalty", 0),
+        ("min_p", 2),
+        ("min_tokens", -1),
+        ("presence_penalty", 3),
+    ):
+        r = _post(shared_server, "/v1/completions", _completion(**{field: value}))
+        err = r.json()["error"]
+        print(f"{field}={value!r}: {r.status_code} {err['message']}")
+        assert r.status_code == 400 and err["param"].split(".")[0] == field, r.text
+    r = _post(shared_server, "/v1/completions", _completion(min_tokens=9, max_tokens=8))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
