@@ -12,6 +12,7 @@ from typing import Any
 _EXPORTS = {
     "LLM": "engine.llm",
     "SamplingParams": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.sampling_params",
     "EngineConfig": "engine.config",
     "ConfigError": "engine.config",
     "RequestOutput": "engine.outputs",

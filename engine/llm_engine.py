@@ -21,6 +21,7 @@ from engine.metrics import EngineSnapshot
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from engine.structured_output import GrammarCompiler
 
 PromptType = Union[str, dict[str, Any], list[int]]
 
@@ -47,6 +48,7 @@ class ValidRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # the effective limit (max_model_len - prompt when max_tokens is None)
+    grammar: str | None = None  # structured outputs: the compiled constraint
 
 
 class LLMEngine:
@@ -62,6 +64,7 @@ class LLMEngine:
             config.block_size,
             self.core.kv.num_blocks,
         )
+        self.grammars = GrammarCompiler(self.tokenizer, self.limits.vocab_size, self.core.eos_token_ids)
         self._seq_ids: dict[str, list[str]] = {}  # request id -> its sequences' ids
         self._arrival = itertools.count()
 
@@ -151,7 +154,13 @@ class LLMEngine:
                 "max_tokens",
                 f"prompt + max_tokens needs {blocks} KV blocks but the whole cache has {lim.num_blocks}",
             )
-        return ValidRequest(prompt, ids, params, max_tokens)
+        grammar = None
+        if params.structured_outputs is not None:
+            try:
+                grammar = self.grammars.compile(params.structured_outputs)
+            except SamplingParamsError as e:
+                raise RequestRejected(e.param, str(e)) from e
+        return ValidRequest(prompt, ids, params, max_tokens, grammar)
 
     def _make_sequence(self, request_id: str, index: int, valid: ValidRequest, arrival: float) -> Request:
         p = valid.params
@@ -164,6 +173,7 @@ class LLMEngine:
             max_tokens=valid.max_tokens,
             arrival_order=next(self._arrival),
             sampling=self._sampling_spec(p, index),
+            grammar=None if valid.grammar is None else self.grammars.matcher(valid.grammar),
             arrival_time=arrival,
         )
 

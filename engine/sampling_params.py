@@ -7,7 +7,9 @@ Validation happens here, once, with errors that name the offending parameter: th
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestOutputKind(enum.Enum):
@@ -22,6 +24,46 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams: exactly one of these says what the output must match."""
+
+    json: dict[str, Any] | str | None = None  # a JSON schema (a dict or its text)
+    regex: str | None = None
+    choice: list[str] | None = None  # the whole output is one of these strings
+    grammar: str | None = None  # a Lark or GBNF grammar
+    json_object: bool | None = None  # any JSON object
+    param: str = "structured_outputs"  # the request field it came from, for error messages
+
+    def source(self) -> tuple[str, str]:
+        """(llguidance format, grammar text); a SamplingParamsError unless exactly one is set."""
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar", "json_object")
+            if getattr(self, name) not in (None, False)
+        ]
+        if len(given) != 1:
+            what = "none" if not given else " and ".join(given)
+            raise SamplingParamsError(
+                self.param, f"{self.param} needs exactly one of json, regex, choice, grammar, json_object; got {what}"
+            )
+        kind = given[0]
+        if kind == "json_object":
+            return "json", '{"type": "object"}'
+        if kind == "json":
+            schema = self.json
+            return "json", schema if isinstance(schema, str) else json.dumps(schema)
+        if kind == "choice":
+            choice = self.choice or []
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise SamplingParamsError(self.param, f"{self.param} choice must be a list of non-empty strings")
+            return "choice", json.dumps(choice)
+        text = getattr(self, kind)
+        if not isinstance(text, str) or not text:
+            raise SamplingParamsError(self.param, f"{self.param} {kind} must be a non-empty string")
+        return kind, text
 
 
 @dataclass
@@ -46,6 +88,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     best_of: int | None = None  # only best_of == n (nothing to choose among)
+    structured_outputs: StructuredOutputsParams | None = None  # engine/structured_output.py
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
@@ -99,6 +142,8 @@ class SamplingParams:
                 raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids (>= 0), got {token!r}")
             if not -100.0 <= bias <= 100.0:
                 raise SamplingParamsError("logit_bias", f"logit_bias values must be in [-100, 100], got {bias}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.source()  # exactly one constraint, of the right type
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must not be empty")

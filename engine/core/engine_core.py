@@ -165,6 +165,12 @@ class EngineCore:
         """
         self._tick()
         previous = self._in_flight
+        if self.scheduler.num_constrained:
+            # A grammar's next mask needs the token before it: read each step before planning the next.
+            self._in_flight = None
+            deltas = self._accept(previous) if previous is not None else []
+            launched = self._launch(None)
+            return deltas + (self._accept(launched) if launched is not None else [])
         try:
             self._in_flight = self._launch(previous)
             return self._accept(previous) if previous is not None else []

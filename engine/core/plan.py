@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingSpec:
@@ -84,6 +86,10 @@ class StepPlan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # Structured outputs: row i of `token_masks` ([len(mask_rows), ceil(vocab / 32)] int32; bit t of
+    # word t // 32 set: token t allowed) constrains sample row `mask_rows[i]` of this step.
+    mask_rows: list[int] = field(default_factory=list)
+    token_masks: np.ndarray | None = None
 
     @property
     def has_block_ops(self) -> bool:

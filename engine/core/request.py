@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from engine.core.plan import SamplingSpec
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -56,6 +57,7 @@ class Request:
     # table it was last sent (a plan sends only the change).
     known_to_runner: bool = False
     sent_table: list[int] = field(default_factory=list)
+    grammar: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -18,6 +18,8 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.core.deltas import SeqDelta
 from engine.core.plan import NewSeq, SeqStep, StepPlan
 from engine.core.request import Request, RequestStatus
@@ -68,6 +70,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished sequence, held siblings included
         self._forget: list[str] = []  # finished sequences the runner still has state for
         self.num_prompt_tokens_done = 0  # prompts of sequences that produced their first token
+        self.num_constrained = 0  # unfinished sequences with a grammar (structured outputs)
 
     # -- queue management ---------------------------------------------------------------------
 
@@ -75,6 +78,7 @@ class Scheduler:
         """Queue a sequence (and the n > 1 siblings that wait for its prompt)."""
         for r in (req, *req.forks):
             self.requests[r.seq_id] = r
+            self.num_constrained += r.grammar is not None
         req.status = RequestStatus.WAITING
         bisect.insort(self.waiting, req, key=_order)
 
@@ -102,6 +106,8 @@ class Scheduler:
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         self.kv.free(req.seq_id)
+        if req.grammar is not None and not req.status.finished:
+            self.num_constrained -= 1
         req.status = status
         req.finished_time = time.monotonic()
         self.requests.pop(req.seq_id, None)
@@ -153,6 +159,7 @@ class Scheduler:
         self._forget = []
         now = time.monotonic()
         row = 0
+        constrained: list[tuple[int, Request]] = []
         for c in out.chosen:
             req = c.request
             if req.first_scheduled_time is None:
@@ -169,10 +176,27 @@ class Scheduler:
                     self._fork(sampler)
                 self._register(plan, sampler)
                 step.sample_ids.append(sampler.seq_id)
+                if sampler.grammar is not None:
+                    # its mask follows from every token before this one: none may still be on the device
+                    assert sampler.num_pending == 0, "a constrained sequence was scheduled with a pending token"
+                    constrained.append((row, sampler))
                 sampler.num_pending += 1
                 sampler.pending_row = row
                 row += 1
+        if constrained:
+            self._write_masks(plan, constrained)
         return plan
+
+    @staticmethod
+    def _write_masks(plan: StepPlan, constrained: list[tuple[int, Request]]) -> None:
+        first = constrained[0][1].grammar
+        assert first is not None
+        masks = np.empty((len(constrained), first.mask_words), dtype=np.int32)
+        for i, (_, req) in enumerate(constrained):
+            assert req.grammar is not None
+            req.grammar.fill(masks[i])
+        plan.mask_rows = [row for row, _ in constrained]
+        plan.token_masks = masks
 
     def _seq_step(self, plan: StepPlan, c: _Chosen) -> SeqStep:
         req = c.request
@@ -312,10 +336,14 @@ class Scheduler:
                 delta.first_scheduled_time = req.first_scheduled_time
                 req.first_token_time = time.monotonic() if now is None else now
             p = req.params
+            if req.grammar is not None:
+                req.grammar.accept(token)
             if p.stop_token_ids and token in p.stop_token_ids:
                 req.stop_reason = token
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
             elif not p.ignore_eos and token in self.eos_token_ids:
+                self.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif req.grammar is not None and req.grammar.finished:  # complete: nothing may follow
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
             elif len(req.output_token_ids) >= req.max_tokens:
                 self.finish(req, RequestStatus.FINISHED_LENGTH)

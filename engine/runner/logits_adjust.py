@@ -177,7 +177,10 @@ class SequenceRows:
 
     def apply(self, logits: torch.Tensor, adj: LogitsAdjustment) -> torch.Tensor:
         """The adjusted logits (a new tensor: `logits` stays the model's, for logprobs)."""
-        out = logits.clone()
+        return self.apply_(logits.clone(), adj)
+
+    def apply_(self, out: torch.Tensor, adj: LogitsAdjustment) -> torch.Tensor:
+        """Adjust `out` in place."""
         if adj.rows is not None and adj.slots is not None and (adj.biased or adj.presence is not None):
             sub = out.index_select(0, adj.rows)
             if adj.biased:

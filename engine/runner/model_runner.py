@@ -355,6 +355,9 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(self.forward_hidden(inputs)[inputs.logits_rows])
         batch = self._sampling_batch(inputs.sampled, inputs.sampled_out)
+        if plan.token_masks is not None:
+            batch.mask_rows = self._to_device(np.asarray(plan.mask_rows, dtype=np.int64))
+            batch.token_masks = self._to_device(plan.token_masks)
         if not self.reads_samples:
             batch.max_top_logprobs = -1
         return sample_on_device(logits, batch, self.generator, host_copy=self.reads_samples)

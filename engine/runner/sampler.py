@@ -30,6 +30,8 @@ class SamplingBatch:
     max_top_logprobs: int  # -1: no row wants logprobs
     adjust: LogitsAdjustment | None = None  # this step's logits adjustments (None: none)
     rows: SequenceRows | None = None  # the per-sequence device rows they read and `record` updates
+    mask_rows: torch.Tensor | None = None  # structured outputs: these rows may only take ...
+    token_masks: torch.Tensor | None = None  # ... the tokens whose bit is set ([R, ceil(V / 32)] int32)
 
 
 @dataclass
@@ -75,10 +77,14 @@ def sample_on_device(
     asynchronously and `ready` marks when they have landed.  Without `host_copy` (a tensor-parallel
     worker, whose samples only feed its next step on the device) there is no copy and no event."""
     logits = logits.float()
-    adjusted = logits
-    if batch.adjust is not None:
-        assert batch.rows is not None
-        adjusted = batch.rows.apply(logits, batch.adjust)
+    adjusted = logits  # `logits` stays the model's: logprobs are those of its raw distribution
+    if batch.adjust is not None or batch.token_masks is not None:
+        adjusted = logits.clone()
+        if batch.adjust is not None:
+            assert batch.rows is not None
+            batch.rows.apply_(adjusted, batch.adjust)
+        if batch.token_masks is not None and batch.mask_rows is not None:
+            apply_token_masks_(adjusted, batch.mask_rows, batch.token_masks)
     if batch.all_greedy:
         tokens = adjusted.argmax(dim=-1)
     else:
@@ -101,6 +107,15 @@ def sample_on_device(
         out.ready.record()
         out.device_token_ids = tokens
     return out
+
+
+def apply_token_masks_(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> None:
+    """-inf for every token of `rows` whose bit is clear in its packed mask (grammar-constrained rows)."""
+    vocab = logits.shape[-1]
+    token = torch.arange(vocab, device=logits.device, dtype=torch.int32)
+    allowed = (masks[:, (token // 32).long()] >> (token % 32)) & 1  # [R, V]
+    sub = logits.index_select(0, rows).masked_fill(allowed == 0, float("-inf"))
+    logits.index_copy_(0, rows, sub)
 
 
 def _to_pinned(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -70,11 +70,17 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": _TYPES.get(s, "error")} for s in statuses}
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "json-or-python", "tagged-union"})
+
+
 def _param(loc: tuple[Any, ...]) -> str:
     parts = [str(x) for x in loc if x not in ("body", "query", "path", "header")]
     # pydantic adds the union member's type to the location; keep only field names and indices
+    # (exact type tags: a prefix test would drop fields such as structured_outputs or stream_options)
     kept = [
-        x for x in parts if not any(c in x for c in "[]'") and not x.startswith(("function-", "list", "str", "int"))
+        x
+        for x in parts
+        if not any(c in x for c in "[]'") and x not in _TYPE_TAGS and not x.startswith(("function-", "constrained-"))
     ]
     return ".".join(kept) or "body"
 

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from engine.server import protocol as p
 from engine.server.async_engine import EngineStepError, EngineStopping
 from engine.server.errors import OpenAIError, error_body, error_responses
@@ -76,9 +76,50 @@ def _sampling_params(body: p._SamplingFields, max_tokens: int | None, logprobs: 
             min_p=body.min_p or 0.0,
             logit_bias=_logit_bias(body.logit_bias),
             allowed_token_ids=body.allowed_token_ids,
+            structured_outputs=_structured_outputs(body),
         )
     except SamplingParamsError as e:
         raise OpenAIError(400, str(e), param=e.param) from e
+
+
+def _structured_outputs(body: p._SamplingFields) -> StructuredOutputsParams | None:
+    """The one constraint the request asks for, from whichever of vLLM's and OpenAI's fields it used."""
+    found: list[StructuredOutputsParams] = []
+    if body.guided_json is not None:
+        found.append(StructuredOutputsParams(json=body.guided_json, param="guided_json"))
+    if body.guided_regex is not None:
+        found.append(StructuredOutputsParams(regex=body.guided_regex, param="guided_regex"))
+    if body.guided_choice is not None:
+        found.append(StructuredOutputsParams(choice=body.guided_choice, param="guided_choice"))
+    if body.guided_grammar is not None:
+        found.append(StructuredOutputsParams(grammar=body.guided_grammar, param="guided_grammar"))
+    so = body.structured_outputs
+    if so is not None:
+        found.append(
+            StructuredOutputsParams(
+                json=so.json_,
+                regex=so.regex,
+                choice=so.choice,
+                grammar=so.grammar,
+                json_object=so.json_object,
+                param="structured_outputs",
+            )
+        )
+    fmt = getattr(body, "response_format", None)
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            found.append(StructuredOutputsParams(json_object=True, param="response_format"))
+        elif fmt.json_schema is None:
+            raise OpenAIError(400, "response_format json_schema needs its json_schema object", param="response_format")
+        else:
+            found.append(StructuredOutputsParams(json=fmt.json_schema.schema_, param="response_format"))
+    if len(found) > 1:
+        raise OpenAIError(
+            400,
+            f"{found[1].param} and {found[0].param} both constrain the output; send one of them",
+            param=found[1].param,
+        )
+    return found[0] if found else None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -45,12 +45,6 @@ class _Request(BaseModel):
 _FEATURE = "is not supported yet"
 NOT_YET: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), _FEATURE + " (only best_of 1 or equal to n)"),
-    "response_format": ((None, {"type": "text"}), _FEATURE + " (structured outputs: json_object, json_schema)"),
-    "guided_json": ((None,), _FEATURE + " (structured outputs)"),
-    "guided_regex": ((None,), _FEATURE + " (structured outputs)"),
-    "guided_choice": ((None,), _FEATURE + " (structured outputs)"),
-    "guided_grammar": ((None,), _FEATURE + " (structured outputs)"),
-    "structured_outputs": ((None,), _FEATURE + " (structured outputs)"),
     "bad_words": ((None, []), _FEATURE),
     "prompt_logprobs": ((None,), _FEATURE + " (prompt-token logprobs)"),
     "truncate_prompt_tokens": ((None,), _FEATURE),
@@ -106,6 +100,30 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` field: exactly one constraint (engine/structured_output.py)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, max_length=100_000)
+    choice: list[Annotated[str, Field(min_length=1, max_length=10_000)]] | None = Field(default=None, max_length=1024)
+    grammar: str | None = Field(default=None, max_length=1_000_000)
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -141,13 +159,16 @@ class _SamplingFields(_Request):
     )
     skip_special_tokens: bool = Field(default=True, description="vLLM extension")
     include_stop_str_in_output: bool = Field(default=False, description="vLLM extension")
+    # structured outputs, vLLM's spellings (one of them per request)
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="vLLM extension: a JSON schema")
+    guided_regex: str | None = Field(default=None, max_length=100_000, description="vLLM extension")
+    guided_choice: list[Annotated[str, Field(min_length=1, max_length=10_000)]] | None = Field(
+        default=None, min_length=1, max_length=1024, description="vLLM extension"
+    )
+    guided_grammar: str | None = Field(default=None, max_length=1_000_000, description="vLLM extension: Lark or GBNF")
+    structured_outputs: StructuredOutputs | None = Field(default=None, description="vLLM extension")
     # not implemented yet: accepted only when off (see NOT_YET)
     best_of: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     bad_words: Any = None
     prompt_logprobs: Any = None
     truncate_prompt_tokens: Any = None
@@ -197,8 +218,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = Field(default=True, description="vLLM extension")
+    response_format: ResponseFormat | None = None
     # not implemented yet: accepted only when off (see NOT_YET)
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -240,3 +241,18 @@ def test_the_served_name_of_the_embedded_model_is_a_model_name_too():
     assert llm.llm_engine.config.model_name() == "pagekeeper-default"
     out = llm.generate("Now is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert out[0].outputs[0].text == " better than never."
+
+
+def test_structured_outputs_offline_as_in_vllm():
+    from engine.llm_engine import RequestRejected
+    from engine.sampling_params import StructuredOutputsParams
+
+    llm = LLM("pagekeeper-default")
+    params = SamplingParams(temperature=1.0, max_tokens=20, n=3, seed=0)
+    params.structured_outputs = StructuredOutputsParams(regex=r"[0-9]{3}\.[a-z]{2}")
+    texts = [c.text for c in llm.generate("Now is", params, use_tqdm=False)[0].outputs]
+    print(f"regex outputs: {texts}")
+    assert all(re.fullmatch(r"[0-9]{3}\.[a-z]{2}", t) for t in texts)
+    with pytest.raises(RequestRejected, match="cannot be compiled") as e:
+        llm.generate("Now is", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")), use_tqdm=False)
+    assert e.value.param == "structured_outputs"

@@ -10,16 +10,10 @@ import pytest
 from engine.server.protocol import MESSAGE_NOT_YET, NOT_YET
 
 MODEL = "pagekeeper-default"
-CHAT_ONLY = {"response_format", "tools", "tool_choice", "functions", "function_call"}
+CHAT_ONLY = {"tools", "tool_choice", "functions", "function_call"}
 COMPLETION_ONLY = {"suffix"}
 ON = {  # a value that asks for the feature
     "best_of": 3,
-    "response_format": {"type": "json_object"},
-    "guided_json": {"type": "object"},
-    "guided_regex": "[a-z]+",
-    "guided_choice": ["yes", "no"],
-    "guided_grammar": 'root ::= "a"',
-    "structured_outputs": {"json": {"type": "object"}},
     "bad_words": ["never"],
     "prompt_logprobs": 1,
     "truncate_prompt_tokens": 4,
