@@ -196,6 +196,7 @@ class LLMEngine:
             min_tokens_stop_ids=stops,
             logit_bias=tuple(sorted((p.logit_bias or {}).items())),
             allowed_token_ids=None if p.allowed_token_ids is None else tuple(sorted(set(p.allowed_token_ids))),
+            prompt_logprobs=p.prompt_logprobs,
         )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.deltas import SeqDelta
+from engine.core.deltas import PromptLogprob, SeqDelta
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -47,6 +47,7 @@ class _Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -111,6 +112,10 @@ class OutputProcessor:
             seq = req.seqs[d.index]
             if seq.finish_reason is not None:  # ended by a stop string while this token was computed
                 continue
+            if d.prompt_logprobs is not None and req.prompt_logprobs is None:
+                req.prompt_logprobs = [
+                    None if e is None else _prompt_entry(req, i, e) for i, e in enumerate(d.prompt_logprobs)
+                ]
             if d.first_scheduled_time is not None and req.first_scheduled_time is None:
                 req.first_scheduled_time = d.first_scheduled_time
             if d.token_id is not None:
@@ -171,6 +176,7 @@ class OutputProcessor:
             outputs=[self._delta(req, s) if delta else self._whole(s) for s in req.seqs],
             finished=finished,
             metrics=metrics,
+            prompt_logprobs=req.prompt_logprobs,
         )
 
     @staticmethod
@@ -204,3 +210,12 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
+
+
+def _prompt_entry(req: _Request, position: int, entry: PromptLogprob) -> dict[int, Logprob]:
+    """vLLM's shape: the prompt token with its rank, then the top-k by rank."""
+    logprob, rank, top = entry
+    out = {req.prompt_token_ids[position]: Logprob(logprob, rank=rank)}
+    for r, (token, value) in enumerate(top.items()):
+        out.setdefault(token, Logprob(value, rank=r + 1))
+    return out

@@ -45,3 +45,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # vLLM's prompt_logprobs: None for the first prompt token, then {token: Logprob} holding the prompt
+    # token and the request's top-k at each position (when the request asked for prompt_logprobs).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

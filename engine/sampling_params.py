@@ -78,6 +78,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-k logprobs at every prompt position (0: the prompt token's only)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
@@ -113,6 +114,10 @@ class SamplingParams:
             raise SamplingParamsError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise SamplingParamsError("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise SamplingParamsError(
+                "prompt_logprobs", f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids", "stop_token_ids must be non-negative token ids")
         if self.seed is not None and not 0 <= self.seed < 2**63:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# One prompt position's logprobs: (logprob of the prompt token there, its rank, top-k {token: logprob}).
+PromptLogprob = tuple[float, int, dict[int, float]]
+
 
 @dataclass(slots=True)
 class SeqDelta:
@@ -20,3 +23,4 @@ class SeqDelta:
     finish_reason: str | None = None  # "stop", "length" or "abort" when this ends the sequence
     stop_reason: int | str | None = None  # the stop token id that ended it
     first_scheduled_time: float | None = None  # set with the sequence's first token
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # with the first token; position 0 is None

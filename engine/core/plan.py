@@ -34,6 +34,7 @@ class SamplingSpec:
     min_tokens_stop_ids: tuple[int, ...] = ()  # EOS (unless ignore_eos) and stop_token_ids
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     allowed_token_ids: tuple[int, ...] | None = None  # every other token is masked
+    prompt_logprobs: int | None = None  # top-k logprobs of every prompt position (0: the prompt token's only)
 
     @property
     def penalized(self) -> bool:
@@ -51,7 +52,8 @@ class NewSeq:
     seq_id: str
     sampling: SamplingSpec
     prompt_len: int = 0  # the sample after position p is output token number p + 1 - prompt_len
-    # The prompt's ids, only when the repetition penalty needs them (it also penalizes prompt tokens).
+    # The prompt's ids, only when the repetition penalty (it also penalizes prompt tokens) or the
+    # prompt logprobs (each position's logprob of the next prompt token) need them.
     prompt_token_ids: list[int] | None = None
 
 

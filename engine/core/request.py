@@ -10,7 +10,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.core.deltas import PromptLogprob
 from engine.core.plan import SamplingSpec
+from engine.runner.sampler import PromptLogprobsChunk
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarMatcher
 
@@ -57,10 +59,31 @@ class Request:
     # table it was last sent (a plan sends only the change).
     known_to_runner: bool = False
     sent_table: list[int] = field(default_factory=list)
+    # Prompt logprobs, filled by position as the prefill computes them (position 0 has none).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    prompt_logprobs_filled: int = 0
     grammar: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        """Nothing is left to compute for prompt logprobs (n > 1 siblings take the first sequence's)."""
+        if self.sampling.prompt_logprobs is None or self.index > 0:
+            return True
+        return self.prompt_logprobs_filled >= self.num_prompt_tokens - 1
+
+    def record_prompt_logprobs(self, chunk: PromptLogprobsChunk) -> None:
+        """Positions computed again after a preemption (recompute) are already there: kept once."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
+        for i, lp in enumerate(chunk.logprobs):
+            pos = chunk.first_position + i
+            if self.prompt_logprobs[pos] is None:
+                self.prompt_logprobs_filled += 1
+            top = chunk.top[i] if chunk.top is not None else {}
+            self.prompt_logprobs[pos] = (lp, chunk.ranks[i], top)
 
     @property
     def num_prompt_tokens(self) -> int:

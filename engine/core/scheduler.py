@@ -220,7 +220,8 @@ class Scheduler:
     def _register(self, plan: StepPlan, req: Request) -> None:
         if not req.known_to_runner:
             req.known_to_runner = True
-            prompt = req.prompt_token_ids if req.sampling.repetition_penalty != 1.0 else None
+            wants = req.sampling.repetition_penalty != 1.0 or req.sampling.prompt_logprobs is not None
+            prompt = req.prompt_token_ids if wants else None
             plan.new_seqs.append(NewSeq(req.seq_id, req.sampling, req.num_prompt_tokens, prompt))
 
     def _fork(self, req: Request) -> None:
@@ -274,7 +275,8 @@ class Scheduler:
             if req.num_pending:  # preempted while its step ran: it returns once that token is read
                 return
             tokens = req.token_ids(0, req.num_tokens)
-            cached = self.kv.cached_prefix(tokens)
+            # prompt logprobs come from computing the prompt: a cached prefix would skip its positions
+            cached = self.kv.cached_prefix(tokens) if req.prompt_logprobs_done else []
             start = len(cached) * self.kv.block_size
             n = req.num_tokens - start
             if n > budget:
@@ -316,6 +318,10 @@ class Scheduler:
         while the step ran drops its token."""
         deltas: list[SeqDelta] = []
         cache = self.kv.prefix_caching
+        for chunk in sampled.prompt_logprobs or ():
+            holder = self.requests.get(chunk.seq_id)
+            if holder is not None:
+                holder.record_prompt_logprobs(chunk)
         for i, seq_id in enumerate(plan.sampled_ids()):
             req = self.requests.get(seq_id)
             if req is None:  # finished while the step ran
@@ -332,6 +338,8 @@ class Scheduler:
                 top = sampled.top_logprobs[i] if sampled.top_logprobs is not None else {}
                 delta.top_logprobs = dict(list(top.items())[:wants])
             if len(req.output_token_ids) == 1:
+                if req.prompt_logprobs is not None:  # the sequence that computed the prompt: n > 1 shares it
+                    delta.prompt_logprobs = req.prompt_logprobs
                 self.num_prompt_tokens_done += req.num_prompt_tokens
                 delta.first_scheduled_time = req.first_scheduled_time
                 req.first_token_time = time.monotonic() if now is None else now

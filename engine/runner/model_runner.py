@@ -27,7 +27,15 @@ from engine.kv.kv_cache_manager import blocks_for_tokens
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.logits_adjust import SequenceRows
-from engine.runner.sampler import DeviceSample, SamplerOutput, SamplingBatch, sample_on_device
+from engine.runner.sampler import (
+    DevicePromptLogprobs,
+    DeviceSample,
+    SamplerOutput,
+    SamplingBatch,
+    sample_on_device,
+)
+
+PROMPT_LOGPROB_ROWS = 256  # prompt positions turned into full-vocabulary logprobs at a time (memory)
 
 log = structlog.get_logger("pagekeeper.engine")
 
@@ -45,6 +53,16 @@ class StepInputs:
     # step's samples that holds each.
     pending_rows: list[int] | None = None
     pending_sources: list[int] | None = None
+    prompt_logprobs: list[_PromptJob] | None = None  # prompt positions whose logprobs are wanted
+
+
+@dataclass
+class _PromptJob:
+    seq_id: str
+    first_position: int  # of the first prompt token scored (the input row before it predicts it)
+    first_row: int  # input row of position first_position - 1
+    targets: list[int]  # the prompt tokens scored
+    top_k: int
 
 
 @dataclass
@@ -55,6 +73,7 @@ class _SeqState:
     generator: torch.Generator | None  # its own random stream when it has a seed
     table: list[int]  # its block table, as the plans built it
     prompt_len: int = 0
+    prompt_ids: list[int] | None = None  # kept only for prompt logprobs
 
 
 def kv_cache_shape(model: nn.Module, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -165,7 +184,8 @@ class ModelRunner:
         for new in plan.new_seqs:
             seed = new.sampling.seed
             generator = None if seed is None else self._make_generator(seed)
-            self._seqs[new.seq_id] = _SeqState(new.sampling, generator, [], new.prompt_len)
+            ids = new.prompt_token_ids if new.sampling.prompt_logprobs is not None else None
+            self._seqs[new.seq_id] = _SeqState(new.sampling, generator, [], new.prompt_len, ids)
             self.rows.add(new.seq_id, new.sampling, new.prompt_token_ids, self._to_device)
         for s in plan.seqs:
             table = self._seqs[s.seq_id].table
@@ -236,6 +256,7 @@ class ModelRunner:
         pending_rows: list[int] = []
         pending_sources: list[int] = []
         last_row = [0] * len(seqs)  # each sequence's last input row, by plan index
+        first_row = list(range(len(seqs)))  # and its first
         block_tables = [tables_by_seq[i] for i in order]
         if decode:
             ids, positions, slots, seq_lens = [], [], [], []
@@ -261,6 +282,7 @@ class ModelRunner:
             for k, table in zip(order, block_tables):
                 s = seqs[k]
                 end = s.start + s.num_tokens
+                first_row[k] = qsl[-1]
                 id_parts.extend(s.token_ids)
                 if s.pending_row >= 0:  # its newest token is on the device: the step's last input
                     id_parts.append(0)
@@ -284,6 +306,15 @@ class ModelRunner:
                 rows.append(last_row[k])
                 sampled.append(sid)
                 sampled_out.append(s.start + s.num_tokens - self._seqs[sid].prompt_len)
+        jobs = []
+        for k, s in enumerate(seqs):
+            st_k = self._seqs[s.seq_id]
+            if st_k.prompt_ids is None or st_k.sampling.prompt_logprobs is None:
+                continue
+            end = min(s.start + s.num_tokens, st_k.prompt_len - 1)  # the last position that predicts a prompt token
+            if end > s.start:
+                targets = st_k.prompt_ids[s.start + 1 : end + 1]
+                jobs.append(_PromptJob(s.seq_id, s.start + 1, first_row[k], targets, st_k.sampling.prompt_logprobs))
         lens_a = np.asarray(seq_lens, dtype=np.int32)
         width = max(len(t) for t in block_tables)
         n = len(seqs)
@@ -320,6 +351,7 @@ class ModelRunner:
             graph_size=graph_size,
             pending_rows=pending_rows or None,
             pending_sources=pending_sources or None,
+            prompt_logprobs=jobs or None,
         )
 
     @torch.inference_mode()
@@ -346,21 +378,78 @@ class ModelRunner:
             dst = self._to_device(np.asarray(inputs.pending_rows, dtype=np.int64))
             src = self._to_device(np.asarray(inputs.pending_sources, dtype=np.int64))
             inputs.input_ids.index_copy_(0, dst, previous.tokens_on_device.index_select(0, src))
-        if not inputs.sampled:
-            self.forward_hidden(inputs)
-            return None
+        hidden = all_logits = None
         if inputs.graph_size is not None:
             assert self.graphs is not None
-            logits = self.graphs.replay(inputs.graph_size)[inputs.logits_rows]
+            all_logits = self.graphs.replay(inputs.graph_size)
         else:
-            logits = self.model.compute_logits(self.forward_hidden(inputs)[inputs.logits_rows])
+            hidden = self.forward_hidden(inputs)
+        # Every rank scores the prompt (the logits' all-gather is a collective), only rank 0 reads it.
+        prompt = self._prompt_logprobs(inputs.prompt_logprobs, hidden, all_logits) if inputs.prompt_logprobs else None
+        if not inputs.sampled:
+            return None if prompt is None else self._prompt_only(prompt)
+        if all_logits is not None:
+            logits = all_logits[inputs.logits_rows]
+        else:
+            assert hidden is not None
+            logits = self.model.compute_logits(hidden[inputs.logits_rows])
         batch = self._sampling_batch(inputs.sampled, inputs.sampled_out)
         if plan.token_masks is not None:
             batch.mask_rows = self._to_device(np.asarray(plan.mask_rows, dtype=np.int64))
             batch.token_masks = self._to_device(plan.token_masks)
         if not self.reads_samples:
             batch.max_top_logprobs = -1
-        return sample_on_device(logits, batch, self.generator, host_copy=self.reads_samples)
+        sample = sample_on_device(logits, batch, self.generator, host_copy=self.reads_samples)
+        sample.prompt_logprobs = prompt
+        return sample
+
+    def _prompt_logprobs(
+        self, jobs: list[_PromptJob], hidden: torch.Tensor | None, all_logits: torch.Tensor | None
+    ) -> list[DevicePromptLogprobs]:
+        """Each job's prompt tokens scored by the positions before them (the model's raw distribution,
+        as vLLM's prompt_logprobs), a bounded number of rows at a time."""
+        out = []
+        for job in jobs:
+            targets = torch.tensor(job.targets, dtype=torch.int64)
+            if self._pin:
+                targets = targets.pin_memory().to(self.device, non_blocking=True)
+            lps, ranks, ids, values = [], [], [], []
+            for lo in range(0, len(job.targets), PROMPT_LOGPROB_ROWS):
+                n = min(PROMPT_LOGPROB_ROWS, len(job.targets) - lo)
+                rows = slice(job.first_row + lo, job.first_row + lo + n)
+                if all_logits is not None:
+                    logits = all_logits[rows]
+                else:
+                    assert hidden is not None
+                    logits = self.model.compute_logits(hidden[rows])
+                logprobs = torch.log_softmax(logits.float(), dim=-1)
+                chosen = logprobs.gather(-1, targets[lo : lo + n, None])
+                lps.append(chosen.squeeze(-1))
+                ranks.append((logprobs > chosen).sum(dim=-1) + 1)
+                if job.top_k > 0:
+                    v, i = logprobs.topk(job.top_k, dim=-1)
+                    values.append(v)
+                    ids.append(i)
+            out.append(
+                DevicePromptLogprobs(
+                    job.seq_id,
+                    job.first_position,
+                    torch.cat(lps),
+                    torch.cat(ranks),
+                    torch.cat(ids) if ids else None,
+                    torch.cat(values) if values else None,
+                )
+            )
+        return out
+
+    def _prompt_only(self, prompt: list[DevicePromptLogprobs]) -> DeviceSample:
+        """A step that samples nothing (a prompt chunk) but scored prompt tokens."""
+        sample = DeviceSample(torch.empty(0, dtype=torch.int64, device=self.device), None, None, None)
+        sample.prompt_logprobs = prompt
+        if self.device.type == "cuda":
+            sample.ready = torch.cuda.Event()
+            sample.ready.record()
+        return sample
 
     def execute(self, plan: StepPlan) -> SamplerOutput | None:
         """Run one step and wait for it; its samples in `plan.sampled_ids()` order."""

@@ -35,10 +35,41 @@ class SamplingBatch:
 
 
 @dataclass
+class PromptLogprobsChunk:
+    """Logprobs of prompt tokens first_position, first_position + 1, ... of one sequence, as one
+    step's (chunk of the) prefill computed them from the positions before each."""
+
+    seq_id: str
+    first_position: int
+    logprobs: list[float]
+    ranks: list[int]  # 1: the prompt token was the most likely
+    top: list[dict[int, float]] | None  # the request's top-k at each position (None: k = 0)
+
+
+@dataclass
+class DevicePromptLogprobs:
+    """A PromptLogprobsChunk while on the device."""
+
+    seq_id: str
+    first_position: int
+    logprobs: torch.Tensor  # [m] float32
+    ranks: torch.Tensor  # [m] int64
+    top_ids: torch.Tensor | None  # [m, k]
+    top_values: torch.Tensor | None
+
+    def to_host(self) -> PromptLogprobsChunk:
+        top = None
+        if self.top_ids is not None and self.top_values is not None:
+            top = [dict(zip(i, v)) for i, v in zip(self.top_ids.tolist(), self.top_values.tolist())]
+        return PromptLogprobsChunk(self.seq_id, self.first_position, self.logprobs.tolist(), self.ranks.tolist(), top)
+
+
+@dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float] | None  # of the chosen tokens
     top_logprobs: list[dict[int, float]] | None
+    prompt_logprobs: list[PromptLogprobsChunk] | None = None
 
 
 @dataclass
@@ -55,6 +86,7 @@ class DeviceSample:
     top_values: torch.Tensor | None  # [S, k]
     ready: torch.cuda.Event | None = None
     device_token_ids: torch.Tensor | None = None  # the tokens where they were computed: the next step's inputs
+    prompt_logprobs: list[DevicePromptLogprobs] | None = None  # read with the tokens (small: one row each)
 
     @property
     def tokens_on_device(self) -> torch.Tensor:
@@ -67,7 +99,8 @@ class DeviceSample:
         if self.top_ids is not None and self.top_values is not None:
             top = [dict(zip(i, v)) for i, v in zip(self.top_ids.tolist(), self.top_values.tolist())]
         lp = self.logprobs.tolist() if self.logprobs is not None else None
-        return SamplerOutput(self.token_ids.tolist(), lp, top)
+        prompt = [p.to_host() for p in self.prompt_logprobs] if self.prompt_logprobs else None
+        return SamplerOutput(self.token_ids.tolist(), lp, top, prompt)
 
 
 def sample_on_device(

@@ -17,7 +17,7 @@ import structlog
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from engine.server import protocol as p
 from engine.server.async_engine import EngineStepError, EngineStopping
@@ -77,6 +77,7 @@ def _sampling_params(body: p._SamplingFields, max_tokens: int | None, logprobs: 
             logit_bias=_logit_bias(body.logit_bias),
             allowed_token_ids=body.allowed_token_ids,
             structured_outputs=_structured_outputs(body),
+            prompt_logprobs=body.prompt_logprobs,
         )
     except SamplingParamsError as e:
         raise OpenAIError(400, str(e), param=e.param) from e
@@ -322,13 +323,11 @@ def _completion_logprobs(
 async def completions(body: p.CompletionRequest, http: Request) -> Any:
     state = get_state(http)
     _check_model(state, body.model)
-    if body.echo and body.logprobs is not None:
-        # The echoed prompt would come without its tokens' logprobs: loglikelihood scoring (lm-eval)
-        # would read wrong numbers.  Refused until prompt logprobs exist.
+    scored_echo = body.echo and body.logprobs is not None  # the echoed prompt comes with its logprobs
+    if body.stream and (scored_echo or body.prompt_logprobs is not None):
+        param = "prompt_logprobs" if body.prompt_logprobs is not None else "echo"
         raise OpenAIError(
-            400,
-            "echo with logprobs is not supported yet (prompt-token logprobs); leave out echo or logprobs",
-            param="echo",
+            400, f"{param} with logprobs needs stream false (prompt logprobs are not streamed)", param=param
         )
     if isinstance(body.prompt, str):
         state.check_length(body.prompt, "prompt")
@@ -337,6 +336,8 @@ async def completions(body: p.CompletionRequest, http: Request) -> Any:
             state.check_length(text, "prompt")
     prompts = await state.off_loop(_completion_prompts, state, body.prompt)
     params = _sampling_params(body, body.max_tokens, body.logprobs)
+    if scored_echo and params.prompt_logprobs is None:
+        params.prompt_logprobs = body.logprobs
     request_id = p.new_id("cmpl")
     admitted = _admit(state, request_id, prompts, params, bool(body.stream), body.user)
     created = p.now()
@@ -392,18 +393,60 @@ async def completions(body: p.CompletionRequest, http: Request) -> Any:
         if body.echo:
             prefix = pr.text if pr.text is not None else state.decode(pr.ids)
         for c in out.outputs:
+            logprobs = _completion_logprobs(state, c, list(range(len(c.token_ids))), len(prefix))
+            if scored_echo and logprobs is not None:
+                logprobs = _echo_logprobs(state, pr.ids, out.prompt_logprobs, logprobs)
             choices.append(
                 p.CompletionChoice(
                     index=i * n + c.index,
                     text=prefix + c.text,
-                    logprobs=_completion_logprobs(state, c, list(range(len(c.token_ids))), len(prefix)),
+                    logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    prompt_logprobs=_prompt_logprobs(state, out) if body.prompt_logprobs is not None else None,
                 )
             )
     return p.CompletionResponse(
         id=request_id, created=created, model=state.model_name, choices=choices, usage=_usage(prompts, list(outputs))
     )
+
+
+def _echo_logprobs(
+    state: ServerState,
+    ids: list[int],
+    prompt: list[dict[int, Logprob] | None] | None,
+    generated: p.CompletionLogprobs,
+) -> p.CompletionLogprobs:
+    """The echoed prompt's tokens and logprobs before the completion's (the first token has none)."""
+    assert prompt is not None and len(prompt) == len(ids)
+    lp = p.CompletionLogprobs()
+    offset = 0
+    for tok, entry in zip(ids, prompt):
+        piece = state.decode_token(tok)
+        lp.tokens.append(piece)
+        lp.token_logprobs.append(None if entry is None else entry[tok].logprob)
+        lp.top_logprobs.append(None if entry is None else {state.decode_token(t): v.logprob for t, v in entry.items()})
+        lp.text_offset.append(offset)
+        offset += len(piece)
+    lp.tokens += generated.tokens
+    lp.token_logprobs += generated.token_logprobs
+    lp.top_logprobs += generated.top_logprobs
+    lp.text_offset += generated.text_offset
+    return lp
+
+
+def _prompt_logprobs(state: ServerState, out: RequestOutput) -> p.PromptLogprobs | None:
+    if out.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): p.PromptLogprob(logprob=v.logprob, rank=v.rank, decoded_token=state.decode_token(t))
+            for t, v in entry.items()
+        }
+        for entry in out.prompt_logprobs
+    ]
 
 
 def _completion_chunk(
@@ -458,6 +501,10 @@ def _chat_logprobs(state: ServerState, c: CompletionOutput, positions: list[int]
 async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
     state = get_state(http)
     _check_model(state, body.model)
+    if body.stream and body.prompt_logprobs is not None:
+        raise OpenAIError(
+            400, "prompt_logprobs needs stream false (prompt logprobs are not streamed)", param="prompt_logprobs"
+        )
     prompt = _Prompt(None, await state.off_loop(state.apply_chat_template, body.messages, body.add_generation_prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, logprobs)
@@ -527,7 +574,12 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
         for c in out.outputs
     ]
     return p.ChatCompletionResponse(
-        id=request_id, created=created, model=state.model_name, choices=choices, usage=_usage([prompt], [out])
+        id=request_id,
+        created=created,
+        model=state.model_name,
+        choices=choices,
+        usage=_usage([prompt], [out]),
+        prompt_logprobs=_prompt_logprobs(state, out) if body.prompt_logprobs is not None else None,
     )
 
 

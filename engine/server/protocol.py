@@ -46,7 +46,6 @@ _FEATURE = "is not supported yet"
 NOT_YET: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), _FEATURE + " (only best_of 1 or equal to n)"),
     "bad_words": ((None, []), _FEATURE),
-    "prompt_logprobs": ((None,), _FEATURE + " (prompt-token logprobs)"),
     "truncate_prompt_tokens": ((None,), _FEATURE),
     "use_beam_search": ((None, False), _FEATURE),
     "length_penalty": ((None, 1, 1.0), _FEATURE),
@@ -167,10 +166,12 @@ class _SamplingFields(_Request):
     )
     guided_grammar: str | None = Field(default=None, max_length=1_000_000, description="vLLM extension: Lark or GBNF")
     structured_outputs: StructuredOutputs | None = Field(default=None, description="vLLM extension")
+    prompt_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="vLLM extension: top-k logprobs at every prompt position"
+    )
     # not implemented yet: accepted only when off (see NOT_YET)
     best_of: Any = None
     bad_words: Any = None
-    prompt_logprobs: Any = None
     truncate_prompt_tokens: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -255,12 +256,23 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt position (None for the first), {token id: its logprob}
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -306,6 +318,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

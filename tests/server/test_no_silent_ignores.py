@@ -15,7 +15,6 @@ COMPLETION_ONLY = {"suffix"}
 ON = {  # a value that asks for the feature
     "best_of": 3,
     "bad_words": ["never"],
-    "prompt_logprobs": 1,
     "truncate_prompt_tokens": 4,
     "use_beam_search": True,
     "length_penalty": 0.5,
@@ -88,10 +87,14 @@ def test_message_fields_not_passed_to_the_template_are_refused(shared_server):
         assert r.status_code == 400 and r.json()["error"]["param"] == f"messages[0].{field}", r.text
 
 
-def test_echo_with_logprobs_is_refused_rather_than_answered_without_prompt_logprobs(shared_server):
-    r = _post(shared_server, "/v1/completions", _completion(echo=True, logprobs=1, max_tokens=1))
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
-    assert _post(shared_server, "/v1/completions", _completion(echo=True)).status_code == 200
+def test_prompt_logprobs_are_not_streamed_and_say_so(shared_server):
+    for path, body in (
+        ("/v1/completions", _completion(echo=True, logprobs=1, stream=True)),
+        ("/v1/completions", _completion(prompt_logprobs=1, stream=True)),
+        ("/v1/chat/completions", _chat(prompt_logprobs=0, stream=True)),
+    ):
+        r = _post(shared_server, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("echo", "prompt_logprobs"), r.text
 
 
 def test_vllm_output_switches_now_work(shared_server):
