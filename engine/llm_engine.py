@@ -122,6 +122,9 @@ class LLMEngine:
         """
         if not ids:
             raise RequestRejected("prompt", "the prompt is empty")
+        keep = params.truncate_prompt_tokens
+        if keep is not None and len(ids) > keep:
+            ids, prompt = ids[-keep:], None  # the text no longer matches the ids
         lim = self.limits
         vocab = lim.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:

@@ -78,6 +78,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (left truncation)
     prompt_logprobs: int | None = None  # top-k logprobs at every prompt position (0: the prompt token's only)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -117,6 +118,10 @@ class SamplingParams:
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise SamplingParamsError(
                 "prompt_logprobs", f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"
+            )
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise SamplingParamsError(
+                "truncate_prompt_tokens", f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}"
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids", "stop_token_ids must be non-negative token ids")

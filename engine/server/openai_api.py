@@ -78,6 +78,7 @@ def _sampling_params(body: p._SamplingFields, max_tokens: int | None, logprobs: 
             allowed_token_ids=body.allowed_token_ids,
             structured_outputs=_structured_outputs(body),
             prompt_logprobs=body.prompt_logprobs,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
     except SamplingParamsError as e:
         raise OpenAIError(400, str(e), param=e.param) from e
@@ -239,9 +240,9 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-def _usage(prompts: list[_Prompt], finals: list[RequestOutput]) -> p.Usage:
+def _usage(finals: list[RequestOutput]) -> p.Usage:
     """Token counts from the requests' final outputs (which hold the counts, also after deltas)."""
-    prompt_tokens = sum(len(pr.ids) for pr in prompts)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)  # after truncate_prompt_tokens
     completion = 0
     for o in finals:
         counts = o.metrics.output_token_counts if o.metrics is not None else []
@@ -335,6 +336,9 @@ async def completions(body: p.CompletionRequest, http: Request) -> Any:
         for text in body.prompt:
             state.check_length(text, "prompt")
     prompts = await state.off_loop(_completion_prompts, state, body.prompt)
+    keep = body.truncate_prompt_tokens
+    if keep is not None:  # here too, so that echo returns what the model saw
+        prompts = [_Prompt(None, pr.ids[-keep:]) if len(pr.ids) > keep else pr for pr in prompts]
     params = _sampling_params(body, body.max_tokens, body.logprobs)
     if scored_echo and params.prompt_logprobs is None:
         params.prompt_logprobs = body.logprobs
@@ -371,7 +375,7 @@ async def completions(body: p.CompletionRequest, http: Request) -> Any:
                         )
                     )
             if include_usage:
-                usage = _usage(prompts, [last[i] for i in sorted(last)])
+                usage = _usage([last[i] for i in sorted(last)])
                 yield _sse(
                     {
                         "id": request_id,
@@ -407,7 +411,7 @@ async def completions(body: p.CompletionRequest, http: Request) -> Any:
                 )
             )
     return p.CompletionResponse(
-        id=request_id, created=created, model=state.model_name, choices=choices, usage=_usage(prompts, list(outputs))
+        id=request_id, created=created, model=state.model_name, choices=choices, usage=_usage(list(outputs))
     )
 
 
@@ -557,7 +561,7 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
                         ]
                     )
             if include_usage and last is not None:
-                yield chunk([], _usage([prompt], [last]))
+                yield chunk([], _usage([last]))
             yield _sse("[DONE]")
 
         return _streaming(events())
@@ -578,7 +582,7 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
         created=created,
         model=state.model_name,
         choices=choices,
-        usage=_usage([prompt], [out]),
+        usage=_usage([out]),
         prompt_logprobs=_prompt_logprobs(state, out) if body.prompt_logprobs is not None else None,
     )
 

@@ -46,7 +46,6 @@ _FEATURE = "is not supported yet"
 NOT_YET: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), _FEATURE + " (only best_of 1 or equal to n)"),
     "bad_words": ((None, []), _FEATURE),
-    "truncate_prompt_tokens": ((None,), _FEATURE),
     "use_beam_search": ((None, False), _FEATURE),
     "length_penalty": ((None, 1, 1.0), _FEATURE),
     "tools": ((None, []), _FEATURE + " (tool calling)"),
@@ -169,10 +168,12 @@ class _SamplingFields(_Request):
     prompt_logprobs: int | None = Field(
         default=None, ge=0, le=MAX_LOGPROBS, description="vLLM extension: top-k logprobs at every prompt position"
     )
+    truncate_prompt_tokens: int | None = Field(
+        default=None, ge=1, lt=2**31, description="vLLM extension: keep only the prompt's last k tokens"
+    )
     # not implemented yet: accepted only when off (see NOT_YET)
     best_of: Any = None
     bad_words: Any = None
-    truncate_prompt_tokens: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
 

@@ -256,3 +256,13 @@ def test_structured_outputs_offline_as_in_vllm():
     with pytest.raises(RequestRejected, match="cannot be compiled") as e:
         llm.generate("Now is", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")), use_tqdm=False)
     assert e.value.param == "structured_outputs"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_offline():
+    llm = LLM("pagekeeper-default")
+    ids = list(llm.get_tokenizer()("Errors should never pass silently. Now is")["input_ids"])
+    params = SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=4)
+    cut = llm.generate("Errors should never pass silently. Now is", params, use_tqdm=False)[0]
+    same = llm.generate({"prompt_token_ids": ids[-4:]}, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-4:] and cut.prompt is None
+    assert cut.outputs[0].token_ids == same.outputs[0].token_ids

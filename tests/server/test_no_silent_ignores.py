@@ -15,7 +15,6 @@ COMPLETION_ONLY = {"suffix"}
 ON = {  # a value that asks for the feature
     "best_of": 3,
     "bad_words": ["never"],
-    "truncate_prompt_tokens": 4,
     "use_beam_search": True,
     "length_penalty": 0.5,
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
@@ -172,3 +171,14 @@ def test_bad_adjustment_values_are_a_400_naming_them(shared_server):
         assert r.status_code == 400 and err["param"].split(".")[0] == field, r.text
     r = _post(shared_server, "/v1/completions", _completion(min_tokens=9, max_tokens=8))
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(shared_server):
+    long = "Errors should never pass silently. Unless explicitly silenced. Now is"
+    ids = httpx.post(shared_server.url + "/tokenize", json={"prompt": long}).json()["tokens"]
+    tail = httpx.post(shared_server.url + "/detokenize", json={"tokens": ids[-6:]}).json()["prompt"]
+    cut = _post(shared_server, "/v1/completions", _completion(prompt=long, truncate_prompt_tokens=6, echo=True)).json()
+    same = _post(shared_server, "/v1/completions", _completion(prompt=ids[-6:])).json()
+    print(f"{len(ids)} prompt tokens cut to {cut['usage']['prompt_tokens']}: echo {cut['choices'][0]['text']!r}")
+    assert cut["usage"]["prompt_tokens"] == 6
+    assert cut["choices"][0]["text"] == tail + same["choices"][0]["text"]
