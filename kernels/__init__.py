@@ -11,8 +11,8 @@ import torch
 def attention_backend(device: torch.device | str) -> ModuleType:
     """The module providing write_kv/paged_attention/copy_blocks for tensors on `device`.
 
-    CUDA: `kernels.triton_backend` (the Triton kernels); anything else, or CUDA without Triton
-    installed: `kernels.reference` (plain torch).
+    CUDA: `kernels.triton_backend` (the Triton kernels); anything else: `kernels.cpu_backend` (torch,
+    the reference with a faster decode path); CUDA without Triton installed: `kernels.reference`.
     """
     if torch.device(device).type == "cuda":
         try:
@@ -25,9 +25,12 @@ def attention_backend(device: torch.device | str) -> ModuleType:
             )
         else:
             return triton_backend
-    from kernels import reference
+        from kernels import reference
 
-    return reference
+        return reference
+    from kernels import cpu_backend
+
+    return cpu_backend
 
 
 def fused_backend(device: torch.device | str) -> ModuleType:
