@@ -79,16 +79,17 @@ def _decode(
     # One copy each, left in block order: [B, nblk, H, bs, D] (no permute to [B, H, len, D])
     k = kv_cache[0].index_select(0, table).view(batch, nblk, kv_heads, block_size, head_dim)
     v = kv_cache[1].index_select(0, table).view(batch, nblk, kv_heads, block_size, head_dim)
-    if k.dtype != torch.float32:
-        k, v = k.float(), v.float()
-    q = query.float().view(batch, 1, kv_heads, group, head_dim)  # query heads of one KV head are adjacent
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [B, nblk, H, G, bs], per block
+    # The matmuls run in the cache's dtype, as transformers' eager attention does for a bf16 model:
+    # converting the gathered K/V to float32 first cost 3.6 ms per layer at 64 x 200 tokens, the
+    # bf16 matmul 0.9 ms.  The softmax runs in float32.
+    q = query.to(k.dtype).view(batch, 1, kv_heads, group, head_dim)  # query heads of one KV head are adjacent
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [B, nblk, H, G, bs], per block
     position = torch.arange(nblk * block_size, device=query.device).view(1, nblk, 1, 1, block_size)
     scores.masked_fill_(position >= seq_lens.long().view(batch, 1, 1, 1, 1), float("-inf"))
     # softmax over every (block, offset) of a sequence, without moving the blocks together
     scores = scores.sub_(scores.amax(dim=(1, 4), keepdim=True)).exp_()
     total = scores.sum(dim=(1, 4))  # [B, H, G]
-    o = torch.matmul(scores, v).sum(dim=1).div_(total[..., None])  # [B, H, G, D]
+    o = torch.matmul(scores.to(v.dtype), v).float().sum(dim=1).div_(total[..., None])  # [B, H, G, D]
     o = o.view(batch, num_heads, head_dim)
     if out is None:
         return o.to(query.dtype)

@@ -167,6 +167,8 @@ def _random_sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.
     if batch.needs_truncation:
         scaled = _truncate(scaled, batch.top_k, batch.top_p)
     probs = torch.softmax(scaled, dim=-1)
+    if not probs.is_cuda:
+        return _inverse_cdf_sample(probs, batch, generator)
     q = torch.empty_like(probs)
     shared_rows = [i for i, g in enumerate(batch.generators) if g is None]
     if len(shared_rows) == len(batch.generators):
@@ -180,6 +182,32 @@ def _random_sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.
             if g is not None:
                 q[i].exponential_(generator=g)
     return (probs / q).argmax(dim=-1)
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:
+    """One uniform number per row against the row's cumulative distribution: the CPU's sampler.
+
+    The exponential race draws one random number per vocabulary entry; on a CPU that was 6.4 ms for
+    10 rows of 32k tokens (a quarter of a serving decode step on the 2-core machine), against 0.18 ms
+    here.  A row with its own seed still draws from its own generator, one number per step, so its
+    tokens do not depend on the batch.  (CUDA keeps the race: its random numbers are cheap.)
+    """
+    rows = probs.shape[0]
+    u = torch.empty(rows, 1, dtype=torch.float64)
+    shared = [i for i, g in enumerate(batch.generators) if g is None]
+    if len(shared) == rows:
+        u.uniform_(generator=generator)
+    else:
+        if shared:
+            u[shared] = torch.rand(len(shared), 1, dtype=torch.float64, generator=generator)
+        for i, g in enumerate(batch.generators):
+            if g is not None:
+                u[i] = torch.rand(1, dtype=torch.float64, generator=g)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # float32 would blur the rarest tokens of a 128k vocabulary
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    # a rounding at the very top could land past the last token with mass: take the most likely then
+    ok = probs.gather(-1, tokens[:, None]).squeeze(-1) > 0
+    return torch.where(ok, tokens, probs.argmax(dim=-1))
 
 
 def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
