@@ -23,9 +23,8 @@ def test_frequencies_follow_the_distribution_and_masked_tokens_never_come():
     freq = torch.bincount(tokens, minlength=64).double() / draws
     se = (probs.double() * (1 - probs.double()) / draws).sqrt()
     z = ((freq - probs.double()) / se.clamp(min=1e-12))[probs > 0]
-    print(
-        f"{draws} draws over 64 tokens: max |z| = {z.abs().max():.2f}, masked tokens drawn: {int(freq[[3, 17, 40]].sum())}"
-    )
+    masked = int(freq[[3, 17, 40]].sum())
+    print(f"{draws} draws over 64 tokens: max |z| = {z.abs().max():.2f}, masked tokens drawn: {masked}")
     assert z.abs().max() < 5 and freq[[3, 17, 40]].sum() == 0
 
 
