@@ -58,6 +58,7 @@ class Request:
     sent_table: list[int] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float = 0.0  # when the host read its newest token (inter-token latency)
     finished_time: float | None = None
 
     @property

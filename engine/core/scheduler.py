@@ -68,6 +68,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished sequence, held siblings included
         self._forget: list[str] = []  # finished sequences the runner still has state for
         self.num_prompt_tokens_done = 0  # prompts of sequences that produced their first token
+        # {time the previous token was read: tokens read after it}, for every token after a sequence's
+        # first; the engine core empties it after each step into its inter-token latency histogram.
+        self.token_gaps: dict[float, int] = {}
 
     # -- queue management ---------------------------------------------------------------------
 
@@ -291,6 +294,8 @@ class Scheduler:
         while the step ran drops its token."""
         deltas: list[SeqDelta] = []
         cache = self.kv.prefix_caching
+        t = time.monotonic() if now is None else now
+        gaps = self.token_gaps
         for i, seq_id in enumerate(plan.sampled_ids()):
             req = self.requests.get(seq_id)
             if req is None:  # finished while the step ran
@@ -309,7 +314,10 @@ class Scheduler:
             if len(req.output_token_ids) == 1:
                 self.num_prompt_tokens_done += req.num_prompt_tokens
                 delta.first_scheduled_time = req.first_scheduled_time
-                req.first_token_time = time.monotonic() if now is None else now
+                req.first_token_time = t
+            else:  # grouped by the previous token's time: a decode batch shares it
+                gaps[req.last_token_time] = gaps.get(req.last_token_time, 0) + 1
+            req.last_token_time = t
             p = req.params
             if p.stop_token_ids and token in p.stop_token_ids:
                 req.stop_reason = token
