@@ -1,20 +1,53 @@
 """Every metric the engine exports, defined once: the contract in DESIGN.md.
 
-Names are vLLM's (underscore form) so that existing alerts, dashboards and sidecars keep working;
-every series carries `model_name`.  Gauges are refreshed once per engine step from a snapshot the
-step loop takes (`EngineSnapshot`), never per token, and request histograms are observed once, when
-a request finishes.  Each server gets its own registry so that tests can run several side by side.
+Each measurement is defined once, under its base name (vLLM's, e.g. `num_requests_waiting`), and exported
+under one or both name sets, picked with `--metrics-names`:
+
+- `vllm`: vLLM's real names, `vllm:num_requests_waiting`, which vLLM's own Grafana dashboards,
+  production-stack and KEDA autoscaling triggers query;
+- `seed`: the seed article's underscore forms, `vllm_num_requests_waiting`, which the seed's sidecar and
+  alert rules read;
+- `both` (the default): a deployment upgraded from the seed's names keeps its alerts, since an alert on a
+  metric that disappeared never fires and nobody notices; `vllm` halves the scrape once nothing reads them.
+
+Both forms are written out from the same stored value at scrape time (one collector renames the families
+of an inner registry), so they cannot disagree.  A few measurements also carry the name an earlier vLLM
+release gave them (`ALIASES`), because dashboards built for those releases still query it.  Measurements
+vLLM does not have (allocator gauges, the heartbeat, failures, drain state) follow the same two forms, so
+one prefix selects every engine series.
+
+Every series carries `model_name`.  Gauges are refreshed once per engine step from a snapshot the step
+loop takes (`EngineSnapshot`), never per token; request histograms are observed once, when a request
+finishes; inter-token gaps arrive per step as a histogram the engine core keeps (`GapHistogram`).  Each
+server gets its own registries, so that tests can run several side by side.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 # The *_created series double every counter's size and no dashboard or alert of ours reads them.
 disable_created_metrics()
+
+MetricsNames = Literal["vllm", "seed", "both"]
+PREFIXES: dict[str, tuple[str, ...]] = {"vllm": ("vllm:",), "seed": ("vllm_",), "both": ("vllm:", "vllm_")}
+DEFAULT_METRICS_NAMES: MetricsNames = "both"
+
+# Base name -> the names earlier vLLM releases gave the same measurement (still queried by their dashboards):
+# vllm:gpu_cache_usage_perc until 0.9, vllm:time_per_output_token_seconds (per-token gaps) until 0.11.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "kv_cache_usage_perc": ("gpu_cache_usage_perc",),
+    "inter_token_latency_seconds": ("time_per_output_token_seconds",),
+}
 
 # vLLM's bucket choices, so that dashboards built for vLLM read the same histograms.
 TTFT_BUCKETS = (
@@ -90,6 +123,35 @@ FINISHED_REASONS = ("stop", "length", "abort")
 FAILURE_REASONS = ("rejected", "invalid", "error")
 
 
+def token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len: vLLM's buckets for per-request token counts."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(float(m * scale))
+        scale *= 10
+
+
+class GapHistogram:
+    """Cumulative histogram of the gaps between consecutive output tokens of a sequence, kept by the engine core.
+
+    A step hands its gaps over grouped (in steady decoding every sequence of the batch waited the same
+    step), so that recording costs one bucket lookup per distinct gap, not one per token.
+    """
+
+    def __init__(self, bounds: Sequence[float] = TPOT_BUCKETS) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # per bucket, the last one above every bound (+Inf)
+        self.sum = 0.0
+
+    def add(self, seconds: float, n: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += n
+        self.sum += seconds * n
+
+
 @dataclass
 class EngineSnapshot:
     """The engine's state after a step, read by the metrics layer (plain numbers, no references)."""
@@ -112,6 +174,44 @@ class EngineSnapshot:
     oldest_waiting_seconds: float = 0.0
     allocated_bytes: int = 0
     reserved_bytes: int = 0
+    # GapHistogram's state: tokens per bucket (not cumulative, +Inf last) and the sum of the gaps
+    token_gap_counts: tuple[int, ...] = field(default_factory=tuple)
+    token_gap_sum: float = 0.0
+
+
+class _GapCollector(Collector):
+    """The inter-token latency histogram, from the engine core's GapHistogram as of the last snapshot."""
+
+    def __init__(self, name: str, doc: str, model_name: str, bounds: Sequence[float]) -> None:
+        self.name, self.doc, self.model_name = name, doc, model_name
+        self.bounds = tuple(bounds)
+        self.state: tuple[tuple[int, ...], float] = ((0,) * (len(self.bounds) + 1), 0.0)  # replaced whole
+
+    def collect(self) -> Iterable[Metric]:
+        counts, total = self.state
+        family = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        cumulative, running = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), counts):
+            running += n
+            cumulative.append((floatToGoString(bound), float(running)))
+        family.add_metric([self.model_name], cumulative, total)
+        yield family
+
+
+class _Named(Collector):
+    """The inner registry's families under each prefix of the chosen name set, plus their aliases."""
+
+    def __init__(self, inner: CollectorRegistry, prefixes: tuple[str, ...]) -> None:
+        self.inner, self.prefixes = inner, prefixes
+
+    def collect(self) -> Iterator[Metric]:
+        families = list(self.inner.collect())
+        for prefix in self.prefixes:
+            for f in families:
+                for base in (f.name, *ALIASES.get(f.name, ())):
+                    renamed = Metric(prefix + base, f.documentation, f.type, f.unit)
+                    renamed.samples = [s._replace(name=prefix + base + s.name[len(f.name) :]) for s in f.samples]
+                    yield renamed
 
 
 class EngineMetrics:
@@ -120,11 +220,18 @@ class EngineMetrics:
         model_name: str,
         cache_config: dict[str, str],
         fragmentation_buffer_bytes: int,
-        registry: CollectorRegistry | None = None,
+        *,
+        names: MetricsNames = DEFAULT_METRICS_NAMES,
+        max_model_len: int = 4096,
     ) -> None:
-        self.registry = registry or CollectorRegistry(auto_describe=True)
+        if names not in PREFIXES:
+            raise ValueError(f"metric names must be one of {sorted(PREFIXES)}, got {names!r}")
         self.model_name = model_name
-        r, m = self.registry, ["model_name"]
+        self.names = names
+        inner = CollectorRegistry(auto_describe=True)  # base names; never exposed as such
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_Named(inner, PREFIXES[names]))
+        r, m = inner, ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, m, registry=r)
@@ -132,55 +239,70 @@ class EngineMetrics:
         def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
             return Counter(name, doc, m + (extra or []), registry=r)
 
-        self.running = gauge("vllm_num_requests_running", "Requests in the running batch")
-        self.waiting = gauge("vllm_num_requests_waiting", "Requests waiting to be scheduled")
-        self.swapped = gauge("vllm_num_requests_swapped", "Requests swapped out to CPU")
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, m, buckets=buckets, registry=r)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.swapped = gauge("num_requests_swapped", "Requests swapped out to CPU")
         self.oldest_waiting = gauge(
-            "vllm_oldest_waiting_seconds",
+            "oldest_waiting_seconds",
             "Age of the oldest request waiting or swapped out (0 when none): a backlog "
             "is requests that age, not a queue that exists for an instant",
         )
-        self.gpu_cache_usage = gauge(
-            "vllm_gpu_cache_usage_perc", "KV blocks held by live requests / all KV blocks (0-1)"
+        self.kv_cache_usage = gauge(
+            "kv_cache_usage_perc", "KV blocks held by live requests / all KV blocks (0-1); 1 means 100 percent"
         )
-        self.cpu_cache_usage = gauge("vllm_cpu_cache_usage_perc", "Swap blocks in use / all swap blocks (0-1)")
-        self.prefix_used = gauge("vllm_prefix_cache_blocks_used", "KV blocks holding cached prefixes")
-        self.prefix_total = gauge("vllm_prefix_cache_blocks_total", "KV blocks the prefix cache may use")
-        self.prefix_hit_rate = gauge("vllm_prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens")
-        self.prefix_queries = counter("vllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
-        self.prefix_hits = counter("vllm_prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        self.success = counter("vllm_request_success", "Finished requests", ["finished_reason"])
-        self.failure = counter("vllm_request_failure", "Requests refused or failed", ["reason"])
-        self.prompt_tokens = counter("vllm_prompt_tokens", "Prompt tokens processed")
-        self.generation_tokens = counter("vllm_generation_tokens", "Tokens generated")
-        self.preemptions = counter("vllm_num_preemptions", "Sequences preempted")
-        self.ttft = Histogram(
-            "vllm_time_to_first_token_seconds", "Time to first token", m, buckets=TTFT_BUCKETS, registry=r
+        self.cpu_cache_usage = gauge("cpu_cache_usage_perc", "Swap blocks in use / all swap blocks (0-1)")
+        self.prefix_used = gauge("prefix_cache_blocks_used", "KV blocks holding cached prefixes")
+        self.prefix_total = gauge("prefix_cache_blocks_total", "KV blocks the prefix cache may use")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.success = counter("request_success", "Finished requests", ["finished_reason"])
+        self.failure = counter("request_failure", "Requests refused or failed", ["reason"])
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.preemptions = counter("num_preemptions", "Sequences preempted")
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token", TTFT_BUCKETS)
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Per request: mean time per output token after the first (decode time / (tokens - 1))",
+            TPOT_BUCKETS,
         )
-        self.tpot = Histogram(
-            "vllm_time_per_output_token_seconds",
-            "Mean time per output token after the first",
-            m,
-            buckets=TPOT_BUCKETS,
-            registry=r,
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled", LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token", LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to finish", LATENCY_BUCKETS)
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "First scheduled to finish (prefill + decode)", LATENCY_BUCKETS
         )
-        self.e2e = Histogram(
-            "vllm_e2e_request_latency_seconds", "Arrival to finish", m, buckets=LATENCY_BUCKETS, registry=r
+        tokens = token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request", tokens)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Tokens generated per output sequence", tokens
         )
-        self.queue_time = Histogram(
-            "vllm_request_queue_time_seconds", "Arrival to first scheduled", m, buckets=LATENCY_BUCKETS, registry=r
+        self.request_max_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "Per request: tokens of its longest output sequence (n > 1)", tokens
         )
+        self.itl = _GapCollector(
+            "inter_token_latency_seconds",
+            "Gap between consecutive output tokens of a sequence, once per token after the first",
+            model_name,
+            TPOT_BUCKETS,
+        )
+        r.register(self.itl)
         self.token_utilization = gauge(
-            "vllm_kv_cache_token_utilization",
+            "kv_cache_token_utilization",
             "Tokens stored / token slots of allocated blocks (internal fragmentation)",
         )
-        self.allocated = gauge("vllm_gpu_memory_allocated_bytes", "Device memory held by live tensors")
-        self.reserved = gauge("vllm_gpu_memory_reserved_bytes", "Device memory reserved by the allocator")
-        self.efficiency = gauge("vllm_gpu_allocator_efficiency", "allocated / reserved (< 0.7 is severe fragmentation)")
-        self.buffer = gauge("vllm_fragmentation_buffer_bytes", "Memory kept free for allocator fragmentation")
-        self.steps = counter("vllm_engine_steps", "Engine step loop iterations (the heartbeat)")
-        self.draining = gauge("vllm_engine_draining", "1 while the engine drains")
-        info = Gauge("vllm_cache_config_info", "KV cache configuration", m + sorted(cache_config), registry=r)
+        self.allocated = gauge("gpu_memory_allocated_bytes", "Device memory held by live tensors")
+        self.reserved = gauge("gpu_memory_reserved_bytes", "Device memory reserved by the allocator")
+        self.efficiency = gauge("gpu_allocator_efficiency", "allocated / reserved (< 0.7 is severe fragmentation)")
+        self.buffer = gauge("fragmentation_buffer_bytes", "Memory kept free for allocator fragmentation")
+        self.steps = counter("engine_steps", "Engine step loop iterations (the heartbeat)")
+        self.draining = gauge("engine_draining", "1 while the engine drains")
+        info = Gauge("cache_config_info", "KV cache configuration", m + sorted(cache_config), registry=r)
         info.labels(model_name=model_name, **cache_config).set(1)
 
         name = model_name
@@ -188,8 +310,19 @@ class EngineMetrics:
             self.success.labels(name, reason)
         for reason in FAILURE_REASONS:
             self.failure.labels(name, reason)
-        for histogram in (self.ttft, self.tpot, self.e2e, self.queue_time):
-            histogram.labels(name)  # series exist (at zero) before the first request
+        for h in (
+            self.ttft,
+            self.tpot,
+            self.e2e,
+            self.queue_time,
+            self.prefill_time,
+            self.decode_time,
+            self.inference_time,
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+            self.request_max_generation_tokens,
+        ):
+            h.labels(name)  # series exist (at zero) before the first request
         self.buffer.labels(name).set(fragmentation_buffer_bytes)
         self.draining.labels(name).set(0)
         self._last = EngineSnapshot()
@@ -202,7 +335,7 @@ class EngineMetrics:
         self.waiting.labels(n).set(s.waiting)
         self.swapped.labels(n).set(s.swapped)
         self.oldest_waiting.labels(n).set(s.oldest_waiting_seconds)
-        self.gpu_cache_usage.labels(n).set(s.gpu_cache_usage)
+        self.kv_cache_usage.labels(n).set(s.gpu_cache_usage)
         self.cpu_cache_usage.labels(n).set(s.cpu_cache_usage)
         self.token_utilization.labels(n).set(s.token_utilization)
         self.prefix_used.labels(n).set(s.prefix_blocks_used)
@@ -211,6 +344,8 @@ class EngineMetrics:
         self.allocated.labels(n).set(s.allocated_bytes)
         self.reserved.labels(n).set(s.reserved_bytes)
         self.efficiency.labels(n).set(s.allocated_bytes / s.reserved_bytes if s.reserved_bytes else 1.0)
+        if s.token_gap_counts:
+            self.itl.state = (s.token_gap_counts, s.token_gap_sum)
         last = self._last
         for counter, now, before in (
             (self.prefix_queries, s.prefix_queries, last.prefix_queries),
@@ -223,6 +358,10 @@ class EngineMetrics:
             counter.labels(n).inc(max(0, now - before))
         self._last = s
 
+    def set_live_waiting(self, waiting: int) -> None:
+        """The queue read live, for a stalled loop that refreshes nothing (see admin.metrics)."""
+        self.waiting.labels(self.model_name).set(waiting)
+
     def request_finished(
         self,
         reason: str,
@@ -230,17 +369,28 @@ class EngineMetrics:
         first_scheduled: float | None,
         first_token: float | None,
         finished: float,
-        num_output_tokens: int,
+        num_prompt_tokens: int,
+        output_token_counts: Sequence[int],
     ) -> None:
+        """One finished request (all its n sequences): the request histograms and the success counter."""
         n = self.model_name
         self.success.labels(n, reason).inc()
         self.e2e.labels(n).observe(max(0.0, finished - arrival))
+        self.request_prompt_tokens.labels(n).observe(num_prompt_tokens)
+        for count in output_token_counts:
+            self.request_generation_tokens.labels(n).observe(count)
+        longest = max(output_token_counts, default=0)
+        self.request_max_generation_tokens.labels(n).observe(longest)
         if first_scheduled is not None:
             self.queue_time.labels(n).observe(max(0.0, first_scheduled - arrival))
+            self.inference_time.labels(n).observe(max(0.0, finished - first_scheduled))
         if first_token is not None:
             self.ttft.labels(n).observe(max(0.0, first_token - arrival))
-            if num_output_tokens > 1:
-                self.tpot.labels(n).observe(max(0.0, finished - first_token) / (num_output_tokens - 1))
+            self.decode_time.labels(n).observe(max(0.0, finished - first_token))
+            if first_scheduled is not None:
+                self.prefill_time.labels(n).observe(max(0.0, first_token - first_scheduled))
+            if longest > 1:
+                self.tpot.labels(n).observe(max(0.0, finished - first_token) / (longest - 1))
 
     def request_failed(self, reason: str) -> None:
         self.failure.labels(self.model_name, reason).inc()

@@ -8,8 +8,9 @@ committed JSON matches this script, type-checks it against Grafana's schema (gra
 query against a real Prometheus scraping a real engine and supervisor. Edit here, not in the JSON (a dashboard
 changed in Grafana's UI can be exported and its changes brought back here).
 
-Queries follow the metric contract in DESIGN.md: engine series carry `model_name` (variable $model_name);
-supervisor and NVML series carry the supervisor's `instance` (variable $supervisor).
+Queries follow the metric contract in DESIGN.md: engine series by vLLM's names (`vllm:*`, exported unless the
+engine runs with --metrics-names seed) carry `model_name` (variable $model_name); supervisor and NVML series carry
+the supervisor's `instance` (variable $supervisor).
 """
 
 from __future__ import annotations
@@ -191,16 +192,12 @@ def states(*pairs: tuple[str, str, str]) -> list[dict[str, Any]]:
     ]
 
 
+def quantile(q: float, metric: str) -> str:
+    return f"histogram_quantile({q}, sum by (model_name, le) (rate({metric}_bucket{{{M}}}[{RATE}])))"
+
+
 def quantiles(metric: str) -> list[dict[str, Any]]:
-    return targets(
-        *[
-            (
-                f"histogram_quantile({q}, sum by (model_name, le) (rate({metric}_bucket{{{M}}}[{RATE}])))",
-                f"p{round(q * 100)} {{{{model_name}}}}",
-            )
-            for q in (0.5, 0.9, 0.99)
-        ]
-    )
+    return targets(*[(quantile(q, metric), f"p{round(q * 100)} {{{{model_name}}}}") for q in (0.5, 0.9, 0.99)])
 
 
 def right_axis(ref: str, unit: str) -> dict[str, Any]:
@@ -217,11 +214,11 @@ def build() -> dict[str, Any]:
     g.add(
         timeseries(
             "Requests running / waiting / swapped",
-            "Scheduler queues (vllm_num_requests_*). Waiting more than 3x running for 5 minutes is VLLMQueueBacklog.",
+            "Scheduler queues (vllm:num_requests_*). Waiting more than 3x running for 5 minutes is VLLMQueueBacklog.",
             targets(
-                (f"sum by (model_name) (vllm_num_requests_running{{{M}}})", "running {{model_name}}"),
-                (f"sum by (model_name) (vllm_num_requests_waiting{{{M}}})", "waiting {{model_name}}"),
-                (f"sum by (model_name) (vllm_num_requests_swapped{{{M}}})", "swapped {{model_name}}"),
+                (f"sum by (model_name) (vllm:num_requests_running{{{M}}})", "running {{model_name}}"),
+                (f"sum by (model_name) (vllm:num_requests_waiting{{{M}}})", "waiting {{model_name}}"),
+                (f"sum by (model_name) (vllm:num_requests_swapped{{{M}}})", "swapped {{model_name}}"),
             ),
             "short",
         ),
@@ -234,10 +231,10 @@ def build() -> dict[str, Any]:
             "Prompt tokens processed and tokens generated per second.",
             targets(
                 (
-                    f"sum by (model_name) (rate(vllm_generation_tokens_total{{{M}}}[{RATE}]))",
+                    f"sum by (model_name) (rate(vllm:generation_tokens_total{{{M}}}[{RATE}]))",
                     "generated {{model_name}}",
                 ),
-                (f"sum by (model_name) (rate(vllm_prompt_tokens_total{{{M}}}[{RATE}]))", "prompt {{model_name}}"),
+                (f"sum by (model_name) (rate(vllm:prompt_tokens_total{{{M}}}[{RATE}]))", "prompt {{model_name}}"),
             ),
             "short",
         ),
@@ -247,15 +244,15 @@ def build() -> dict[str, Any]:
     g.add(
         timeseries(
             "Finished and failed requests (req/s)",
-            "vllm_request_success_total by finished_reason (stop, length, abort) and vllm_request_failure_total by "
+            "vllm:request_success_total by finished_reason (stop, length, abort) and vllm:request_failure_total by "
             "reason (rejected = 429/503 at admission, invalid = 400, error = engine step failure).",
             targets(
                 (
-                    f"sum by (model_name, finished_reason) (rate(vllm_request_success_total{{{M}}}[{RATE}]))",
+                    f"sum by (model_name, finished_reason) (rate(vllm:request_success_total{{{M}}}[{RATE}]))",
                     "{{finished_reason}} {{model_name}}",
                 ),
                 (
-                    f"sum by (model_name, reason) (rate(vllm_request_failure_total{{{M}}}[{RATE}]))",
+                    f"sum by (model_name, reason) (rate(vllm:request_failure_total{{{M}}}[{RATE}]))",
                     "failed: {{reason}} {{model_name}}",
                 ),
             ),
@@ -269,9 +266,9 @@ def build() -> dict[str, Any]:
     g.add(
         timeseries(
             "Time to first token",
-            "p50 / p90 / p99 of vllm_time_to_first_token_seconds. "
+            "p50 / p90 / p99 of vllm:time_to_first_token_seconds. "
             "The alert SLO: p99 above 2 s for 10 minutes (VLLMHighTimeToFirstToken).",
-            quantiles("vllm_time_to_first_token_seconds"),
+            quantiles("vllm:time_to_first_token_seconds"),
             "s",
             steps=thresholds(("green", None), ("red", 2)),
             threshold_style="dashed",
@@ -281,9 +278,10 @@ def build() -> dict[str, Any]:
     )
     g.add(
         timeseries(
-            "Time per output token",
-            "p50 / p90 / p99 of vllm_time_per_output_token_seconds (mean time per token after the first, per request).",
-            quantiles("vllm_time_per_output_token_seconds"),
+            "Inter-token latency",
+            "p50 / p90 / p99 of vllm:inter_token_latency_seconds: the gap between consecutive tokens of a sequence, "
+            "once per token after the first (what a streaming client sees between chunks).",
+            quantiles("vllm:inter_token_latency_seconds"),
             "s",
         ),
         w=6,
@@ -292,8 +290,8 @@ def build() -> dict[str, Any]:
     g.add(
         timeseries(
             "End-to-end request latency",
-            "p50 / p90 / p99 of vllm_e2e_request_latency_seconds (arrival to finish).",
-            quantiles("vllm_e2e_request_latency_seconds"),
+            "p50 / p90 / p99 of vllm:e2e_request_latency_seconds (arrival to finish).",
+            quantiles("vllm:e2e_request_latency_seconds"),
             "s",
         ),
         w=6,
@@ -302,12 +300,52 @@ def build() -> dict[str, Any]:
     g.add(
         timeseries(
             "Queue time",
-            "p50 / p90 / p99 of vllm_request_queue_time_seconds (arrival to first "
+            "p50 / p90 / p99 of vllm:request_queue_time_seconds (arrival to first "
             "scheduled): the part of TTFT spent waiting.",
-            quantiles("vllm_request_queue_time_seconds"),
+            quantiles("vllm:request_queue_time_seconds"),
             "s",
         ),
         w=6,
+        h=8,
+    )
+    g.add(
+        timeseries(
+            "Prefill and decode time",
+            "p50 / p99 per request of vllm:request_prefill_time_seconds (first scheduled to first token) and "
+            "vllm:request_decode_time_seconds (first token to finish).",
+            targets(
+                *[
+                    (
+                        quantile(q, f"vllm:request_{phase}_time_seconds"),
+                        f"{phase} p{round(q * 100)} {{{{model_name}}}}",
+                    )
+                    for phase in ("prefill", "decode")
+                    for q in (0.5, 0.99)
+                ]
+            ),
+            "s",
+        ),
+        w=12,
+        h=8,
+    )
+    g.add(
+        timeseries(
+            "Tokens per request",
+            "p50 / p99 of vllm:request_prompt_tokens (per request) and vllm:request_generation_tokens (per output "
+            "sequence).",
+            targets(
+                *[
+                    (
+                        quantile(q, f"vllm:request_{kind}_tokens"),
+                        f"{kind} p{round(q * 100)} {{{{model_name}}}}",
+                    )
+                    for kind in ("prompt", "generation")
+                    for q in (0.5, 0.99)
+                ]
+            ),
+            "short",
+        ),
+        w=12,
         h=8,
     )
 
@@ -315,11 +353,11 @@ def build() -> dict[str, Any]:
     gauge = {
         "type": "gauge",
         "title": "GPU KV cache usage",
-        "description": "vllm_gpu_cache_usage_perc: KV blocks held by live requests (evictable prefix-cache blocks "
+        "description": "vllm:kv_cache_usage_perc: KV blocks held by live requests (evictable prefix-cache blocks "
         "count as free). Yellow from 80%, red from 90% (VLLMHighMemoryUsage > 90%, "
         "VLLMCriticalMemoryUsage > 95%).",
         "datasource": DS,
-        "targets": targets((f"vllm_gpu_cache_usage_perc{{{M}}} * 100", "{{model_name}} {{instance}}")),
+        "targets": targets((f"vllm:kv_cache_usage_perc{{{M}}} * 100", "{{model_name}} {{instance}}")),
         "fieldConfig": {
             "defaults": {
                 "color": {"mode": "thresholds"},
@@ -353,11 +391,11 @@ def build() -> dict[str, Any]:
     g.add(
         timeseries(
             "KV cache: block usage and token utilization",
-            "Block usage (vllm_gpu_cache_usage_perc) and the share of token slots in allocated blocks that hold a "
-            "token (vllm_kv_cache_token_utilization; the rest is internal fragmentation of last blocks).",
+            "Block usage (vllm:kv_cache_usage_perc) and the share of token slots in allocated blocks that hold a "
+            "token (vllm:kv_cache_token_utilization; the rest is internal fragmentation of last blocks).",
             targets(
-                (f"vllm_gpu_cache_usage_perc{{{M}}}", "block usage {{model_name}}"),
-                (f"vllm_kv_cache_token_utilization{{{M}}}", "token utilization {{model_name}}"),
+                (f"vllm:kv_cache_usage_perc{{{M}}}", "block usage {{model_name}}"),
+                (f"vllm:kv_cache_token_utilization{{{M}}}", "token utilization {{model_name}}"),
             ),
             "percentunit",
             max_=1,
@@ -372,12 +410,12 @@ def build() -> dict[str, Any]:
             "VLLMCriticalPreemptionRate above 1).",
             targets(
                 (
-                    f"sum by (model_name) (rate(vllm_num_preemptions_total{{{M}}}[{RATE}]))",
+                    f"sum by (model_name) (rate(vllm:num_preemptions_total{{{M}}}[{RATE}]))",
                     "preemptions/s {{model_name}}",
                 ),
                 (
-                    f"sum by (model_name) (rate(vllm_num_preemptions_total{{{M}}}[{RATE}])) / "
-                    f"sum by (model_name) (rate(vllm_request_success_total{{{M}}}[{RATE}]))",
+                    f"sum by (model_name) (rate(vllm:num_preemptions_total{{{M}}}[{RATE}])) / "
+                    f"sum by (model_name) (rate(vllm:request_success_total{{{M}}}[{RATE}]))",
                     "per finished request {{model_name}}",
                 ),
             ),
@@ -390,9 +428,9 @@ def build() -> dict[str, Any]:
     g.add(
         timeseries(
             "Allocator efficiency",
-            "vllm_gpu_allocator_efficiency = allocated / reserved bytes. Below 0.7 (red line) is the seeds' severe "
+            "vllm:gpu_allocator_efficiency = allocated / reserved bytes. Below 0.7 (red line) is the seeds' severe "
             "fragmentation (VLLMHighAllocatorFragmentation); 1 on CPU.",
-            targets((f"vllm_gpu_allocator_efficiency{{{M}}}", "{{model_name}} {{instance}}")),
+            targets((f"vllm:gpu_allocator_efficiency{{{M}}}", "{{model_name}} {{instance}}")),
             "percentunit",
             max_=1,
             steps=thresholds(("red", None), ("green", 0.7)),
@@ -407,8 +445,8 @@ def build() -> dict[str, Any]:
             "The torch allocator's view: reserved by the caching allocator and allocated to live tensors; the gap "
             "is allocator fragmentation.",
             targets(
-                (f"vllm_gpu_memory_reserved_bytes{{{M}}}", "reserved {{model_name}} {{instance}}"),
-                (f"vllm_gpu_memory_allocated_bytes{{{M}}}", "allocated {{model_name}} {{instance}}"),
+                (f"vllm:gpu_memory_reserved_bytes{{{M}}}", "reserved {{model_name}} {{instance}}"),
+                (f"vllm:gpu_memory_allocated_bytes{{{M}}}", "allocated {{model_name}} {{instance}}"),
             ),
             "bytes",
         ),
@@ -418,9 +456,9 @@ def build() -> dict[str, Any]:
     g.add(
         stat(
             "Fragmentation buffer",
-            "vllm_fragmentation_buffer_bytes: memory kept out of the KV budget at start-up for allocator "
+            "vllm:fragmentation_buffer_bytes: memory kept out of the KV budget at start-up for allocator "
             "fragmentation (max(150 MiB, factor x profiled fragmentation)).",
-            targets((f"vllm_fragmentation_buffer_bytes{{{M}}}", "{{model_name}} {{instance}}")),
+            targets((f"vllm:fragmentation_buffer_bytes{{{M}}}", "{{model_name}} {{instance}}")),
             "bytes",
         ),
         w=8,
@@ -429,10 +467,10 @@ def build() -> dict[str, Any]:
     g.add(
         timeseries(
             "Swap",
-            "CPU swap blocks in use (vllm_cpu_cache_usage_perc, left) and requests swapped out (right).",
+            "CPU swap blocks in use (vllm:cpu_cache_usage_perc, left) and requests swapped out (right).",
             targets(
-                (f"vllm_cpu_cache_usage_perc{{{M}}}", "CPU cache usage {{model_name}}"),
-                (f"sum by (model_name) (vllm_num_requests_swapped{{{M}}})", "swapped requests {{model_name}}"),
+                (f"vllm:cpu_cache_usage_perc{{{M}}}", "CPU cache usage {{model_name}}"),
+                (f"sum by (model_name) (vllm:num_requests_swapped{{{M}}})", "swapped requests {{model_name}}"),
             ),
             "percentunit",
             max_=1,
@@ -448,11 +486,11 @@ def build() -> dict[str, Any]:
             "Below 0.3 (red line) for 30 minutes with prefix caching on is VLLMPrefixCacheHitRateLow.",
             targets(
                 (
-                    f"sum by (model_name) (rate(vllm_prefix_cache_hits_total{{{M}}}[{RATE}])) / "
-                    f"sum by (model_name) (rate(vllm_prefix_cache_queries_total{{{M}}}[{RATE}]))",
+                    f"sum by (model_name) (rate(vllm:prefix_cache_hits_total{{{M}}}[{RATE}])) / "
+                    f"sum by (model_name) (rate(vllm:prefix_cache_queries_total{{{M}}}[{RATE}]))",
                     "hit rate {{model_name}}",
                 ),
-                (f"vllm_prefix_cache_hit_rate{{{M}}}", "engine gauge {{model_name}} {{instance}}"),
+                (f"vllm:prefix_cache_hit_rate{{{M}}}", "engine gauge {{model_name}} {{instance}}"),
             ),
             "percentunit",
             max_=1,
@@ -465,11 +503,11 @@ def build() -> dict[str, Any]:
     g.add(
         timeseries(
             "Prefix cache blocks",
-            "KV blocks holding cached prefixes (vllm_prefix_cache_blocks_used) out of those the prefix cache may "
-            "use (vllm_prefix_cache_blocks_total).",
+            "KV blocks holding cached prefixes (vllm:prefix_cache_blocks_used) out of those the prefix cache may "
+            "use (vllm:prefix_cache_blocks_total).",
             targets(
-                (f"vllm_prefix_cache_blocks_used{{{M}}}", "used {{model_name}} {{instance}}"),
-                (f"vllm_prefix_cache_blocks_total{{{M}}}", "total {{model_name}} {{instance}}"),
+                (f"vllm:prefix_cache_blocks_used{{{M}}}", "used {{model_name}} {{instance}}"),
+                (f"vllm:prefix_cache_blocks_total{{{M}}}", "total {{model_name}} {{instance}}"),
             ),
             "short",
         ),
@@ -680,7 +718,7 @@ def build() -> dict[str, Any]:
                     "label": "Model",
                     "type": "query",
                     "datasource": DS,
-                    "query": {**variable_query, "query": "label_values(vllm_num_requests_running, model_name)"},
+                    "query": {**variable_query, "query": "label_values(vllm:num_requests_running, model_name)"},
                     "refresh": 2,
                     "regex": "",
                     "sort": 1,

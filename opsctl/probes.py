@@ -20,19 +20,25 @@ from prometheus_client.parser import text_string_to_metric_families
 
 log = structlog.get_logger("pagekeeper.supervisor")
 
-# Engine metrics the policy and the status read, summed over their label sets.
-WANTED = {
-    "vllm_gpu_cache_usage_perc": "cache_usage",
-    "vllm_num_requests_running": "running",
-    "vllm_num_requests_waiting": "waiting",
-    "vllm_num_requests_swapped": "swapped",
-    "vllm_engine_steps_total": "steps_total",
-    "vllm_gpu_allocator_efficiency": "allocator_efficiency",
-    "vllm_engine_draining": "draining",
-    "vllm_kv_cache_token_utilization": "token_utilization",
-    "vllm_num_preemptions_total": "preemptions",
-    "vllm_oldest_waiting_seconds": "oldest_waiting_s",
+# Engine metrics the policy and the status read (base names, see engine/metrics.py), summed over their label
+# sets.  An engine exports vLLM's names (vllm:x), the seed's (vllm_x) or both (--metrics-names); each field is
+# read from the first name present in this order, so that an engine exporting both is not counted twice.
+WANTED_BASES = {
+    "cache_usage": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "running": ("num_requests_running",),
+    "waiting": ("num_requests_waiting",),
+    "swapped": ("num_requests_swapped",),
+    "steps_total": ("engine_steps_total",),
+    "allocator_efficiency": ("gpu_allocator_efficiency",),
+    "draining": ("engine_draining",),
+    "token_utilization": ("kv_cache_token_utilization",),
+    "preemptions": ("num_preemptions_total",),
+    "oldest_waiting_s": ("oldest_waiting_seconds",),
 }
+WANTED = {
+    key: tuple(prefix + base for prefix in ("vllm:", "vllm_") for base in bases) for key, bases in WANTED_BASES.items()
+}
+_WANTED_NAMES = {name for names in WANTED.values() for name in names}
 
 
 @dataclass
@@ -104,17 +110,21 @@ class EngineProbe:
 
 def parse_engine_metrics(text: str) -> tuple[dict[str, float], str | None]:
     """{policy field: value} for the engine metrics we use; ValueError if the text is not Prometheus."""
-    values: dict[str, float] = {}
+    sums: dict[str, float] = {}
     model = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            key = WANTED.get(sample.name)
-            if key is None:
+            if sample.name not in _WANTED_NAMES:
                 continue
-            values[key] = values.get(key, 0.0) + float(sample.value)
+            sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
             model = sample.labels.get("model_name", model)
+    values = {}
+    for key, names in WANTED.items():
+        found = next((name for name in names if name in sums), None)
+        if found is not None:
+            values[key] = sums[found]
     if not values:
-        raise ValueError("none of the vllm_* metrics the supervisor needs are present")
+        raise ValueError("none of the engine metrics the supervisor needs (vllm:* or vllm_*) are present")
     return values, model
 
 

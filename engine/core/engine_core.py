@@ -1,7 +1,7 @@
 """The step loop: schedule a plan, run it, accept its tokens, and emit what changed.
 
 `step()` is the engine's heartbeat: every call advances `steps`, which the server's health check
-and the `vllm_engine_steps_total` metric read to tell a busy engine from a hung one.  The core deals
+and the `vllm:engine_steps_total` metric read to tell a busy engine from a hung one.  The core deals
 in token ids only: text, stop strings and n > 1 reassembly belong to the output processor.
 """
 
@@ -21,7 +21,7 @@ from engine.core.scheduler import Scheduler
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.logs import configure_logging
 from engine.memory.budget import KVPlan, ranks_table
-from engine.metrics import EngineSnapshot
+from engine.metrics import EngineSnapshot, GapHistogram
 from engine.model.loader import ModelInfo, check_tensor_parallel, inspect_model, load_tokenizer
 from engine.runner.sampler import DeviceSample
 from engine.runner.startup import StepRunner
@@ -37,6 +37,7 @@ class StepStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     last_step_time: float = field(default_factory=time.monotonic)
+    token_gaps: GapHistogram = field(default_factory=GapHistogram)  # inter-token latency
 
 
 @dataclass
@@ -197,6 +198,11 @@ class EngineCore:
         deltas = self.scheduler.update(launched.plan, out, now)
         self.stats.generation_tokens += len(deltas)
         self.stats.prompt_tokens = self.scheduler.num_prompt_tokens_done
+        gaps = self.scheduler.token_gaps
+        if gaps:
+            for previous, n in gaps.items():
+                self.stats.token_gaps.add(now - previous, n)
+            gaps.clear()
         return deltas
 
     def snapshot(self) -> EngineSnapshot:
@@ -225,4 +231,6 @@ class EngineCore:
             oldest_waiting_seconds=sched.oldest_waiting_seconds(),
             allocated_bytes=allocated,
             reserved_bytes=reserved,
+            token_gap_counts=tuple(stats.token_gaps.counts),
+            token_gap_sum=stats.token_gaps.sum,
         )

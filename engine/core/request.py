@@ -65,6 +65,7 @@ class Request:
     grammar: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float = 0.0  # when the host read its newest token (inter-token latency)
     finished_time: float | None = None
 
     @property

@@ -71,6 +71,9 @@ class Scheduler:
         self._forget: list[str] = []  # finished sequences the runner still has state for
         self.num_prompt_tokens_done = 0  # prompts of sequences that produced their first token
         self.num_constrained = 0  # unfinished sequences with a grammar (structured outputs)
+        # {time the previous token was read: tokens read after it}, for every token after a sequence's
+        # first; the engine core empties it after each step into its inter-token latency histogram.
+        self.token_gaps: dict[float, int] = {}
 
     # -- queue management ---------------------------------------------------------------------
 
@@ -322,6 +325,8 @@ class Scheduler:
             holder = self.requests.get(chunk.seq_id)
             if holder is not None:
                 holder.record_prompt_logprobs(chunk)
+        t = time.monotonic() if now is None else now
+        gaps = self.token_gaps
         for i, seq_id in enumerate(plan.sampled_ids()):
             req = self.requests.get(seq_id)
             if req is None:  # finished while the step ran
@@ -342,7 +347,10 @@ class Scheduler:
                     delta.prompt_logprobs = req.prompt_logprobs
                 self.num_prompt_tokens_done += req.num_prompt_tokens
                 delta.first_scheduled_time = req.first_scheduled_time
-                req.first_token_time = time.monotonic() if now is None else now
+                req.first_token_time = t
+            else:  # grouped by the previous token's time: a decode batch shares it
+                gaps[req.last_token_time] = gaps.get(req.last_token_time, 0) + 1
+            req.last_token_time = t
             p = req.params
             if req.grammar is not None:
                 req.grammar.accept(token)

@@ -50,11 +50,11 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        """Blocks holding a cached prefix, held or not (vllm_prefix_cache_blocks_used)."""
+        """Blocks holding a cached prefix, held or not (vllm:prefix_cache_blocks_used)."""
         return len(self._key_of)
 
     def usage(self) -> float:
-        """Fraction of blocks held by live sequences (what vllm_gpu_cache_usage_perc reports)."""
+        """Fraction of blocks held by live sequences (what vllm:kv_cache_usage_perc reports)."""
         return self.num_used / self.num_blocks
 
     def ref_count(self, block_id: int) -> int:

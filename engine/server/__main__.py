@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Seconds a connection may take to send a complete request head before it is closed.",
     )
     s.add_argument(
+        "--metrics-names",
+        default="both",
+        choices=("vllm", "seed", "both"),
+        help="Names /metrics exports: vllm (vLLM's, vllm:num_requests_waiting, as vLLM dashboards, production-stack "
+        "and KEDA triggers query), seed (the seed's underscore forms, vllm_num_requests_waiting), or both (default).",
+    )
+    s.add_argument(
         "--control-socket",
         default=None,
         help="Serve the supervisor's private control channel on this unix socket (opsctl sets it).",
@@ -195,7 +202,14 @@ def serve(
         "enable_prefix_caching": str(engine_config.enable_prefix_caching),
         "max_model_len": str(engine_config.max_model_len),
     }
-    metrics = EngineMetrics(model_name, cache_info, fragmentation_buffer_bytes=core.kv_plan.fragmentation_buffer_bytes)
+    assert engine_config.max_model_len is not None  # resolved when the engine loaded the checkpoint
+    metrics = EngineMetrics(
+        model_name,
+        cache_info,
+        fragmentation_buffer_bytes=core.kv_plan.fragmentation_buffer_bytes,
+        names=server_config.metrics_names,
+        max_model_len=engine_config.max_model_len,
+    )
     async_engine = AsyncEngine(engine, metrics, server_config.health_stall_seconds, server_config.max_waiting)
     state = ServerState(
         engine=engine,

@@ -41,7 +41,7 @@ async def metrics(http: Request) -> Response:
     # that is not there).  Only a stalled loop, which refreshes nothing, has its queue read live:
     # requests piling up behind it are exactly what an operator needs to see.
     if state.async_engine.health() == "stalled":
-        state.metrics.waiting.labels(state.model_name).set(state.async_engine.queue_depth())
+        state.metrics.set_live_waiting(state.async_engine.queue_depth())
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

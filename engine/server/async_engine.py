@@ -161,7 +161,7 @@ class AsyncEngine:
         self._slots: dict[str, _Slot] = {}
         self._num_waiting = 0  # the scheduler's waiting count; written by the step loop only
         self._stop = False
-        self.loop_iterations = 0  # vllm_engine_steps_total: advances whenever the loop runs
+        self.loop_iterations = 0  # vllm:engine_steps_total: advances whenever the loop runs
         self._on_step: list[Callable[[], None]] = []  # e.g. the systemd watchdog ping
         self._on_loop: list[Callable[[], None]] = []  # run before each iteration (test hooks)
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
@@ -375,14 +375,15 @@ class AsyncEngine:
     def _finished(self, out: RequestOutput) -> None:
         t = out.metrics
         if t is not None:
-            counts = t.output_token_counts or [len(out.outputs[0].token_ids)]
+            counts = t.output_token_counts or [len(c.token_ids) for c in out.outputs]
             self.metrics.request_finished(
                 out.outputs[0].finish_reason or "abort",
                 t.arrival_time,
                 t.first_scheduled_time,
                 t.first_token_time,
                 t.finished_time or time.monotonic(),
-                num_output_tokens=counts[0],
+                num_prompt_tokens=len(out.prompt_token_ids),
+                output_token_counts=counts,
             )
 
     def _fail_everything(self, error: Exception) -> None:

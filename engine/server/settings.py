@@ -36,6 +36,7 @@ class ServerConfig:
     max_request_body_bytes: Annotated[int, Field(ge=1024)] = 32 * 2**20
     max_connections: Annotated[int, Field(ge=8)] | None = None  # None: the open-file limit less a reserve
     header_timeout: Annotated[float, Field(gt=0, le=3600)] = 10.0
+    metrics_names: Literal["vllm", "seed", "both"] = "both"  # engine/metrics.py says why both by default
     listen_fd: int | None = None
     control_socket: str | None = None
     inflight_file: str | None = None

@@ -84,7 +84,7 @@ def test_variables_rows_and_the_seed_gauge():
     d = load_dashboard()
     variables = {v["name"]: v for v in d["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    assert variables["model_name"]["query"]["query"] == "label_values(vllm_num_requests_running, model_name)"
+    assert variables["model_name"]["query"]["query"] == "label_values(vllm:num_requests_running, model_name)"
     assert variables["model_name"]["multi"] and variables["model_name"]["includeAll"]
 
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
@@ -92,28 +92,31 @@ def test_variables_rows_and_the_seed_gauge():
 
     # the seed's GPU cache usage gauge, its thresholds inside fieldConfig where Grafana reads them
     g = gauge(d)
-    assert g["targets"][0]["expr"] == 'vllm_gpu_cache_usage_perc{model_name=~"$model_name"} * 100'
+    assert g["targets"][0]["expr"] == 'vllm:kv_cache_usage_perc{model_name=~"$model_name"} * 100'
     steps = g["fieldConfig"]["defaults"]["thresholds"]["steps"]
     assert [(s["color"], s["value"]) for s in steps] == [("green", None), ("yellow", 80), ("red", 90)]
 
     exprs = " ".join(t["expr"] for _, t in panel_targets(d))
     for needle in (
-        "vllm_num_requests_running",
-        "vllm_num_requests_waiting",
-        "vllm_generation_tokens_total",
-        "vllm_request_success_total",
-        "vllm_request_failure_total",
-        "histogram_quantile(0.99, sum by (model_name, le) (rate(vllm_time_to_first_token_seconds_bucket",
-        "vllm_time_per_output_token_seconds_bucket",
-        "vllm_e2e_request_latency_seconds_bucket",
-        "vllm_kv_cache_token_utilization",
-        "vllm_gpu_allocator_efficiency",
-        "vllm_gpu_memory_reserved_bytes",
-        "vllm_gpu_memory_allocated_bytes",
-        "vllm_fragmentation_buffer_bytes",
-        "vllm_cpu_cache_usage_perc",
-        "vllm_num_preemptions_total",
-        "vllm_prefix_cache_hits_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "vllm:request_failure_total",
+        "histogram_quantile(0.99, sum by (model_name, le) (rate(vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:request_prefill_time_seconds_bucket",
+        "vllm:request_decode_time_seconds_bucket",
+        "vllm:request_generation_tokens_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:kv_cache_token_utilization",
+        "vllm:gpu_allocator_efficiency",
+        "vllm:gpu_memory_reserved_bytes",
+        "vllm:gpu_memory_allocated_bytes",
+        "vllm:fragmentation_buffer_bytes",
+        "vllm:cpu_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "vllm:prefix_cache_hits_total",
         "pagekeeper_gpu_memory_used_bytes",
         "pagekeeper_gpu_utilization_ratio",
         "pagekeeper_gpu_temperature_celsius",
@@ -132,7 +135,7 @@ def test_every_query_filters_by_its_variable_and_uses_the_datasource_variable():
     for panel, t in panel_targets(d):
         assert panel["datasource"] == t["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
         for sel in selectors(t["expr"]):
-            if sel.startswith("vllm_"):
+            if sel.startswith("vllm:"):
                 assert 'model_name=~"$model_name"' in sel, (panel["title"], sel)
             else:
                 assert sel.startswith("pagekeeper_") and 'instance=~"$supervisor"' in sel, (panel["title"], sel)

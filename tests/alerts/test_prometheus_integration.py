@@ -2,7 +2,9 @@
 supervisor every second, with the alert rules loaded (their `for:` shortened to 2 s). Traffic through a tiny engine
 (--max-num-seqs 1) makes VLLMQueueBacklog fire for real, seen on /api/v1/alerts. Then every dashboard query and
 every alert expression goes through Prometheus' HTTP API: every query parses, every series the dashboard plots
-exists, and every metric selector of every alert returns series.
+exists, and every metric selector of every alert returns series.  The engine runs with `--metrics-names vllm`
+(vLLM's names only), so the same queries prove that nothing of ours needs the seed's underscore forms, and the
+names that vLLM's own example dashboard and production-stack's KEDA trigger query return series too.
 
 One deployment serves all the tests of this module (about a minute on 2 cores); every process is killed by PID.
 """
@@ -45,6 +47,34 @@ PROMPT = (
     "Complex is better than complicated. Flat is better than nested."
 )
 IN_FLIGHT = 8  # with --max-num-seqs 1: 1 running, 7 waiting > 3 x 1
+# Every metric name vLLM's example Grafana dashboard queries (vllm-project/vllm,
+# examples/observability/prometheus_grafana/grafana.json): histograms by their _bucket/_sum/_count series.
+VLLM_DASHBOARD_HISTOGRAMS = [
+    "vllm:e2e_request_latency_seconds",  # p50-p99 and mean
+    "vllm:inter_token_latency_seconds",  # p50-p99 and mean
+    "vllm:time_to_first_token_seconds",  # p50-p99 and mean
+    "vllm:request_prompt_tokens",  # heatmap
+    "vllm:request_generation_tokens",  # heatmap
+    "vllm:request_queue_time_seconds",  # rate of _sum
+    "vllm:request_prefill_time_seconds",  # rate of _sum
+    "vllm:request_decode_time_seconds",  # rate of _sum
+    "vllm:request_max_num_generation_tokens",  # rate of _sum
+]
+VLLM_DASHBOARD_SERIES = [
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:request_success_total",
+    # earlier versions of that dashboard (vLLM <= 0.10) and production-stack's dashboards
+    "vllm:gpu_cache_usage_perc",
+    "vllm:time_per_output_token_seconds_bucket",
+    "vllm:num_requests_swapped",
+]
+# production-stack's KEDA ScaledObject (tutorials/assets/values-20-keda.yaml): a Prometheus trigger on this query
+KEDA_QUERY = "vllm:num_requests_waiting"
+
 FAKE_GPUS = [
     {
         "index": 0,
@@ -223,7 +253,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     supervisor_port = free_port()
     d = deployment(
         root / "deploy",
-        engine={"max_num_seqs": 1, "max_waiting": 100, "enable_prefix_caching": True},
+        # vLLM's names only: the rules, the dashboard and the supervisor must need nothing else
+        engine={"max_num_seqs": 1, "max_waiting": 100, "enable_prefix_caching": True, "metrics_names": "vllm"},
         # policy rules that would restart this deliberately backed-up engine are switched off
         supervisor={
             "metrics_port": supervisor_port,
@@ -313,7 +344,7 @@ def test_dashboard_variables_find_the_model_and_the_supervisor(stack: Stack):
     for v in load_dashboard()["templating"]["list"]:
         if v["type"] != "query":
             continue
-        m = re.fullmatch(r"label_values\((\w+), (\w+)\)", v["query"]["query"])
+        m = re.fullmatch(r"label_values\(([\w:]+), (\w+)\)", v["query"]["query"])
         assert m, v["query"]
         values = stack.prom.get(f"/api/v1/label/{m.group(2)}/values", **{"match[]": m.group(1)})
         assert wanted[v["name"]] in values, (v["name"], values)
@@ -370,3 +401,41 @@ def test_every_alert_expression_parses_evaluates_and_reads_existing_series(stack
             if not stack.exists(sel):
                 problems.append(f"{r['name']}: selector {sel} has no series")
     assert not problems, "\n".join(problems) + "\n" + stack.diagnostics()
+
+
+def test_vllm_dashboard_and_keda_trigger_names_return_series(stack: Stack):
+    window = stack.window()
+    model = f'model_name="{MODEL}"'
+    problems = []
+    checked = 0
+    for name in VLLM_DASHBOARD_HISTOGRAMS:
+        for suffix in ("_bucket", "_sum", "_count"):
+            if not stack.exists(f"{name}{suffix}{{{model}}}"):
+                problems.append(f"{name}{suffix}: no series")
+        # the dashboard's shapes: a quantile of the bucket rates, and the mean as rate(_sum) / rate(_count)
+        for expr in (
+            f"histogram_quantile(0.99, sum by (le) (rate({name}_bucket{{{model}}}[{window}])))",
+            f"rate({name}_sum{{{model}}}[{window}]) / rate({name}_count{{{model}}}[{window}])",
+        ):
+            result = stack.prom.query(expr)["data"]["result"]
+            value = float(result[0]["value"][1]) if result else float("nan")
+            if not value > 0:  # NaN (nothing observed) or 0 would be an empty panel
+                problems.append(f"{expr} = {value}")
+            checked += 1
+    for name in VLLM_DASHBOARD_SERIES:
+        if not stack.exists(f"{name}{{{model}}}"):
+            problems.append(f"{name}: no series")
+        checked += 1
+    assert not problems, "\n".join(problems) + "\n" + stack.diagnostics()
+    # the engine was asked for vLLM's names only, and the supervisor reads them
+    assert not stack.exists("vllm_num_requests_waiting") and not stack.exists("vllm_engine_steps_total")
+    engine = stack.d.fast_status()["engine"]
+    assert engine["metrics_error"] is None and engine["steps_total"] and engine["kv_cache_usage"] is not None, engine
+
+    deadline = time.monotonic() + 10  # a scrape that failed just now leaves no current sample for a moment
+    while not (keda := stack.prom.query(KEDA_QUERY)["data"]["result"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [(s["metric"]["job"], s["metric"]["instance"], s["metric"]["model_name"]) for s in keda] == [
+        ("pagekeeper-engine", stack.engine_instance, MODEL)
+    ], keda
+    print(f"{checked} vLLM dashboard queries return data; KEDA's {KEDA_QUERY} = {keda[0]['value'][1]}")

@@ -90,13 +90,13 @@ def test_every_alert_has_the_house_style():
     rules = alert_rules()
     names = [r["alert"] for r in rules]
     assert len(names) == len(set(names)), "duplicate alert names"
-    # the seed's four keep their names and thresholds
+    # the seed's four keep their names and thresholds, read by vLLM's metric names
     by_name = {r["alert"]: r for r in rules}
-    assert re.sub(r"\s+", " ", by_name["VLLMHighMemoryUsage"]["expr"]).strip() == "vllm_gpu_cache_usage_perc > 0.90"
+    assert re.sub(r"\s+", " ", by_name["VLLMHighMemoryUsage"]["expr"]).strip() == "vllm:kv_cache_usage_perc > 0.90"
     assert by_name["VLLMHighMemoryUsage"]["for"] == "5m"
-    assert re.sub(r"\s+", " ", by_name["VLLMCriticalMemoryUsage"]["expr"]).strip() == "vllm_gpu_cache_usage_perc > 0.95"
+    assert re.sub(r"\s+", " ", by_name["VLLMCriticalMemoryUsage"]["expr"]).strip() == "vllm:kv_cache_usage_perc > 0.95"
     assert by_name["VLLMCriticalMemoryUsage"]["for"] == "2m"
-    assert "vllm_num_requests_waiting > vllm_num_requests_running * 3" in by_name["VLLMQueueBacklog"]["expr"]
+    assert "vllm:num_requests_waiting > vllm:num_requests_running * 3" in by_name["VLLMQueueBacklog"]["expr"]
     assert by_name["VLLMQueueBacklog"]["for"] == "5m"
     assert "VLLMNoRequests" in by_name
     for r in rules:
@@ -149,7 +149,8 @@ def test_every_alert_has_a_unit_test_that_fires_and_one_that_must_not():
 
 
 def _exported_metric_names() -> set[str]:
-    """Every sample name the engine and the supervisor export (from their own metric definitions)."""
+    """Every sample name the engine (with --metrics-names vllm, vLLM's names only: the rules must not need the
+    seed's) and the supervisor export, from their own metric definitions."""
     from prometheus_client.exposition import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -157,12 +158,13 @@ def _exported_metric_names() -> set[str]:
     from opsctl.exporter import SupervisorMetrics
     from opsctl.probes import GpuReading
 
-    engine = EngineMetrics("m", {"enable_prefix_caching": "True", "block_size": "16"}, 0).render().decode()
+    engine = EngineMetrics("m", {"enable_prefix_caching": "True", "block_size": "16"}, 0, names="vllm")
+    engine_text = engine.render().decode()
     fake = SimpleNamespace(last_gpu=[GpuReading(0, "GPU", 1, 2, 0.5, 40.0, 0)])
     supervisor = SupervisorMetrics(fake)  # type: ignore[arg-type]
     supervisor.restarts.labels("hang").inc()
     supervisor.decisions.labels("restart", "hang").inc()
-    text = engine + generate_latest(supervisor.registry).decode()
+    text = engine_text + generate_latest(supervisor.registry).decode()
     return {s.name for f in text_string_to_metric_families(text) for s in f.samples} | {"up"}
 
 
@@ -175,8 +177,8 @@ def test_selector_extraction():
     )
     assert selectors(expr) == ['x_total{reason!="manual"}', 'up{job="a"}', 'h_bucket{le!="+Inf", a=~"$x"}']
     assert selectors("time() - (g > 0)") == ["g"]
-    assert selectors('vllm_cache_config_info{enable_prefix_caching="True"} == 1') == [
-        'vllm_cache_config_info{enable_prefix_caching="True"}'
+    assert selectors('vllm:cache_config_info{enable_prefix_caching="True"} == 1') == [
+        'vllm:cache_config_info{enable_prefix_caching="True"}'
     ]
 
 

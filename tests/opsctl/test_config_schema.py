@@ -53,6 +53,7 @@ CASES = [  # (section, key, TOML value)
     ("engine", "enable_prefix_caching", '"yes"'),
     ("engine", "health_stall_seconds", "0"),
     ("engine", "log_level", '"verbose"'),
+    ("engine", "metrics_names", '"prometheus"'),
     ("engine", "listen_fd", "3"),  # set by opsctl for its engines, never by a config file
     ("engine", "modle", '"/data/llama"'),
 ]
@@ -105,7 +106,9 @@ def test_overlap_under_systemd_is_refused_not_ignored(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "handover" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("key,value", [("max_waiting", "0"), ("port", '"abc"'), ("dry_run", "true")])
+@pytest.mark.parametrize(
+    "key,value", [("max_waiting", "0"), ("port", '"abc"'), ("dry_run", "true"), ("metrics_names", '"seeds"')]
+)
 def test_the_engine_server_reads_the_same_schema(tmp_path, key, value):
     cfg = tmp_path / "bad.toml"
     cfg.write_text(f"[engine]\n{key} = {value}\n")
