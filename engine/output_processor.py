@@ -120,7 +120,7 @@ class OutputProcessor:
                 req.first_scheduled_time = d.first_scheduled_time
             if d.token_id is not None:
                 if req.first_token_time is None:
-                    req.first_token_time = now
+                    req.first_token_time = d.first_token_time if d.first_token_time is not None else now
                 self._append(seq, d)
                 stop = seq.detokenizer.add_token(d.token_id)
                 if stop is not None:  # the stop string wins over a length / EOS end of the same token

@@ -29,3 +29,7 @@ STATUS_TIMEOUT_S = 10.0  # `status` over the control socket
 ENGINE_CONTROL_TIMEOUT_S = 3.0  # one request on an engine's private control socket
 STOP_NOW_GRACE_S = 5.0  # a stop-now engine gets this long before SIGKILL
 ADOPT_TIMEOUT_S = 5.0  # receiving the listening socket from an engine a dead supervisor left
+
+# How long an observation waits for the launcher to reap an engine the process probe already saw gone
+# (a zombie main thread whose other threads are still exiting), so that it knows the exit code.
+EXIT_SETTLE_S = 3.0

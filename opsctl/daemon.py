@@ -24,7 +24,7 @@ import structlog
 
 from engine.config import ConfigError
 from opsctl.config import PagekeeperConfig
-from opsctl.constants import EXIT_PERMANENT, SUPERVISOR_LOG_NAME
+from opsctl.constants import EXIT_PERMANENT, EXIT_SETTLE_S, SUPERVISOR_LOG_NAME
 from opsctl.exporter import SupervisorMetrics
 from opsctl.exporter import serve as serve_metrics
 from opsctl.launcher import Launcher, RestartFailed
@@ -140,6 +140,8 @@ class Supervisor:
         # could see it gone while the launcher had not yet reaped it, and an exit 2 was restarted.
         proc = self.process.read(self.launcher.pid())
         alive = self.launcher.alive()
+        if alive and not proc.alive:
+            alive = self._settle_exit()
         if not alive:
             proc = ProcessReading(alive=False)
         reading = self.engine.read() if alive else None
@@ -174,6 +176,21 @@ class Supervisor:
         self.metrics.engine_up.set(1 if obs.health in ("ok", "draining") else 0)
         self.metrics.scrape_ok.set(0 if obs.metrics_error else 1)
         return obs
+
+    def _settle_exit(self) -> bool:
+        """The probe saw the process gone or a zombie while the launcher still holds it alive.
+
+        An exiting process's main thread is a zombie while its other threads are still being torn down
+        (CI caught one): waitpid does not report it yet, so its exit code is not known.  Wait for the
+        launcher to reap it, so that the observation carries how it exited (an exit 2 is never retried).
+        One whose threads do not finish within the bound is dead for serving and is reported so.
+        """
+        deadline = time.monotonic() + EXIT_SETTLE_S
+        while time.monotonic() < deadline:
+            if not self.launcher.alive():
+                return False
+            time.sleep(0.02)
+        return self.launcher.alive()
 
     def poll_once(self) -> Action:
         obs = self.observe()

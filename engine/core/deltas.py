@@ -23,4 +23,7 @@ class SeqDelta:
     finish_reason: str | None = None  # "stop", "length" or "abort" when this ends the sequence
     stop_reason: int | str | None = None  # the stop token id that ended it
     first_scheduled_time: float | None = None  # set with the sequence's first token
+    # The clock reading the scheduler dated the first token with: the decode time and the inter-token gaps
+    # then come from the same readings, so the gaps never add up to more than the decode time.
+    first_token_time: float | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None  # with the first token; position 0 is None

@@ -347,7 +347,7 @@ class Scheduler:
                     delta.prompt_logprobs = req.prompt_logprobs
                 self.num_prompt_tokens_done += req.num_prompt_tokens
                 delta.first_scheduled_time = req.first_scheduled_time
-                req.first_token_time = t
+                req.first_token_time = delta.first_token_time = t
             else:  # grouped by the previous token's time: a decode batch shares it
                 gaps[req.last_token_time] = gaps.get(req.last_token_time, 0) + 1
             req.last_token_time = t

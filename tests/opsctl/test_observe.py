@@ -8,8 +8,11 @@ dead must also carry how it exited; this polls as fast as it can across the exit
 
 from __future__ import annotations
 
+import textwrap
 import time
 from pathlib import Path
+
+import pytest
 
 from opsctl.config import load_config
 from opsctl.daemon import Supervisor
@@ -22,6 +25,34 @@ from tests.server.harness import free_port
 
 
 def test_an_observation_of_a_dead_engine_says_how_it_exited(tmp_path: Path) -> None:
+    observe_until_exit(tmp_path)
+
+
+# The engine's main thread ends at once (pthread_exit) and another thread exits 2 a second later: for that second
+# the process is a zombie to /proc (what the process probe reads) while waitpid does not report it yet, the
+# window CI hit once at random.
+_ZOMBIE_LEADER = """
+import ctypes, os, threading, time
+
+def _exit_later():
+    time.sleep(1.0)
+    os._exit(2)
+
+threading.Thread(target=_exit_later).start()
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def test_a_zombie_main_thread_is_observed_with_its_exit_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(textwrap.dedent(_ZOMBIE_LEADER))
+    monkeypatch.setenv("PYTHONPATH", str(inject))  # the engine process imports it at start-up
+    observe_until_exit(tmp_path)  # without the launcher's settle wait this fails every time (checked)
+
+
+def observe_until_exit(tmp_path: Path) -> None:
+    """Observe an engine that exits 2 until an observation says it is dead; that one must say how."""
     runtime = tmp_path / "run"
     config = write_config(
         tmp_path / "pagekeeper.toml",
