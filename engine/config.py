@@ -97,6 +97,14 @@ class EngineConfig:
     trust_remote_code: bool = field(
         default=False, metadata=_flag("Passed to transformers when reading the config and tokenizer.")
     )
+    generation_config: str = field(
+        default="auto",
+        metadata=_flag(
+            "auto: the checkpoint's generation_config.json gives requests that do not set them their default "
+            "temperature, top_p, top_k, min_p, repetition_penalty and max_tokens (as vLLM); vllm: ignore it; "
+            "or a directory holding the generation_config.json to use."
+        ),
+    )
     max_num_on_the_fly_batches: int = field(
         default=2,
         metadata=_flag(

@@ -7,10 +7,11 @@ arguments with the same names as the CLI flags (engine/config.py defines them on
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from tqdm import tqdm
 
+from engine.chat import load_chat_template, render_chat
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
@@ -35,6 +36,48 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate()` and `chat()` use when given no SamplingParams: the checkpoint's recommended
+        sampling from its generation_config.json (`generation_config="vllm"` turns that off), as vLLM."""
+        return SamplingParams(**self.llm_engine.generation_defaults)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of OpenAI-style messages) or to several (a list of
+        them), rendered by the model's chat template or `chat_template` (a file or the template itself).
+
+        The rendered text is tokenized without adding special tokens: the template writes them itself (a BOS
+        added twice changes a model's answers)."""
+        if messages and isinstance(messages[0], Mapping):
+            conversations = [messages]
+        else:
+            conversations = list(messages)  # type: ignore[arg-type]
+        template = load_chat_template(chat_template, "chat_template")
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = render_chat(
+                tokenizer,
+                conversation,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template=template,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -46,7 +89,7 @@ class LLM:
             prompts = [prompts]  # one prompt (text, dict, or a list of token ids)
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -12,10 +12,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Union
 
+from engine.bad_words import BadWordsMatcher, tokenize_bad_words
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.plan import SamplingSpec
 from engine.core.request import Request, RequestStatus
+from engine.generation_defaults import load_generation_defaults
 from engine.kv.kv_cache_manager import blocks_for_tokens
 from engine.metrics import EngineSnapshot
 from engine.output_processor import OutputProcessor
@@ -49,11 +51,15 @@ class ValidRequest:
     params: SamplingParams
     max_tokens: int  # the effective limit (max_model_len - prompt when max_tokens is None)
     grammar: str | None = None  # structured outputs: the compiled constraint
+    banned_token_ids: tuple[int, ...] = ()  # bad words of one token (a -inf bias)
+    bad_word_sequences: tuple[tuple[int, ...], ...] = ()  # bad words of several tokens (a host mask)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # read before the model: a --generation-config that is not there fails in a second, not after the load
+        self.generation_defaults = load_generation_defaults(config)
         self.core = EngineCore(config)
         self.tokenizer = self.core.tokenizer
         self.outputs = OutputProcessor(self.tokenizer)
@@ -142,6 +148,8 @@ class LLMEngine:
             if len(ids) >= limit:
                 raise RequestRejected("prompt", f"the prompt has {len(ids)} tokens; max_model_len is {limit}")
             max_tokens = limit - len(ids)
+            if "max_tokens" in self.generation_defaults:  # the checkpoint's max_new_tokens, within what fits
+                max_tokens = max(1, min(max_tokens, int(self.generation_defaults["max_tokens"])))
         else:
             max_tokens = params.max_tokens
             if len(ids) + max_tokens > limit:
@@ -163,7 +171,13 @@ class LLMEngine:
                 grammar = self.grammars.compile(params.structured_outputs)
             except SamplingParamsError as e:
                 raise RequestRejected(e.param, str(e)) from e
-        return ValidRequest(prompt, ids, params, max_tokens, grammar)
+        banned: tuple[int, ...] = ()
+        sequences: tuple[tuple[int, ...], ...] = ()
+        if params.bad_words:
+            banned, sequences = tokenize_bad_words(self.tokenizer, params.bad_words)
+            if grammar is not None:  # one host mask for both, so that one that leaves nothing is seen (BadWordsMatcher)
+                sequences, banned = sequences + tuple((t,) for t in banned), ()
+        return ValidRequest(prompt, ids, params, max_tokens, grammar, banned, sequences)
 
     def _make_sequence(self, request_id: str, index: int, valid: ValidRequest, arrival: float) -> Request:
         p = valid.params
@@ -175,12 +189,21 @@ class LLMEngine:
             params=p,
             max_tokens=valid.max_tokens,
             arrival_order=next(self._arrival),
-            sampling=self._sampling_spec(p, index),
-            grammar=None if valid.grammar is None else self.grammars.matcher(valid.grammar),
+            sampling=self._sampling_spec(p, index, valid.banned_token_ids),
+            grammar=self._matcher(valid),
             arrival_time=arrival,
         )
 
-    def _sampling_spec(self, p: SamplingParams, index: int) -> SamplingSpec:
+    def _matcher(self, valid: ValidRequest) -> Any:
+        """The sequence's host-side token mask (structured outputs, multi-token bad words), or None."""
+        matcher = None if valid.grammar is None else self.grammars.matcher(valid.grammar)
+        if valid.bad_word_sequences:
+            matcher = BadWordsMatcher(
+                valid.bad_word_sequences, self.grammars.mask_words, self.core.eos_token_ids, matcher
+            )
+        return matcher
+
+    def _sampling_spec(self, p: SamplingParams, index: int, banned: tuple[int, ...] = ()) -> SamplingSpec:
         stops: tuple[int, ...] = ()
         if p.min_tokens > 0:  # vLLM: EOS (unless ignored) and stop_token_ids wait for min_tokens
             eos = () if p.ignore_eos else tuple(sorted(self.core.eos_token_ids))
@@ -197,7 +220,7 @@ class LLMEngine:
             min_p=p.min_p,
             min_tokens=p.min_tokens,
             min_tokens_stop_ids=stops,
-            logit_bias=tuple(sorted((p.logit_bias or {}).items())),
+            logit_bias=tuple(sorted({**(p.logit_bias or {}), **dict.fromkeys(banned, float("-inf"))}.items())),
             allowed_token_ids=None if p.allowed_token_ids is None else tuple(sorted(set(p.allowed_token_ids))),
             prompt_logprobs=p.prompt_logprobs,
         )

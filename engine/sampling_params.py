@@ -89,7 +89,8 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
-    best_of: int | None = None  # only best_of == n (nothing to choose among)
+    bad_words: list[str] | None = None  # never generated (vLLM's definition: engine/bad_words.py)
+    best_of: int | None = None  # only best_of == n (nothing to choose among; vLLM's V1 engine has none either)
     structured_outputs: StructuredOutputsParams | None = None  # engine/structured_output.py
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
@@ -159,6 +160,13 @@ class SamplingParams:
                 raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must not be empty")
             if any(t < 0 for t in self.allowed_token_ids):
                 raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must be token ids (>= 0)")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words
+            ):
+                raise SamplingParamsError("bad_words", "bad_words must be a list of non-empty strings")
+            if len(self.bad_words) > 1024:
+                raise SamplingParamsError("bad_words", f"bad_words has {len(self.bad_words)} words; at most 1024")
         if self.best_of is not None and self.best_of != self.n:
             raise SamplingParamsError("best_of", "best_of is not supported yet (only best_of == n); leave it out")
 

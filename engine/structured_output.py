@@ -23,8 +23,11 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
+import structlog
 
 from engine.sampling_params import SamplingParamsError, StructuredOutputsParams
+
+log = structlog.get_logger("pagekeeper.structured_output")
 
 _COMPACT = {"whitespace_flexible": False}
 
@@ -38,6 +41,10 @@ class GrammarMatcher:
         # The grammar is complete and nothing may follow: the sequence ends here (finish reason
         # "stop"), without waiting for the model to choose EOS, the only token the mask would allow.
         self.finished = False
+        # A token the grammar refused: the request's other constraints (allowed_token_ids, logit_bias -100, bad
+        # words) left no token the grammar allows, so one outside the mask was sampled.  The sequence ends
+        # ("abort"); raising instead would fail the step, and with it every other request in the batch.
+        self.rejected = False
 
     def fill(self, row: np.ndarray) -> None:
         """Write the next token's mask (bit t of word t // 32 set: token t allowed) into `row`."""
@@ -45,9 +52,14 @@ class GrammarMatcher:
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
     def accept(self, token: int) -> None:
+        if self.finished:
+            return
         if not self._m.consume_token(token):
-            # Cannot happen for a sampled token (the mask allowed it); say so instead of going on.
-            raise RuntimeError(f"grammar rejected token {token}: {self._m.get_error()}")
+            lines = self._m.get_error().strip().splitlines()
+            error = next((ln for ln in lines if ln.startswith("Error:")), lines[0] if lines else "")
+            log.warning("grammar_rejected_token", token=token, error=error)
+            self.rejected = self.finished = True
+            return
         self.finished = bool(self._m.is_stopped())
 
 

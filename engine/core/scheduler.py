@@ -359,8 +359,9 @@ class Scheduler:
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
             elif not p.ignore_eos and token in self.eos_token_ids:
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
-            elif req.grammar is not None and req.grammar.finished:  # complete: nothing may follow
-                self.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif req.grammar is not None and req.grammar.finished:  # complete (or refused): nothing may follow
+                status = RequestStatus.FINISHED_ABORTED if req.grammar.rejected else RequestStatus.FINISHED_STOPPED
+                self.finish(req, status)
             elif len(req.output_token_ids) >= req.max_tokens:
                 self.finish(req, RequestStatus.FINISHED_LENGTH)
             if req.status.finished:

@@ -31,6 +31,7 @@ from typing import Any
 import structlog
 import uvicorn
 
+from engine.chat import load_chat_template
 from engine.config import ConfigError, EngineConfig
 from engine.config_file import SECRET_ENV, engine_args, load_engine_section
 from engine.logs import configure_logging
@@ -120,6 +121,33 @@ def build_parser() -> argparse.ArgumentParser:
         "and KEDA triggers query), seed (the seed's underscore forms, vllm_num_requests_waiting), or both (default).",
     )
     s.add_argument(
+        "--chat-template",
+        default=None,
+        help="The chat template (Jinja) to use instead of the model's: a file, or the template itself.",
+    )
+    s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser.',
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=("hermes", "llama3_json"),
+        help="How the model writes tool calls: hermes (<tool_call> tags: Hermes, Qwen2.5, Qwen3) or llama3_json.",
+    )
+    s.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="Do not log the throughput / queue / KV cache line every 10 s while there is work.",
+    )
+    s.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="uvicorn's own log level (default warning: requests are logged by pagekeeper itself).",
+    )
+    s.add_argument(
         "--control-socket",
         default=None,
         help="Serve the supervisor's private control channel on this unix socket (opsctl sets it).",
@@ -157,7 +185,14 @@ def parse_args(argv: list[str] | None) -> tuple[ServerConfig, EngineConfig]:
         if values[key] is None and section.get(key):
             values[key] = section[key]
     validate_section(ServerConfig, values, "flags", flag_style=True)
-    return resolve_key_files(ServerConfig(**values)), EngineConfig.from_cli_args(args)
+    server = ServerConfig(**values)
+    if server.enable_auto_tool_choice and server.tool_call_parser is None:
+        raise ConfigError(
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): the format the model "
+            "writes its tool calls in"
+        )
+    load_chat_template(server.chat_template)  # a path that is not there fails now, before the model loads
+    return resolve_key_files(server), EngineConfig.from_cli_args(args)
 
 
 def log_inapplicable_flags(engine_config: EngineConfig, device: str) -> None:
@@ -187,6 +222,7 @@ def serve(
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
     from engine.server.state import ServerState
+    from engine.server.stats_log import StatsLogger, interval_from_env
 
     notifier = get_notifier()
     notifier.status(f"loading {engine_config.model_name()}")
@@ -221,14 +257,24 @@ def serve(
         admin_key=server_config.admin_key,
         enable_debug_hooks=server_config.enable_debug_hooks,
         log_requests=not server_config.disable_log_requests,
+        chat_template=load_chat_template(server_config.chat_template),
+        tool_call_parser=server_config.tool_call_parser,
+        enable_auto_tool_choice=server_config.enable_auto_tool_choice,
     )
+    if not server_config.disable_log_stats:
+        async_engine.add_step_hook(StatsLogger(engine.stats, interval_from_env()))
     inflight = InflightFile(server_config.inflight_file) if server_config.inflight_file else None
     tracker = HttpTracker(BodyLimit(build_app(state), server_config.max_request_body_bytes), inflight)
     max_connections = server_config.max_connections or connection_limit()
     protocol = guarded_protocol(max_connections, server_config.header_timeout)
 
     config = uvicorn.Config(
-        tracker, log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="off", http=protocol
+        tracker,
+        log_level=server_config.uvicorn_log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="off",
+        http=protocol,
     )
     host, port = sock.getsockname()[:2]
     server = DrainOnTermServer(

@@ -23,6 +23,7 @@ from engine.server import protocol as p
 from engine.server.async_engine import EngineStepError, EngineStopping
 from engine.server.errors import OpenAIError, error_body, error_responses
 from engine.server.state import ServerState, get_state, require_api_key
+from engine.server.tool_calls import ToolCallStream, finish_reason, parse_reply, plan_tools
 
 log = structlog.get_logger("pagekeeper.server")
 
@@ -51,18 +52,29 @@ def _check_model(state: ServerState, model: str | None) -> None:
         )
 
 
-def _sampling_params(body: p._SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(
+    state: ServerState,
+    body: p._SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    tool_constraint: StructuredOutputsParams | None = None,
+) -> SamplingParams:
     refused = p.not_yet_supported(body)
     if refused is not None:
         raise OpenAIError(400, refused[1], param=refused[0])
+    defaults = state.engine.generation_defaults  # --generation-config: what fields left out default to
+
+    def given(value: Any, name: str, fallback: Any) -> Any:
+        return defaults.get(name, fallback) if value is None else value
+
     try:
         return SamplingParams(
             n=body.n,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
+            temperature=given(body.temperature, "temperature", 1.0),
+            top_p=given(body.top_p, "top_p", 1.0),
+            top_k=given(body.top_k, "top_k", 0),
             seed=body.seed,
-            max_tokens=max_tokens,
+            max_tokens=max_tokens,  # None: what fits, or the checkpoint's max_new_tokens (LLMEngine.validate)
             stop=body.stop,
             stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos,
@@ -71,12 +83,13 @@ def _sampling_params(body: p._SamplingFields, max_tokens: int | None, logprobs: 
             include_stop_str_in_output=body.include_stop_str_in_output,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=given(body.repetition_penalty, "repetition_penalty", 1.0),
             min_tokens=body.min_tokens or 0,
-            min_p=body.min_p or 0.0,
+            min_p=given(body.min_p, "min_p", 0.0),
             logit_bias=_logit_bias(body.logit_bias),
             allowed_token_ids=body.allowed_token_ids,
-            structured_outputs=_structured_outputs(body),
+            bad_words=body.bad_words,
+            structured_outputs=_structured_outputs(body, tool_constraint),
             prompt_logprobs=body.prompt_logprobs,
             truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
@@ -84,9 +97,12 @@ def _sampling_params(body: p._SamplingFields, max_tokens: int | None, logprobs: 
         raise OpenAIError(400, str(e), param=e.param) from e
 
 
-def _structured_outputs(body: p._SamplingFields) -> StructuredOutputsParams | None:
-    """The one constraint the request asks for, from whichever of vLLM's and OpenAI's fields it used."""
-    found: list[StructuredOutputsParams] = []
+def _structured_outputs(
+    body: p._SamplingFields, tool_constraint: StructuredOutputsParams | None = None
+) -> StructuredOutputsParams | None:
+    """The one constraint the request asks for, from whichever of vLLM's and OpenAI's fields it used (a tool
+    choice of required or a named function is one too)."""
+    found: list[StructuredOutputsParams] = [tool_constraint] if tool_constraint is not None else []
     if body.guided_json is not None:
         found.append(StructuredOutputsParams(json=body.guided_json, param="guided_json"))
     if body.guided_regex is not None:
@@ -339,7 +355,7 @@ async def completions(body: p.CompletionRequest, http: Request) -> Any:
     keep = body.truncate_prompt_tokens
     if keep is not None:  # here too, so that echo returns what the model saw
         prompts = [_Prompt(None, pr.ids[-keep:]) if len(pr.ids) > keep else pr for pr in prompts]
-    params = _sampling_params(body, body.max_tokens, body.logprobs)
+    params = _sampling_params(state, body, body.max_tokens, body.logprobs)
     if scored_echo and params.prompt_logprobs is None:
         params.prompt_logprobs = body.logprobs
     request_id = p.new_id("cmpl")
@@ -509,9 +525,15 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
         raise OpenAIError(
             400, "prompt_logprobs needs stream false (prompt logprobs are not streamed)", param="prompt_logprobs"
         )
-    prompt = _Prompt(None, await state.off_loop(state.apply_chat_template, body.messages, body.add_generation_prompt))
+    tools = plan_tools(body, state.tool_call_parser, state.enable_auto_tool_choice)
+    prompt = _Prompt(
+        None,
+        await state.off_loop(
+            state.apply_chat_template, body.messages, body.add_generation_prompt, tools.template_tools
+        ),
+    )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, logprobs)
+    params = _sampling_params(state, body, body.max_completion_tokens or body.max_tokens, logprobs, tools.constraint)
     request_id = p.new_id("chatcmpl")
     (admitted,) = _admit(state, request_id, [prompt], params, bool(body.stream), body.user)
     created = p.now()
@@ -537,6 +559,7 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
 
         async def events() -> AsyncIterator[str]:
             deltas = _Deltas()
+            streams = [ToolCallStream(tools) for _ in range(params.n)]
             yield chunk(
                 [
                     p.ChatChunkChoice(index=j, delta=p.DeltaMessage(role="assistant", content=""))
@@ -550,13 +573,18 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
                     text, positions, finished = deltas.take(c.index, c)
                     if not text and not positions and not finished:
                         continue  # as for completions: every new token gets a chunk
+                    stream = streams[c.index]
+                    content, calls = stream.feed(text, finished)
+                    reason = finish_reason(tools, c.finish_reason, stream.called) if finished else None
                     yield chunk(
                         [
                             p.ChatChunkChoice(
                                 index=c.index,
-                                delta=p.DeltaMessage(content=text),
+                                delta=p.DeltaMessage(
+                                    content=content if content or not calls else None, tool_calls=calls or None
+                                ),
                                 logprobs=_chat_logprobs(state, c, positions),
-                                finish_reason=c.finish_reason if finished else None,
+                                finish_reason=reason,
                             )
                         ]
                     )
@@ -567,16 +595,18 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
         return _streaming(events())
 
     out = await _final(state, http, admitted)
-    choices = [
-        p.ChatChoice(
-            index=c.index,
-            message=p.AssistantMessage(content=c.text),
-            logprobs=_chat_logprobs(state, c, list(range(len(c.token_ids)))),
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+    choices = []
+    for c in out.outputs:
+        reply = parse_reply(tools, c.text)
+        choices.append(
+            p.ChatChoice(
+                index=c.index,
+                message=p.AssistantMessage(content=reply.content, tool_calls=reply.tool_calls),
+                logprobs=_chat_logprobs(state, c, list(range(len(c.token_ids)))),
+                finish_reason=finish_reason(tools, c.finish_reason, bool(reply.tool_calls)),
+                stop_reason=c.stop_reason,
+            )
         )
-        for c in out.outputs
-    ]
     return p.ChatCompletionResponse(
         id=request_id,
         created=created,
@@ -611,8 +641,11 @@ async def tokenize(body: p.TokenizeRequest, http: Request) -> p.TokenizeResponse
     _check_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise OpenAIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+    if body.tools and body.messages is None:
+        raise OpenAIError(400, "tools are shown to the chat template: they need messages", param="tools")
     if body.messages is not None:
-        ids = await state.off_loop(state.apply_chat_template, body.messages, True)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        ids = await state.off_loop(state.apply_chat_template, body.messages, True, tools)
     else:
         ids = await state.off_loop(state.encode, body.prompt or "", body.add_special_tokens)
     return p.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.engine.max_model_len)

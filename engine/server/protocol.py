@@ -45,36 +45,23 @@ class _Request(BaseModel):
 _FEATURE = "is not supported yet"
 NOT_YET: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), _FEATURE + " (only best_of 1 or equal to n)"),
-    "bad_words": ((None, []), _FEATURE),
     "use_beam_search": ((None, False), _FEATURE),
     "length_penalty": ((None, 1, 1.0), _FEATURE),
-    "tools": ((None, []), _FEATURE + " (tool calling)"),
-    "tool_choice": ((None, "none"), _FEATURE + " (tool calling)"),
-    "functions": ((None, []), _FEATURE + " (tool calling)"),
-    "function_call": ((None, "none"), _FEATURE + " (tool calling)"),
+    # OpenAI's deprecated spellings of tools / tool_choice
+    "functions": ((None, []), _FEATURE + " (the deprecated functions API: send tools)"),
+    "function_call": ((None, "none"), _FEATURE + " (the deprecated functions API: send tool_choice)"),
     "suffix": ((None, ""), _FEATURE),
-}
-MESSAGE_NOT_YET: dict[str, tuple[tuple[Any, ...], str]] = {
-    "name": ((None,), "is not passed to the chat template yet"),
-    "tool_calls": ((None, []), _FEATURE + " (tool calling)"),
-    "tool_call_id": ((None,), _FEATURE + " (tool calling)"),
 }
 
 
 def not_yet_supported(body: BaseModel) -> tuple[str, str] | None:
     """(field, message) for the first field set to a value pagekeeper would have to ignore."""
-    for i, message in enumerate(getattr(body, "messages", None) or []):
-        for name, (off, what) in MESSAGE_NOT_YET.items():
-            if not _is_off(getattr(message, name), off):
-                return f"messages[{i}].{name}", f"messages[{i}].{name} {what}; leave it out"
     for name, (off, what) in NOT_YET.items():
         value = getattr(body, name, None)
         if _is_off(value, off):
             continue
         if name == "best_of" and _is_off(value, (getattr(body, "n", 1),)):
             continue  # best_of == n: every candidate is returned, nothing to choose
-        if name == "tool_choice" and value == "auto" and _is_off(getattr(body, "tools", None), NOT_YET["tools"][0]):
-            continue  # "auto" with no tools: the model answers in text, as without the field
         return name, f"{name} {what}; leave it out or send {off[-1]!r}"
     return None
 
@@ -171,9 +158,11 @@ class _SamplingFields(_Request):
     truncate_prompt_tokens: int | None = Field(
         default=None, ge=1, lt=2**31, description="vLLM extension: keep only the prompt's last k tokens"
     )
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=1000)]] | None = Field(
+        default=None, max_length=1024, description="vLLM extension: words never generated"
+    )
     # not implemented yet: accepted only when off (see NOT_YET)
     best_of: Any = None
-    bad_words: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
 
@@ -196,14 +185,28 @@ class TextPart(_Request):
     text: str = Field(max_length=1_000_000)
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
+class FunctionCallParam(_Request):
+    name: FunctionName
+    arguments: str = Field(max_length=1_000_000, description="JSON text, as the model produced it")
+
+
+class ToolCallParam(_Request):
+    """A tool call of an earlier assistant turn, passed back in the conversation."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[Annotated[str, Field(max_length=1_000_000)], list[TextPart], None] = None
-    # A message's author name and tool-call history are not passed to the chat template yet: refused
-    # unless absent (see NOT_YET, checked by the chat endpoint).
-    name: Any = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    name: str | None = Field(default=None, max_length=256, description="passed to the chat template")
+    tool_calls: list[ToolCallParam] | None = Field(default=None, max_length=128)
+    tool_call_id: str | None = Field(default=None, max_length=256, description="the call a tool message answers")
 
     def text(self) -> str:
         if self.content is None:
@@ -211,6 +214,27 @@ class ChatMessage(_Request):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: str | None = Field(default=None, max_length=100_000)
+    parameters: dict[str, Any] | None = Field(default=None, description="a JSON schema of the arguments object")
+    strict: bool | None = Field(default=None, description="the arguments always follow the schema (they do here)")
+
+
+class ToolParam(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -221,18 +245,23 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = Field(default=True, description="vLLM extension")
     response_format: ResponseFormat | None = None
+    tools: list[ToolParam] | None = Field(default=None, max_length=128)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        default=None, description='"auto" when tools are given, else "none" (as OpenAI)'
+    )
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="false: at most one tool call (with tool_choice required)"
+    )
     # not implemented yet: accepted only when off (see NOT_YET)
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = Field(default=None, description="without tools it changes nothing")
 
 
 class TokenizeRequest(_Request):
     model: str | None = Field(default=None, max_length=512)
     prompt: str | None = Field(default=None, max_length=1_000_000)
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=1024)
+    tools: list[ToolParam] | None = Field(default=None, max_length=128, description="shown to the chat template")
     add_special_tokens: bool = True
 
 
@@ -299,9 +328,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobEntry] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(BaseModel):
@@ -322,9 +363,24 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first carries id, type and name; later ones more arguments text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

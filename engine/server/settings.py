@@ -37,6 +37,11 @@ class ServerConfig:
     max_connections: Annotated[int, Field(ge=8)] | None = None  # None: the open-file limit less a reserve
     header_timeout: Annotated[float, Field(gt=0, le=3600)] = 10.0
     metrics_names: Literal["vllm", "seed", "both"] = "both"  # engine/metrics.py says why both by default
+    chat_template: Annotated[str, Field(min_length=1)] | None = None  # a file, or the template itself
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    disable_log_stats: bool = False
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "warning"
     listen_fd: int | None = None
     control_socket: str | None = None
     inflight_file: str | None = None

@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 from fastapi import Request
 
+from engine.chat import ChatTemplateError, render_chat
 from engine.llm_engine import LLMEngine, ValidRequest
 from engine.metrics import EngineMetrics
 from engine.server.async_engine import AsyncEngine, EngineDraining, EngineOverloaded
@@ -38,6 +39,9 @@ class ServerState:
     admin_key: str | None = None
     enable_debug_hooks: bool = False
     log_requests: bool = True
+    chat_template: str | None = None  # --chat-template (its text), else the model's
+    tool_call_parser: str | None = None  # --tool-call-parser
+    enable_auto_tool_choice: bool = False
     retry_after_seconds: int = 1
     started_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -76,21 +80,21 @@ class ServerState:
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def apply_chat_template(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise OpenAIError(
-                400, f"the model {self.model_name!r} has no chat template; use /v1/completions", param="messages"
-            )
-        for m in messages:
-            self.check_length(m.text(), "messages")
+    def apply_chat_template(
+        self, messages: list[Any], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        for i, m in enumerate(messages):
+            self.check_length(m.text(), f"messages[{i}].content")
         try:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in messages],
-                tokenize=False,
+            text = render_chat(
+                self.tokenizer,
+                [m.model_dump(exclude_none=True) for m in messages],
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                chat_template=self.chat_template,
             )
-        except Exception as e:  # jinja raises for conversations the template refuses
-            raise OpenAIError(400, f"the chat template refused these messages: {e}", param="messages") from e
+        except ChatTemplateError as e:
+            raise OpenAIError(400, f"{e} (model {self.model_name!r})", param="messages") from e
         return self.encode(text, add_special_tokens=False)
 
     def admit(self, request_id: str, request: ValidRequest, stream: bool) -> Any:

@@ -7,18 +7,15 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine.server.protocol import MESSAGE_NOT_YET, NOT_YET
+from engine.server.protocol import NOT_YET
 
 MODEL = "pagekeeper-default"
-CHAT_ONLY = {"tools", "tool_choice", "functions", "function_call"}
+CHAT_ONLY = {"functions", "function_call"}
 COMPLETION_ONLY = {"suffix"}
 ON = {  # a value that asks for the feature
     "best_of": 3,
-    "bad_words": ["never"],
     "use_beam_search": True,
     "length_penalty": 0.5,
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "tool_choice": "required",
     "functions": [{"name": "f", "parameters": {"type": "object"}}],
     "function_call": "auto",
     "suffix": "!",
@@ -78,12 +75,24 @@ def test_unknown_fields_anywhere_are_a_400_naming_them(shared_server):
         assert r.status_code == 400 and where in r.json()["error"]["message"], (path, r.text)
 
 
-def test_message_fields_not_passed_to_the_template_are_refused(shared_server):
-    for field, value in (("name", "alice"), ("tool_call_id", "call_1"), ("tool_calls", [{"id": "c"}])):
-        assert field in MESSAGE_NOT_YET
-        body = _chat(messages=[{"role": "user", "content": "hi", field: value}])
+def test_tool_fields_that_the_server_cannot_honour_are_a_400_naming_them(shared_server):
+    """This server has no --tool-call-parser: "auto" (the default with tools) would return calls as text."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for body, param in (
+        (_chat(tools=[tool]), "tool_choice"),
+        (_chat(tools=[tool], tool_choice="auto"), "tool_choice"),
+        (_chat(tool_choice="required"), "tool_choice"),
+        (_chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
+        (_chat(tools=[tool, tool], tool_choice="required"), "tools"),
+        (_chat(tools=[{"type": "function", "function": {"name": "has space"}}], tool_choice="none"), "tools"),
+        (_chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c"}]}]), "messages"),
+    ):
         r = _post(shared_server, "/v1/chat/completions", body)
-        assert r.status_code == 400 and r.json()["error"]["param"] == f"messages[0].{field}", r.text
+        err = r.json()["error"]
+        print(f"{r.status_code} {err['param']}: {err['message']}")
+        assert r.status_code == 400 and err["param"].split("[")[0].split(".")[0] == param, r.text
+    r = _post(shared_server, "/v1/chat/completions", _chat(tools=[tool], tool_choice="none"))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"] == [], r.text
 
 
 def test_prompt_logprobs_are_not_streamed_and_say_so(shared_server):
@@ -182,3 +191,13 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(shared_server):
     print(f"{len(ids)} prompt tokens cut to {cut['usage']['prompt_tokens']}: echo {cut['choices'][0]['text']!r}")
     assert cut["usage"]["prompt_tokens"] == 6
     assert cut["choices"][0]["text"] == tail + same["choices"][0]["text"]
+
+
+def test_bad_words_are_never_generated(shared_server):
+    plain = _post(shared_server, "/v1/completions", _completion(prompt="Beautiful is")).json()["choices"][0]["text"]
+    body = _completion(prompt="Beautiful is", bad_words=["better", "than ugly"])
+    text = _post(shared_server, "/v1/completions", body).json()["choices"][0]["text"]
+    print(f"{plain!r} with bad_words: {text!r}")
+    assert "better" in plain and "better" not in text and "than ugly" not in text
+    r = _post(shared_server, "/v1/completions", _completion(bad_words=[""]))
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("bad_words"), r.text

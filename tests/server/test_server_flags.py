@@ -1,0 +1,87 @@
+"""vLLM's server flags that change behaviour beyond the request: --generation-config, --disable-log-stats,
+--uvicorn-log-level.  Each is shown doing what it says on a real server (and offline, where it applies)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.default_model import DEFAULT_MODEL_DIR
+
+GENERATION_DEFAULTS = {
+    "temperature": 0.0,
+    "top_k": 5,
+    "repetition_penalty": 1.0,
+    "max_new_tokens": 7,
+    "do_sample": True,
+}
+
+
+@pytest.fixture(scope="module")
+def recommended(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded model with a generation_config.json that recommends greedy decoding and 7 new tokens."""
+    root = tmp_path_factory.mktemp("gen") / "zen-greedy"
+    shutil.copytree(DEFAULT_MODEL_DIR, root, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, **GENERATION_DEFAULTS}))
+    return root
+
+
+def test_offline_defaults_follow_the_checkpoint_unless_told_not_to(recommended: Path):
+    with LLM(model=str(recommended)) as llm:
+        params = llm.get_default_sampling_params()
+        assert (params.temperature, params.top_k, params.max_tokens) == (0.0, 5, 7)
+        out = llm.generate(["Beautiful is"] * 3, use_tqdm=False)  # no SamplingParams: the checkpoint's
+        texts = {o.outputs[0].text for o in out}
+        assert len(texts) == 1 and len(out[0].outputs[0].token_ids) <= 7, texts
+        explicit = llm.generate(["Beautiful is"], SamplingParams(temperature=0, max_tokens=7), use_tqdm=False)
+        assert explicit[0].outputs[0].text in texts
+    with LLM(model=str(recommended), generation_config="vllm") as llm:
+        params = llm.get_default_sampling_params()
+        assert (params.temperature, params.top_k, params.max_tokens) == (1.0, 0, 16)
+    print(f"generation_config auto: {GENERATION_DEFAULTS}; greedy replies {texts}")
+
+
+def test_served_requests_take_the_checkpoints_defaults_for_fields_they_leave_out(launch, recommended: Path):
+    server = launch("--model", str(recommended))
+    chat = {"model": "zen-greedy", "messages": [{"role": "user", "content": "Now is"}], "ignore_eos": True}
+    replies = [httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json() for _ in range(3)]
+    texts = {r["choices"][0]["message"]["content"] for r in replies}
+    assert len(texts) == 1, texts  # temperature 0 from the checkpoint
+    assert [r["usage"]["completion_tokens"] for r in replies] == [7, 7, 7]  # its max_new_tokens
+    hot = httpx.post(server.url + "/v1/chat/completions", json={**chat, "temperature": 1.5, "max_tokens": 30}).json()
+    assert hot["usage"]["completion_tokens"] == 30  # a field the request sets wins
+    print(f"served defaults: {texts.pop()!r} x3 with 7 tokens each")
+
+
+def test_stats_lines_are_logged_while_there_is_work_and_not_with_disable_log_stats(launch):
+    env = {"PAGEKEEPER_LOG_STATS_INTERVAL": "0.3"}
+    body = {"model": "pagekeeper-default", "prompt": "Now is", "max_tokens": 200, "ignore_eos": True}
+    counts = {}
+    for flags in ((), ("--disable-log-stats",)):
+        server = launch(*flags, env=env)
+        started = time.monotonic()
+        while time.monotonic() - started < 1.5:  # keep the engine busy for several stats intervals
+            assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        time.sleep(0.5)
+        lines = [json.loads(ln) for ln in server.log().splitlines() if '"engine_stats"' in ln]
+        counts[flags] = len(lines)
+        if lines:
+            line = lines[0]
+            assert line["avg_generation_throughput"] > 0 and "kv_cache_usage_perc" in line, line
+    print(f"stats lines: {counts[()]} by default, {counts[('--disable-log-stats',)]} with --disable-log-stats")
+    assert counts[()] >= 1 and counts[("--disable-log-stats",)] == 0
+
+
+def test_uvicorn_log_level_reaches_uvicorn(launch):
+    quiet = launch()
+    chatty = launch("--uvicorn-log-level", "info")
+    for server in (quiet, chatty):
+        httpx.get(server.url + "/health")
+    assert "Uvicorn running" not in quiet.log() and "Started server process" not in quiet.log()
+    assert "Started server process" in chatty.log() or "Uvicorn running" in chatty.log(), chatty.log()[-2000:]
