@@ -23,7 +23,7 @@ from engine.metrics import EngineSnapshot
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
-from engine.structured_output import GrammarCompiler
+from engine.structured_output import GrammarCompiler, TokenMatcher
 
 PromptType = Union[str, dict[str, Any], list[int]]
 
@@ -194,9 +194,9 @@ class LLMEngine:
             arrival_time=arrival,
         )
 
-    def _matcher(self, valid: ValidRequest) -> Any:
+    def _matcher(self, valid: ValidRequest) -> TokenMatcher | None:
         """The sequence's host-side token mask (structured outputs, multi-token bad words), or None."""
-        matcher = None if valid.grammar is None else self.grammars.matcher(valid.grammar)
+        matcher: TokenMatcher | None = None if valid.grammar is None else self.grammars.matcher(valid.grammar)
         if valid.bad_word_sequences:
             matcher = BadWordsMatcher(
                 valid.bad_word_sequences, self.grammars.mask_words, self.core.eos_token_ids, matcher

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import structlog
@@ -30,6 +30,20 @@ from engine.sampling_params import SamplingParamsError, StructuredOutputsParams
 log = structlog.get_logger("pagekeeper.structured_output")
 
 _COMPACT = {"whitespace_flexible": False}
+
+
+class TokenMatcher(Protocol):
+    """What the scheduler asks of a sequence's host-side token mask (a grammar, bad words, or both)."""
+
+    @property
+    def mask_words(self) -> int: ...
+    @property
+    def finished(self) -> bool: ...  # nothing may follow: the sequence ends
+    @property
+    def rejected(self) -> bool: ...  # a token outside the mask was sampled: the sequence ends as aborted
+
+    def fill(self, row: np.ndarray) -> None: ...
+    def accept(self, token: int) -> None: ...
 
 
 class GrammarMatcher:

@@ -14,7 +14,7 @@ from engine.core.deltas import PromptLogprob
 from engine.core.plan import SamplingSpec
 from engine.runner.sampler import PromptLogprobsChunk
 from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarMatcher
+from engine.structured_output import TokenMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -62,7 +62,7 @@ class Request:
     # Prompt logprobs, filled by position as the prefill computes them (position 0 has none).
     prompt_logprobs: list[PromptLogprob | None] | None = None
     prompt_logprobs_filled: int = 0
-    grammar: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
+    grammar: TokenMatcher | None = None  # structured outputs / bad words: where the output is in its mask
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float = 0.0  # when the host read its newest token (inter-token latency)
