@@ -26,6 +26,7 @@ from engine.memory.budget import (
     profile_step,
     set_allocator_defaults,
 )
+from engine.model.cpu_packing import pack_linears
 from engine.model.loader import ModelInfo, load_model
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -73,6 +74,10 @@ def start_runner(
     model = load_model(model_info, config.max_model_len, device, config.load_format, tp)
     per_block = kv_bytes_per_block(model, config.block_size, model_info.dtype)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if device.type == "cpu":
+        packed = pack_linears(model)  # oneDNN's blocked layout, once (engine/model/cpu_packing.py says why)
+        if packed:
+            log.info("cpu_linears_packed", layers=packed, dtype=str(model_info.dtype).removeprefix("torch."))
     if device.type == "cuda":
         profile = profile_step(device, weights, lambda: dummy_step(config, model_info, model, device))
         if not config.enforce_eager:

@@ -148,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="uvicorn's own log level (default warning: requests are logged by pagekeeper itself).",
     )
     s.add_argument(
+        "--cpu-reserved-cores",
+        type=int,
+        default=None,
+        help="CPU engine: cores kept for HTTP, tokenizing and detokenizing; the model's threads are bound to the "
+        "rest (default 1 when the process may use 2 or more cores; 0 binds nothing).",
+    )
+    s.add_argument(
         "--control-socket",
         default=None,
         help="Serve the supervisor's private control channel on this unix socket (opsctl sets it).",
@@ -221,6 +228,13 @@ def serve(
     from engine.metrics import EngineMetrics
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
+    from engine.server.cpu_threads import (
+        CpuThreadPlan,
+        available_cores,
+        bind_compute_thread,
+        bind_serving_threads,
+        plan_cpu_threads,
+    )
     from engine.server.state import ServerState
     from engine.server.stats_log import StatsLogger, interval_from_env
 
@@ -246,7 +260,24 @@ def serve(
         names=server_config.metrics_names,
         max_model_len=engine_config.max_model_len,
     )
-    async_engine = AsyncEngine(engine, metrics, server_config.health_stall_seconds, server_config.max_waiting)
+    threads = CpuThreadPlan(available_cores(), ())
+    if core.device.type == "cpu" and engine_config.tensor_parallel_size == 1:
+        threads = plan_cpu_threads(threads.compute_cores, server_config.cpu_reserved_cores)
+    elif server_config.cpu_reserved_cores:
+        log.info(
+            "flag_ignored",
+            flag="--cpu-reserved-cores",
+            value=server_config.cpu_reserved_cores,
+            reason="it binds a CPU engine's threads; this engine runs on a GPU or over tensor-parallel ranks",
+        )
+    async_engine = AsyncEngine(
+        engine,
+        metrics,
+        server_config.health_stall_seconds,
+        server_config.max_waiting,
+        thread_init=lambda: bind_compute_thread(threads),
+    )
+    bind_serving_threads(threads)
     state = ServerState(
         engine=engine,
         async_engine=async_engine,

@@ -77,15 +77,18 @@ class _Slot:
     error: BaseException | None = None
     done: bool = False
 
-    def publish(self, out: RequestOutput | None = None, error: BaseException | None = None) -> None:
-        """Called from the step-loop thread."""
+    def publish(self, out: RequestOutput | None = None, error: BaseException | None = None, wake: bool = True) -> None:
+        """Called from the step-loop thread; `wake=False` leaves waking the reader to `wake_all` (one
+        thread-safe call for a whole step's outputs instead of one per request: each costs a write to the
+        event loop's self-pipe and a loop iteration)."""
         if out is not None:
             self.pending.append(out)
             self.done = out.finished
         if error is not None:
             self.error = error
             self.done = True
-        self.loop.call_soon_threadsafe(self.event.set)
+        if wake:
+            self.loop.call_soon_threadsafe(self.event.set)
 
     def take(self) -> RequestOutput | None:
         """Everything published since the last take, as one output (deltas are joined)."""
@@ -95,6 +98,20 @@ class _Slot:
         if len(outs) <= 1:
             return outs[0] if outs else None
         return merge_deltas(outs)
+
+
+def wake_all(slots: list[_Slot]) -> None:
+    """Wake the readers of `slots` with one thread-safe call per event loop (a server has one)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Slot]] = {}
+    for slot in slots:
+        by_loop.setdefault(slot.loop, []).append(slot)
+    for loop, group in by_loop.items():
+        loop.call_soon_threadsafe(_set_events, group)
+
+
+def _set_events(slots: list[_Slot]) -> None:
+    for slot in slots:
+        slot.event.set()
 
 
 def merge_deltas(outs: list[RequestOutput]) -> RequestOutput:
@@ -145,8 +162,10 @@ class AsyncEngine:
         metrics: EngineMetrics,
         health_stall_seconds: float = 30.0,
         max_waiting: int | None = None,
+        thread_init: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
+        self._thread_init = thread_init  # run first on the step loop's thread (e.g. binding it to cores)
         self.metrics = metrics
         self.health_stall_seconds = health_stall_seconds
         self.max_waiting = max_waiting
@@ -314,6 +333,8 @@ class AsyncEngine:
     # -- the step loop (its own thread) ---------------------------------------------------------
 
     def _run(self) -> None:
+        if self._thread_init is not None:
+            self._thread_init()
         while True:
             with self._wake:
                 if not self._inbox and not self.engine.has_unfinished_requests() and not self._stop:
@@ -365,12 +386,15 @@ class AsyncEngine:
             log.exception("step_failed")
             self._fail_everything(EngineStepError(f"the engine step failed: {e}"))
             return
+        woken: list[_Slot] = []
         for out in outputs:
             slot = self._slots.get(out.request_id)
             if out.finished:
                 self._finished(out)
             if slot is not None:
-                slot.publish(out)
+                slot.publish(out, wake=False)
+                woken.append(slot)
+        wake_all(woken)
 
     def _finished(self, out: RequestOutput) -> None:
         t = out.metrics

@@ -80,7 +80,9 @@ def test_no_request_fails_through_restarts_hangs_and_kills(deploy, record_proper
 
     def policy_backlog() -> None:
         old = d.status()["engine"]["pid"]
-        load.burst(24, max_tokens=96)
+        # 8 rounds of 4 x 240 tokens: the queue stays over the ratio and ages past 1.5 s for several polls
+        # however fast the engine steps (a faster CPU once drained 24 x 96 tokens before 1.5 s had passed)
+        load.burst(32, max_tokens=240)
         st = serving_with_new_pid(old)
         assert st["restarts"]["recent"][-1]["reason"] == "backlog", st["restarts"]
 

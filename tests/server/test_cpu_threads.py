@@ -1,0 +1,48 @@
+"""The CPU server keeps a core for HTTP and binds the model's threads to the rest, as vLLM's CPU backend does."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.config import ConfigError
+from engine.server.cpu_threads import plan_cpu_threads
+
+
+def test_the_plan_keeps_one_core_by_default_and_refuses_to_keep_them_all() -> None:
+    assert plan_cpu_threads((0, 1), None).compute_cores == (0,)
+    assert plan_cpu_threads((0, 1), None).serving_cores == (1,)
+    assert plan_cpu_threads((3, 5, 7, 9), 2).compute_cores == (3, 5)
+    assert not plan_cpu_threads((0,), None).binds  # one core: nothing to split
+    assert not plan_cpu_threads((0, 1, 2), 0).binds
+    with pytest.raises(ConfigError, match="--cpu-reserved-cores 2 leaves no core for the model"):
+        plan_cpu_threads((0, 1), 2)
+
+
+def _allowed(pid: int) -> dict[int, str]:
+    """Each thread of `pid`: the cores it may run on (/proc's Cpus_allowed_list)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        status = (task / "status").read_text()
+        out[int(task.name)] = next(ln.split()[1] for ln in status.splitlines() if ln.startswith("Cpus_allowed_list"))
+    return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding needs at least two cores")
+def test_a_cpu_server_binds_its_step_loop_apart_from_its_event_loop(launch) -> None:
+    server = launch()
+    r = httpx.post(server.url + "/v1/completions", json={"model": "pagekeeper-default", "prompt": "Now is"})
+    assert r.status_code == 200
+    bound = [json.loads(ln) for ln in server.log().splitlines() if '"cpu_threads_bound"' in ln]
+    assert len(bound) == 1, server.log()[-2000:]
+    compute, serving = bound[0]["compute_cores"], bound[0]["serving_cores"]
+    allowed = _allowed(server.proc.pid)
+    print(f"compute cores {compute}, serving cores {serving}; threads: {sorted(allowed.values())}")
+    as_list = ",".join(map(str, serving))
+    assert allowed[server.proc.pid] == as_list  # the main thread: the event loop
+    assert bound[0]["torch_threads"] == len(compute)
+    assert any(v == ",".join(map(str, compute)) for v in allowed.values())  # the step loop
