@@ -5,9 +5,10 @@ writes the engine's output to engine.log in the runtime dir (the supervisor read
 engine exited, and rotates it by size), so instead of redirecting the engine, this thread follows the file
 and copies every new line to stdout.  The engine already logs JSON; anything else it prints (the start
 marker, a traceback, a third-party library's plain line) is wrapped into a JSON object, so that every
-line of the container's log parses.  A rotation truncates the file in place: a file that shrank is read
-again from its start.  Only lines written after the supervisor started are echoed (the runtime dir, an
-emptyDir, outlives a container restart, and its old lines were echoed by the previous container).
+line of the container's log parses.  A rotation copies the file to .1 and truncates it in place: on a file
+that shrank, the rest of .1 is echoed, then the file is read again from its start.  Only lines written after
+the supervisor started are echoed (the runtime dir, an emptyDir, outlives a container restart, and its old
+lines were echoed by the previous container).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import threading
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
+
+from opsctl.logrotate import backup_path
 
 _CHUNK = 1 << 20
 
@@ -78,16 +81,26 @@ class LogEcho:
 
     def _echo_new(self) -> None:
         size = self._size()
-        if size < self._offset:  # rotated: copied to .1 and truncated in place
+        if size < self._offset:  # rotated: copied to .1, then truncated in place
+            self._echo_from(backup_path(self.path, 1), self._offset)  # what was written before the copy
             self._offset, self._partial = 0, b""
-        if size == self._offset:
-            return
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read(min(size - self._offset, _CHUNK))
-        self._offset += len(data)
+        while size > self._offset:
+            read = self._echo_from(self.path, self._offset, size - self._offset)
+            if not read:  # gone or truncated meanwhile: the next round sees it
+                return
+            self._offset += read
+
+    def _echo_from(self, path: Path, offset: int, limit: int = _CHUNK) -> int:
+        """Echo the complete lines of path[offset:offset+limit] (a partial last line waits); bytes read."""
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read(min(limit, _CHUNK))
+        except OSError:
+            return 0
         *lines, self._partial = (self._partial + data).split(b"\n")
         for raw in lines:
             if raw.strip():
                 self.out.write(as_json_line(raw.decode(errors="replace")) + "\n")
         self.out.flush()
+        return len(data)
