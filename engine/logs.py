@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO
 
 import structlog
 
 
-def configure_logging(level: str = "info", force: bool = False) -> None:
+def configure_logging(level: str = "info", force: bool = False, stream: TextIO | None = None) -> None:
+    """`stream` (default stderr): a container's supervisor logs to stdout, where the runtime collects its log."""
     if structlog.is_configured() and not force:
         return
-    tty = sys.stderr.isatty()
+    stream = stream or sys.stderr
+    tty = stream.isatty()
     renderer = structlog.dev.ConsoleRenderer(colors=tty) if tty else structlog.processors.JSONRenderer()
     structlog.configure(
         processors=[
@@ -26,6 +29,6 @@ def configure_logging(level: str = "info", force: bool = False) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )

@@ -387,6 +387,38 @@ def restart(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
 
 @main.command()
 @_location_options
+@click.option(
+    "--delay",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Keep serving this many seconds first: the time a load balancer (a Kubernetes Service) takes to stop "
+    "sending new connections here.",
+)
+@_DRAIN_TIMEOUT
+@click.pass_obj
+def retire(ctx: Ctx, delay: float, drain_timeout: float | None) -> None:
+    """Hand the traffic over and stop the engine, but leave the supervisor running until it is stopped.
+
+    A pod's preStop hook: in-flight requests finish, clients on kept-alive connections are told to reconnect
+    (`Connection: close`; no 503), and the engine exits; the supervisor, the container's main process, stays so
+    that the hook is not cut off, and exits at once on the SIGTERM that follows (`opsctl restart` starts an engine
+    again).  `opsctl drain` instead keeps the engine up and answers 503 until `opsctl resume`.
+    """
+    timeout = drain_timeout if drain_timeout is not None else ctx.config().supervisor.drain_timeout
+    if delay:
+        click.echo(f"serving {delay:g} s more before handing over", err=True)
+        time.sleep(delay)
+    reply = _send(ctx, "retire", _drain_args(False, drain_timeout), timeout=timeout + 60)
+    lost = int(reply.get("lost") or 0)
+    click.echo(
+        "retired: the engine handed over and stopped" + (f"; {lost} request(s) in flight were lost" if lost else "")
+    )
+    if lost:
+        sys.exit(EXIT_ERROR)
+
+
+@main.command()
+@_location_options
 @click.option("--timeout", type=click.FloatRange(min=0), default=None, help="Seconds to wait for in-flight requests.")
 @click.option("--cancel", is_flag=True, help="Undo a drain (the same as `opsctl resume`).")
 @click.pass_obj

@@ -45,6 +45,9 @@ class SupervisorConfig(PolicyConfig):
     # Process launcher: engine.log and supervisor.log are rotated (copy, then truncate) past this size.
     log_max_bytes: Annotated[int, Field(ge=4096, le=2**40)] = 100 * 2**20
     log_backups: Annotated[int, Field(ge=0, le=100)] = 3
+    # A container's log: the engine's log lines are echoed to stdout as JSON (opsctl/logecho.py) and the supervisor
+    # logs JSON to stdout too, so that the container runtime collects both; engine.log is still written and rotated.
+    log_to_stdout: bool = False
 
     def policy(self) -> PolicyConfig:
         return PolicyConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PolicyConfig)})

@@ -82,6 +82,8 @@ class Supervisor:
         self.tracker = StateTracker()
         self.commands: queue.Queue[_Command] = queue.Queue()
         self.stopping = False
+        self.retired = False  # `opsctl retire` stopped the engine; nothing to poll until a restart or a stop
+        self.last_tick = time.monotonic()  # the loop's heartbeat, for liveness()
         self.lock = threading.RLock()
         self.metrics = SupervisorMetrics(self)
         self.metrics.nvml.set(1 if gpu.available else 0)
@@ -91,7 +93,30 @@ class Supervisor:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def serve_metrics(self) -> None:
-        self.metrics_port = serve_metrics(self.metrics, self.sup.metrics_host, self.sup.metrics_port)
+        self.metrics_port = serve_metrics(
+            self.metrics, self.sup.metrics_host, self.sup.metrics_port, liveness=self.liveness
+        )
+
+    def liveness(self) -> tuple[bool, str]:
+        """Is this supervisor worth keeping?  A kubelet's liveness probe asks (/livez on the metrics port).
+
+        Not when it gave up (the crash-loop guard, or an engine that exited 2 after serving): restarting the
+        container, with the kubelet's back-off, is then the next level's job.  Not when its loop stopped
+        ticking: a poll takes at most a few probe timeouts, and an action in progress (a drain, a restart that
+        waits for the new engine to load) is bounded by drain_timeout + ready_timeout.  A sick engine is not a
+        reason: the supervisor restarts it itself.
+        """
+        with self.lock:
+            gave_up, reason, busy = self.state.gave_up, self.gave_up_reason, self.busy
+        if gave_up:
+            return False, f"gave up: {reason or 'crash loop'}"
+        allowed = 3 * (self.sup.poll_interval + 2 * self.sup.probe_timeout) + 10
+        if busy is not None:
+            allowed += self.sup.drain_timeout + self.sup.ready_timeout
+        stale = time.monotonic() - self.last_tick
+        if stale > allowed:
+            return False, f"the supervisor's loop has not run for {stale:.0f} s (allowed {allowed:.0f} s)"
+        return True, "retired" if self.retired else "ok"
 
     def run(self) -> int:
         log.info(
@@ -107,7 +132,9 @@ class Supervisor:
         else:
             self._start_engine()
         while not self.stopping:
-            self.poll_once()
+            self.last_tick = time.monotonic()
+            if not self.retired:
+                self.poll_once()
             self._wait_and_serve_commands(self.sup.poll_interval)
         log.info("supervisor_stopped", exit_code=self.exit_code)
         return self.exit_code
@@ -122,12 +149,13 @@ class Supervisor:
                 cmd = self.commands.get(timeout=left)
             except queue.Empty:
                 return
+            self.last_tick = time.monotonic()
             try:
                 cmd.reply = self._run_command(cmd)
             except Exception as e:  # a failed command must not kill the daemon
                 log.exception("command_failed", command=cmd.name)
                 cmd.reply = {"ok": False, "error": str(e)}
-            if not self.stopping:
+            if not self.stopping and not self.retired:
                 self.history.append(self.observe())  # status right after a command is the new state
             cmd.done.set()
 
@@ -359,6 +387,7 @@ class Supervisor:
                 self.state = replace(self.state, gave_up=False)
                 self.gave_up_reason = None
                 self.failed_permanently = False
+                self.retired = False
                 self._set_busy(EngineState.RESTARTING)
             self.metrics.gave_up.set(0)
             try:
@@ -366,6 +395,13 @@ class Supervisor:
             except RestartFailed as e:
                 return {"ok": False, "error": str(e)}
             return {"ok": True}
+        if cmd.name == "retire":  # a pod's preStop: hand the traffic over, stop the engine, stay until stopped
+            self._set_busy(EngineState.STOPPING)
+            retired = self.launcher.stop(drain=bool(cmd.args.get("drain", True)), timeout=timeout)
+            self._count_lost(retired.reason, retired.lost)
+            self.retired = True
+            log.info("engine_retired", lost=retired.lost, detail="the supervisor stays until it is stopped")
+            return {"ok": True, "lost": retired.lost}
         if cmd.name == "stop":
             self._set_busy(EngineState.STOPPING)
             if cmd.args.get("engine", True):

@@ -4,14 +4,23 @@ Kept apart from the daemon's loop so that the metric contract (DESIGN.md: `pagek
 the NVML readings as `pagekeeper_gpu_*`) is one short file that the alert rules' tests can load without
 starting anything (tests/alerts/test_rules.py).  Every labelled series exists from the start, so that
 `increase()` sees the first restart of each kind.
+
+The same port answers `GET /livez` for a kubelet's liveness probe: 200 while the supervisor's loop runs and
+has not given up, 503 otherwise (the daemon's `liveness()` decides).  It says nothing about the engine:
+restarting a sick engine is the supervisor's job, and a probe on the engine would have the kubelet restart
+the whole container for what the supervisor already handles (docs/kubernetes.md).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Protocol
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from typing import Any, Callable, Iterable, Iterator, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.config import ConfigError
@@ -125,15 +134,52 @@ class SupervisorMetrics:
         r.register(_GpuCollector(source))
 
 
-def serve(metrics: SupervisorMetrics, host: str, port: int) -> int:
-    """Serve /metrics on host:port (0: any free port) from a thread; the port it got.  A port that is
-    taken is a mistake a person fixes in the config: ConfigError, not a traceback."""
+# liveness() -> (alive, one line saying why)
+Liveness = Callable[[], tuple[bool, str]]
+LIVENESS_PATH = "/livez"
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - a probe every few seconds is no news
+        pass
+
+
+def _app(metrics: SupervisorMetrics, liveness: Liveness | None) -> Callable[..., Iterable[bytes]]:
+    """/livez from `liveness`, everything else prometheus_client's exposition (as start_http_server serves it)."""
+    exposition = make_wsgi_app(metrics.registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") == LIVENESS_PATH and liveness is not None:
+            alive, why = liveness()
+            body = (why + "\n").encode()
+            start_response(
+                "200 OK" if alive else "503 Service Unavailable",
+                [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))],
+            )
+            return [body]
+        return exposition(environ, start_response)
+
+    return app
+
+
+def serve(metrics: SupervisorMetrics, host: str, port: int, liveness: Liveness | None = None) -> int:
+    """Serve /metrics (and /livez) on host:port (0: any free port) from a thread; the port it got.  A port that
+    is taken is a mistake a person fixes in the config: ConfigError, not a traceback."""
+
+    class Server(_Server):
+        address_family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+
     try:
-        server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+        server = make_server(host, port, _app(metrics, liveness), Server, handler_class=_QuietHandler)
     except OSError as e:
         raise ConfigError(
             f"[supervisor] metrics_port {port} on {host}: {e.strerror}; choose another port (0 = any free port)"
         ) from e
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     bound = int(server.server_port)
     log.info("supervisor_metrics", url=f"http://{host}:{bound}/metrics")
     return bound

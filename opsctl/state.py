@@ -91,7 +91,7 @@ TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
     EngineState.RESTARTING: LIVE,
     EngineState.GAVE_UP: frozenset({EngineState.RESTARTING}),
     EngineState.FAILED: frozenset({EngineState.RESTARTING}),
-    EngineState.STOPPING: frozenset(),
+    EngineState.STOPPING: frozenset({EngineState.RESTARTING}),  # `opsctl retire`, then `opsctl restart`
     EngineState.NOT_RUNNING: frozenset(),
     EngineState.UNSUPERVISED: frozenset(),
 }

@@ -44,6 +44,7 @@ from opsctl.control_server import serve_control
 from opsctl.daemon import Supervisor
 from opsctl.instances import instance_record, port_clash, running_instances, write_record
 from opsctl.launcher import Launcher, ProcessLauncher, SystemdLauncher, systemd_available
+from opsctl.logecho import LogEcho
 from opsctl.probes import EngineProbe, GpuProbe, gpu_probe
 from opsctl.runtime import open_private, prepare_runtime_dir, write_last_failure, write_private
 
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             },
         )
         runtime = prepare_runtime_dir(cfg.supervisor.runtime_path())
+        if cfg.supervisor.log_to_stdout:
+            configure_logging(force=True, stream=sys.stdout)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -155,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         write_last_failure(runtime, str(e))
         return 2
+    echo = LogEcho(runtime / ENGINE_LOG_NAME).start() if cfg.supervisor.log_to_stdout else None
     control = serve_control(supervisor.submit, runtime / SOCKET_NAME)
     write_private(runtime / PID_NAME, str(os.getpid()))
 
@@ -178,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         # A stop command stopped the engine already (unless it runs as a systemd unit of its own); a crash of
         # this daemon leaves it serving for the next supervisor to adopt.
         launcher.close()
+        if echo is not None:
+            echo.stop()
     return code
 
 

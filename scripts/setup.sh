@@ -62,11 +62,26 @@ if (( want_test )); then
     apt_install systemd
   fi
   command -v nsenter >/dev/null && command -v setpriv >/dev/null || apt_install util-linux
+  # tini: the container image's entrypoint, which tests/k8s/ runs as the pod's command
+  command -v tini >/dev/null || apt_install tini
+
+  # checkov (tests/k8s/test_security.py) in a venv of its own: it pins old versions of packages the engine shares
+  # (networkx, packaging, boto3), which must not be downgraded in this environment.
+  checkov_version=3.3.30
+  if [[ "$(.tools/checkov/bin/checkov --version 2>/dev/null)" != "$checkov_version" ]]; then
+    "$PY" -m venv .tools/checkov
+    .tools/checkov/bin/pip install --quiet --disable-pip-version-check "checkov==$checkov_version"
+  fi
 
   typecheck=grafana/typecheck
   if command -v npm >/dev/null && ! cmp -s "$typecheck/package-lock.json" "$typecheck/node_modules/.pagekeeper-lock"; then
     npm ci --prefix "$typecheck" --no-audit --no-fund --loglevel=error
     cp "$typecheck/package-lock.json" "$typecheck/node_modules/.pagekeeper-lock"
+  fi
+  crd=tests/k8s/crd  # the custom resources' schemas (@kubernetes-models, pinned in its package-lock.json)
+  if command -v npm >/dev/null && ! cmp -s "$crd/package-lock.json" "$crd/node_modules/.pagekeeper-lock"; then
+    npm ci --prefix "$crd" --no-audit --no-fund --loglevel=error
+    cp "$crd/package-lock.json" "$crd/node_modules/.pagekeeper-lock"
   fi
   echo "test tools: $(promtool --version 2>/dev/null | head -1 || echo 'no promtool');" \
        "tsc $("$typecheck/node_modules/.bin/tsc" --version 2>/dev/null || echo missing)"

@@ -48,6 +48,7 @@ class Load:
     clients_per_kind: int = 2
     pause_s: float = 0.02
     timeout_s: float = 90.0
+    headers: dict[str, str] = field(default_factory=dict)  # e.g. the API key's Authorization header
     records: list[Record] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -76,7 +77,7 @@ class Load:
             }
             start = time.monotonic()
             try:
-                with httpx.Client(base_url=self.url, timeout=self.timeout_s) as c:
+                with httpx.Client(base_url=self.url, timeout=self.timeout_s, headers=self.headers) as c:
                     r = c.post("/v1/completions", json=body)
                 if r.status_code != 200:
                     outcome, detail = f"http_{r.status_code}", r.text[:200]
@@ -103,7 +104,7 @@ class Load:
     def _client(self, name: str, kind: str) -> None:
         stream = kind.startswith("stream")
         keepalive = kind.endswith("keepalive")
-        client = httpx.Client(base_url=self.url, timeout=self.timeout_s) if keepalive else None
+        client = httpx.Client(base_url=self.url, timeout=self.timeout_s, headers=self.headers) if keepalive else None
         n = 0
         try:
             while not self._stop.is_set():
@@ -116,7 +117,7 @@ class Load:
                     "temperature": 0,
                     "stream": stream,
                 }
-                c = client or httpx.Client(base_url=self.url, timeout=self.timeout_s)
+                c = client or httpx.Client(base_url=self.url, timeout=self.timeout_s, headers=self.headers)
                 start = time.monotonic()
                 try:
                     outcome, detail = (self._stream if stream else self._plain)(c, body)

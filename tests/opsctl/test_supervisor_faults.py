@@ -150,6 +150,9 @@ def test_an_engine_that_keeps_crashing_ends_in_a_reported_crash_loop(deploy, tmp
     assert m["pagekeeper_supervisor_crash_loop_gave_up"] == 1
     assert m["pagekeeper_supervisor_restarts_total{reason=engine_exited}"] == 2
     assert m["pagekeeper_supervisor_decisions_total{action=give_up,reason=crash_loop}"] == 1
+    # a kubelet's liveness probe (the Helm chart's) now fails: restarting the container is the next level's job
+    livez = httpx.get(st["supervisor"]["metrics_url"].replace("/metrics", "/livez"), timeout=5)
+    assert livez.status_code == 503 and livez.text.startswith("gave up: ") and "exit code 1" in livez.text
     time.sleep(2)  # and it stays given up, no more restarts
     assert d.status()["restarts"]["total"] == 2
 
