@@ -31,6 +31,10 @@ import torch.nn.functional as F
 _MAX_SCORE_ELEMENTS = 1 << 26
 
 
+def kv_cache_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int) -> tuple[int, ...]:
+    return (2, num_blocks, num_kv_heads, block_size, head_dim)
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store key/value ``[T, num_kv_heads, head_dim]`` into their slots of ``kv_cache``."""
     block_size = kv_cache.shape[3]

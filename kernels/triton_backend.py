@@ -15,8 +15,9 @@ import torch
 
 from kernels.cache_ops import copy_blocks, gather_blocks, scatter_blocks, write_kv
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+from kernels.reference import kv_cache_shape
 
-__all__ = ["write_kv", "paged_attention", "copy_blocks", "gather_blocks", "scatter_blocks"]
+__all__ = ["write_kv", "paged_attention", "copy_blocks", "gather_blocks", "scatter_blocks", "kv_cache_shape"]
 
 
 def _on_device(t: torch.Tensor):

@@ -76,8 +76,10 @@ class _SeqState:
     prompt_ids: list[int] | None = None  # kept only for prompt logprobs
 
 
-def kv_cache_shape(model: nn.Module, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    return (2, num_blocks, model.num_kv_heads, block_size, model.head_dim)
+def kv_cache_shape(model: nn.Module, num_blocks: int, block_size: int, device: torch.device) -> tuple[int, ...]:
+    """The KV cache tensor of one layer, in the layout the device's attention kernels read (kernels/)."""
+    backend = kernels.attention_backend(device)
+    return tuple(backend.kv_cache_shape(num_blocks, model.num_kv_heads, block_size, model.head_dim))
 
 
 def vocab_size(model: nn.Module) -> int:
@@ -126,11 +128,11 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
-        shape = kv_cache_shape(model, num_blocks, block_size)
+        shape = kv_cache_shape(model, num_blocks, block_size, device)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
         # Swap space: written before it is read, so no need to zero it; pinned for fast copies.
         self._pin = device.type == "cuda"
-        cpu_shape = kv_cache_shape(model, num_cpu_blocks, block_size)
+        cpu_shape = kv_cache_shape(model, num_cpu_blocks, block_size, device)  # swap blocks: the same layout
         self.cpu_caches = (
             [torch.empty(cpu_shape, dtype=dtype, pin_memory=self._pin) for _ in range(model.num_layers)]
             if num_cpu_blocks

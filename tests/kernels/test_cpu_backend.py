@@ -1,6 +1,7 @@
-"""The CPU backend's decode path against the torch reference: plain decode, grouped-query heads,
-sequences of different lengths (padded tables), mixed steps (decodes first, then prefill chunks),
-bfloat16 caches; and the engine picks it on the CPU."""
+"""The CPU backend (token-major "NHD" cache) against the torch reference (head-major cache) on the same keys and
+values: decode, grouped-query heads, sequences of different lengths (padded tables), prefill chunks alone and in
+mixed steps (decodes first), same-length groups, bfloat16 caches, cache writes; and the engine picks it on the
+CPU."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ def _case(batch: int, heads: int, kv_heads: int, block_size: int, dtype: torch.d
     return cache, tables, lens
 
 
+def _nhd(cache: torch.Tensor) -> torch.Tensor:
+    """The same keys and values in the CPU backend's layout."""
+    return cache.permute(0, 1, 3, 2, 4).contiguous()
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,7 +42,7 @@ def test_decode_equals_the_reference(heads, kv_heads, block_size, dtype):
     q = torch.randn(7, heads, 32).to(dtype)
     qsl = torch.arange(8, dtype=torch.int32)
     want = reference.paged_attention(q, cache, tables, lens, qsl, 0.17, 1, int(lens.max()))
-    got = cpu_backend.paged_attention(q, cache, tables, lens, qsl, 0.17, 1, int(lens.max()))
+    got = cpu_backend.paged_attention(q, _nhd(cache), tables, lens, qsl, 0.17, 1, int(lens.max()))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
@@ -48,8 +54,33 @@ def test_mixed_step_equals_the_reference():
     lens = torch.maximum(lens, torch.tensor(q_lens, dtype=torch.int32))
     q = torch.randn(int(qsl[-1]), 8, 32)
     want = reference.paged_attention(q, cache, tables, lens, qsl, 0.2, 12, int(lens.max()))
-    got = cpu_backend.paged_attention(q, cache, tables, lens, qsl, 0.2, 12, int(lens.max()), num_decodes=3)
+    got = cpu_backend.paged_attention(q, _nhd(cache), tables, lens, qsl, 0.2, 12, int(lens.max()), num_decodes=3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_groups_equal_the_reference(dtype):
+    """Chunks of equal (chunk, context) lengths share one call; others run alone; all match the reference."""
+    cache, tables, _ = _case(7, 8, 4, 16, dtype, seed=11)
+    q_lens = [9, 9, 9, 4, 9, 1, 17]
+    lens = torch.tensor([40, 40, 40, 22, 33, 5, 17], dtype=torch.int32)  # the first three form a group
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), 8, 32).to(dtype)
+    want = reference.paged_attention(q, cache, tables, lens, qsl, 0.15, 17, 40)
+    got = cpu_backend.paged_attention(q, _nhd(cache), tables, lens, qsl, 0.15, 17, 40)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_writes_land_where_the_reference_writes_them():
+    heads, dim, bs = 2, 8, 16
+    ref = torch.zeros(2, 6, heads, bs, dim)
+    mine = torch.zeros(cpu_backend.kv_cache_shape(6, heads, bs, dim))
+    k, v = torch.randn(5, heads, dim), torch.randn(5, heads, dim)
+    slots = torch.tensor([3, 17, -1, 95, 40])  # -1: padding, never written
+    reference.write_kv(k, v, ref, slots)
+    cpu_backend.write_kv(k, v, mine, slots)
+    torch.testing.assert_close(_nhd(ref), mine, rtol=0, atol=0)
 
 
 def test_the_engine_uses_it_on_the_cpu():
