@@ -183,7 +183,11 @@ def rotary(
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return rotate_rows(x, cos.to(x.dtype), sin.to(x.dtype))
+
+
+def rotate_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[T, H, D]`` rotated by full-width ``cos``/``sin`` rows ``[T, 1, D]`` already in x's dtype."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

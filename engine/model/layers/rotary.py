@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.reference import rotate_rows
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -64,7 +65,20 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         self.cos = freqs.cos()  # [P, D/2], plain attributes: not part of the state dict
         self.sin = freqs.sin()
+        # Off the GPU: the step's full-width cos/sin rows in the activations' dtype, made by the first layer and
+        # reused by the others (every layer of a forward gets the same positions tensor).  Keyed by the tensor
+        # object, which is held here so no later step's tensor can take its identity; off the GPU the runner
+        # makes a new positions tensor every step (only CUDA graphs rewrite a static buffer, and CUDA does not
+        # come here).
+        self._step_rows: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated (q, k): one fused Triton kernel on CUDA (in place), the torch reference elsewhere."""
-        return kernels.fused_backend(q.device).rotary(q, k, positions, self.cos, self.sin)
+        if q.is_cuda:
+            return kernels.fused_backend(q.device).rotary(q, k, positions, self.cos, self.sin)
+        rows = self._step_rows
+        if rows is None or rows[0] is not positions or rows[1] != q.dtype:
+            c = torch.cat([self.cos[positions]] * 2, dim=-1)[:, None, :].to(q.dtype)  # [T, 1, D]
+            s = torch.cat([self.sin[positions]] * 2, dim=-1)[:, None, :].to(q.dtype)
+            rows = self._step_rows = (positions, q.dtype, c, s)
+        return rotate_rows(q, rows[2], rows[3]), rotate_rows(k, rows[2], rows[3])
