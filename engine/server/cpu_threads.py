@@ -4,10 +4,15 @@ On a CPU the model's intra-op threads (one per core by default) and the server's
 same cores.  An operator's parallel region waits at its barrier for every thread, so when the event loop (or any
 other process) takes one core for a moment, every small op of the step waits for it: on a 2-core machine a
 batch-10 decode step measured 265 ms with two model threads against 58 ms with one (bf16, hidden 512, 8 layers,
-the machine otherwise busy).  vLLM's CPU backend reserves one core for its API server and pins the model's
-threads to the rest; pagekeeper does the same by default (`--cpu-reserved-cores`, 0 turns it off): the step
-loop's thread and its OpenMP workers run on the compute cores, everything else of the process on the reserved
-ones.  A GPU engine keeps the default (its threads mostly wait for the device).
+the machine otherwise busy).  vLLM's CPU backend reserves one core for its API server and runs the model's threads on the
+rest; pagekeeper does the same by default (`--cpu-reserved-cores`, 0 turns it off).
+
+With two or more compute cores the step loop's thread (and the OpenMP workers it starts) is pinned to them and the
+rest of the process to the reserved cores, so that no model thread shares a core with the event loop.  With one
+compute core there is no team to stall, and nothing is pinned: one model thread and the event loop are best placed
+by the kernel's scheduler on a machine that also runs other work (pinned, the event loop waited behind other
+processes on its one core and a supervisor's probes timed out in a loaded test run).  A GPU engine keeps the
+default (its threads mostly wait for the device).
 """
 
 from __future__ import annotations
@@ -30,7 +35,13 @@ class CpuThreadPlan:
 
     @property
     def binds(self) -> bool:
+        """The model's thread count follows the plan."""
         return bool(self.serving_cores)
+
+    @property
+    def pins(self) -> bool:
+        """Threads are pinned to their cores (only a team of two or more model threads needs it)."""
+        return self.binds and len(self.compute_cores) >= 2
 
 
 def available_cores() -> tuple[int, ...]:
@@ -56,7 +67,7 @@ def plan_cpu_threads(cores: tuple[int, ...], reserved: int | None) -> CpuThreadP
 
 def bind_serving_threads(plan: CpuThreadPlan) -> None:
     """Called on the main thread: it and the threads it starts later stay on the serving cores."""
-    if plan.binds:
+    if plan.pins:
         os.sched_setaffinity(0, plan.serving_cores)  # 0: the calling thread only (Linux)
 
 
@@ -65,11 +76,13 @@ def bind_compute_thread(plan: CpuThreadPlan) -> None:
     inherit these cores; one intra-op thread per compute core."""
     if not plan.binds:
         return
-    os.sched_setaffinity(0, plan.compute_cores)
+    if plan.pins:
+        os.sched_setaffinity(0, plan.compute_cores)
     torch.set_num_threads(len(plan.compute_cores))
     log.info(
         "cpu_threads_bound",
         compute_cores=list(plan.compute_cores),
         serving_cores=list(plan.serving_cores),
         torch_threads=torch.get_num_threads(),
+        pinned=plan.pins,
     )

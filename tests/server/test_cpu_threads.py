@@ -33,7 +33,7 @@ def _allowed(pid: int) -> dict[int, str]:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding needs at least two cores")
-def test_a_cpu_server_binds_its_step_loop_apart_from_its_event_loop(launch) -> None:
+def test_a_cpu_server_keeps_a_core_for_its_event_loop(launch) -> None:
     server = launch()
     r = httpx.post(server.url + "/v1/completions", json={"model": "pagekeeper-default", "prompt": "Now is"})
     assert r.status_code == 200
@@ -41,8 +41,15 @@ def test_a_cpu_server_binds_its_step_loop_apart_from_its_event_loop(launch) -> N
     assert len(bound) == 1, server.log()[-2000:]
     compute, serving = bound[0]["compute_cores"], bound[0]["serving_cores"]
     allowed = _allowed(server.proc.pid)
-    print(f"compute cores {compute}, serving cores {serving}; threads: {sorted(allowed.values())}")
-    as_list = ",".join(map(str, serving))
-    assert allowed[server.proc.pid] == as_list  # the main thread: the event loop
-    assert bound[0]["torch_threads"] == len(compute)
-    assert any(v == ",".join(map(str, compute)) for v in allowed.values())  # the step loop
+    print(f"compute cores {compute}, serving cores {serving}, pinned {bound[0]['pinned']}; threads: {allowed}")
+    assert bound[0]["torch_threads"] == len(compute) == len(os.sched_getaffinity(0)) - 1
+    if bound[0]["pinned"]:  # two or more compute cores: the event loop and the model never share one
+        assert allowed[server.proc.pid] == ",".join(map(str, serving))
+        assert any(v == ",".join(map(str, compute)) for v in allowed.values())
+    else:  # one model thread: nothing to stall at a barrier, so the scheduler places both
+        assert len(compute) == 1 and len(set(allowed.values())) == 1
+
+
+def test_two_compute_cores_are_pinned_one_is_not() -> None:
+    assert plan_cpu_threads((0, 1, 2), None).pins
+    assert not plan_cpu_threads((0, 1), None).pins
