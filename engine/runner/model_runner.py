@@ -89,9 +89,10 @@ def vocab_size(model: nn.Module) -> int:
     return next(m.vocab_size for m in model.modules() if isinstance(m, VocabEmbedding))
 
 
-def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> int:
+    """Bytes of one block over every layer, K and V, in the cache's dtype (1 byte per element for fp8)."""
     elems = 2 * model.num_kv_heads * block_size * model.head_dim * model.num_layers
-    return elems * torch.empty((), dtype=dtype).element_size()
+    return elems * torch.empty((), dtype=kv_dtype).element_size()
 
 
 class StaticInputs:
@@ -122,12 +123,14 @@ class ModelRunner:
         num_cpu_blocks: int = 0,
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
+        self.kv_dtype = dtype = kv_dtype or dtype  # the cache's dtype: the model's, or float8_e4m3fn
         shape = kv_cache_shape(model, num_blocks, block_size, device)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
         # Swap space: written before it is read, so no need to zero it; pinned for fast copies.
