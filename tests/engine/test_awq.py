@@ -186,3 +186,39 @@ def test_the_seeds_awq_start_up_line_serves(awq, tmp_path):
         proc.terminate()
         proc.wait(30)
         log.close()
+
+
+def test_the_memory_estimate_shows_what_quantization_buys(awq, tmp_path):
+    """opsctl doctor's figures (engine/memory/estimate.py): weights per storage dtype beside the unquantized
+    size, KV bytes per token in the cache's dtype beside the other --kv-cache-dtype."""
+    from engine.config import EngineConfig
+    from engine.memory.estimate import estimate
+
+    q, _ = awq("zen", 128)
+    plain = estimate(EngineConfig(model=str(DEFAULT_MODEL_DIR), dtype="float16", kv_cache_memory_bytes=1 << 24))
+    quant = estimate(EngineConfig(model=str(q), kv_cache_dtype="fp8", kv_cache_memory_bytes=1 << 24))
+    r = quant.ranks[0]
+    print(
+        f"estimate: weights {r.weight_bytes_by_dtype} vs {r.unquantized_weight_bytes} unquantized; KV/token "
+        f"{quant.kv_bytes_per_token} ({quant.kv_dtype}) vs {quant.kv_bytes_per_token_other}; tokens "
+        f"{quant.kv_tokens} vs {plain.kv_tokens}"
+    )
+    assert set(r.weight_bytes_by_dtype) == {"int32", "float16"} and r.unquantized_weight_bytes == plain.weight_bytes
+    assert r.weight_bytes < plain.weight_bytes / 3  # the embedded model: 3.3x (its embedding is 16-bit)
+    assert quant.kv_dtype == "float8_e4m3fn" and quant.kv_bytes_per_token * 2 == plain.kv_bytes_per_token
+    assert quant.kv_bytes_per_token_other == plain.kv_bytes_per_token and quant.kv_tokens == 2 * plain.kv_tokens
+    cfg = tmp_path / "doctor.toml"
+    cfg.write_text(
+        f'[engine]\nmodel = "{q}"\nkv_cache_dtype = "fp8"\nport = 1\n[supervisor]\nruntime_dir = "{tmp_path / "run"}"\n'
+    )
+    doctor = subprocess.run(
+        [sys.executable, "-m", "opsctl.cli", "--config", str(cfg), "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(REPO),
+    )
+    lines = [ln for ln in doctor.stdout.splitlines() if "weights" in ln or "kv per token" in ln]
+    print("\n".join(lines))
+    assert any("int32" in ln and "unquantized" in ln for ln in lines), doctor.stdout
+    assert any("in float8_e4m3fn" in ln and "with --kv-cache-dtype auto" in ln for ln in lines), doctor.stdout
