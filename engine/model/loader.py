@@ -167,7 +167,7 @@ def load_model(
     With tensor parallelism each rank builds and reads only its shard."""
     model = build_on_meta(info, max_model_len, device, tp).to_empty(device=device)
     if load_format == "dummy":
-        _random_weights(model)
+        _random_weights(model, info.dtype)
     else:
         try:
             model.load_weights(iter_checkpoint(info.path))
@@ -203,7 +203,7 @@ def check_checkpoint(info: ModelInfo) -> int:
 
 
 @torch.no_grad()
-def _random_weights(model: nn.Module) -> None:
+def _random_weights(model: nn.Module, dtype: torch.dtype) -> None:
     """N(0, 0.02) weights, unit norms, zero biases, each checkpoint tensor drawn from a generator
     seeded by its name: every tensor-parallel rank holds its slice of the same model, so outputs at
     --tensor-parallel-size N can be compared with 1."""
@@ -213,7 +213,7 @@ def _random_weights(model: nn.Module) -> None:
         load_random = getattr(module, "load_random", None)
         if load_random is not None:  # a quantized layer draws and quantizes its own tensors
             offsets = getattr(module, "shard_offsets", None)
-            load_random(mname, list(offsets) if offsets is not None and "" not in offsets else [None])
+            load_random(mname, list(offsets) if offsets is not None and "" not in offsets else [None], dtype)
             quantized.add(mname)
     for name, p in model.named_parameters():
         if name.rsplit(".", 1)[0] in quantized:

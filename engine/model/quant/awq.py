@@ -108,15 +108,11 @@ class AWQScheme:
         copy_into(param.data, where, tensor, raw_name)
         return True
 
-    def random(self, leaf: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-        """Uniform int4 values around a zero point of 8, scaled so the weights have std ~0.02."""
-        if leaf == "qweight":
-            return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=generator)
-        if leaf == "qzeros":
-            return torch.full(shape, 0x88888888 - 2**32, dtype=torch.int32)
-        if leaf == "scales":
-            return torch.full(shape, 0.02 / 4.6)  # uniform -8..7 has std 4.6
-        return torch.zeros(shape)
+    def from_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Round to nearest, as engine/model/quantize.py writes checkpoints."""
+        from engine.model.quantize import awq_quantize
+
+        return awq_quantize(weight, self.group_size)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return kernels.quant_backend(x.device).awq_linear(x, layer.qweight, layer.qzeros, layer.scales, self.group_size)

@@ -116,17 +116,11 @@ class Fp8Scheme:
         else:
             target.copy_(tensor.read(0, where.start, where.size).reshape(-1))
 
-    def random(self, leaf: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-        """N(0, 0.02) weights (load_format=dummy): 16-bit ones to quantize at load, or e4m3 ones of
-        N(0, 1) with a scale of 0.02 for a serialized-FP8 model."""
-        if leaf == "weight":
-            w = torch.empty(shape, dtype=torch.float32).normal_(
-                0.0, 1.0 if self.prequantized else 0.02, generator=generator
-            )
-            return w.to(FP8) if self.prequantized else w
-        if leaf == "weight_scale":
-            return torch.full(shape, 0.02)
-        return torch.zeros(shape)
+    def from_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not self.prequantized:
+            return {"weight": weight}  # quantized while it loads, as a 16-bit checkpoint's
+        q, scale = quantize_rows(weight)
+        return {"weight": q, "weight_scale": scale}
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return kernels.quant_backend(x.device).fp8_linear(x, layer.weight, layer.weight_scale)

@@ -49,8 +49,8 @@ class LinearScheme(Protocol):
     ) -> bool:
         """Load `leaf` its own way (True), or leave it to the plain copy (False)."""
 
-    def random(self, leaf: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-        """A plausible full checkpoint tensor for `leaf` (load_format=dummy)."""
+    def from_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors (by leaf) of a 16/32-bit weight ``[out, in]`` (load_format=dummy)."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x @ W^T`` without the bias."""
@@ -79,21 +79,26 @@ class _QuantLinear(nn.Module):
     def load_tensor(self, raw_name: str, leaf: str, shard: str | None, tensor: CheckpointTensor) -> bool:
         return self.scheme.load(self, raw_name, leaf, self.checkpoint_slice(leaf, shard), tensor)
 
+    def full_weight_shape(self, shard: str | None) -> tuple[int, int]:
+        """The unquantized checkpoint weight ``[out, in]`` this layer (shard) is a slice of."""
+        raise NotImplementedError
+
     @torch.no_grad()
-    def load_random(self, name: str, shards: list[str | None]) -> None:
-        """Random weights (load_format=dummy), each full tensor drawn from a generator seeded by its
-        name and sliced as a checkpoint's would be: every tensor-parallel rank holds its share of
-        the same model."""
-        for leaf in self.expected_leaves():
-            for shard in shards:
-                where = self.checkpoint_slice(leaf, shard)
-                full = list(getattr(self, leaf).shape)
-                if where is not None:
-                    full[where.dim] = where.full
-                seed = zlib.crc32(f"{name}.{leaf}:{shard}".encode())
-                gen = torch.Generator(device="cpu").manual_seed(seed)
-                tensor = CheckpointTensor.of(self.scheme.random(leaf, tuple(full), gen))
-                raw = f"{name}.{leaf}"
+    def load_random(self, name: str, shards: list[str | None], dtype: torch.dtype) -> None:
+        """Random weights (load_format=dummy): exactly the N(0, 0.02) 16-bit weights the unquantized model
+        draws (same generator, seed and device: engine/model/loader.py), quantized as a checkpoint
+        would be and sliced as this rank's share, so a quantized dummy model is the quantized version
+        of the unquantized one (the benchmark's logit errors compare them)."""
+        device = next(p.device for p in self.parameters())
+        for shard in shards:
+            gen = torch.Generator(device=device).manual_seed(zlib.crc32(f"{name}.weight:{shard}".encode()))
+            shape = self.full_weight_shape(shard)
+            weight = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+            tensors = self.scheme.from_weight(weight)
+            if self.bias is not None:
+                tensors["bias"] = torch.zeros(shape[0], dtype=dtype, device=device)
+            for leaf, value in tensors.items():
+                raw, where, tensor = f"{name}.{leaf}", self.checkpoint_slice(leaf, shard), CheckpointTensor.of(value)
                 if not self.scheme.load(self, raw, leaf, where, tensor):
                     copy_into(getattr(self, leaf).data, where, tensor, raw)
 
@@ -125,6 +130,9 @@ class QuantMergedLinear(_QuantLinear):
         key = shard_id or ""
         return self.scheme.column_slice(leaf, self.parts[key], self.shard_offsets[key][0])
 
+    def full_weight_shape(self, shard: str | None) -> tuple[int, int]:
+        return (self.parts[shard or ""].full, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._add_bias(self.scheme.apply(self, x))
 
@@ -145,6 +153,9 @@ class QuantRowLinear(_QuantLinear):
         if leaf == "bias":
             return None  # replicated, added once after the all-reduce
         return self.scheme.row_slice(leaf, self.part)
+
+    def full_weight_shape(self, shard: str | None) -> tuple[int, int]:
+        return (self.out_features, self.part.full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.scheme.apply(self, x)
