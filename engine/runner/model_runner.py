@@ -89,6 +89,10 @@ def vocab_size(model: nn.Module) -> int:
     return next(m.vocab_size for m in model.modules() if isinstance(m, VocabEmbedding))
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def kv_bytes_per_block(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> int:
     """Bytes of one block over every layer, K and V, in the cache's dtype (1 byte per element for fp8)."""
     elems = 2 * model.num_kv_heads * block_size * model.head_dim * model.num_layers
@@ -464,16 +468,18 @@ class ModelRunner:
     def apply(self, plan: StepPlan) -> None:
         """Block movements the KV manager decided, in order: swap-out, swap-in, copy-on-write."""
         b = self.backend
+        # The CPU side of a swap indexes blocks as bytes when the cache is fp8 (every torch has uint8
+        # indexing; float8 indexing on CPU came later than the GPU image's torch).
         if plan.swap_out:
             src = self._to_device(np.asarray([g for g, _ in plan.swap_out], dtype=np.int64))
             dst = torch.tensor([c for _, c in plan.swap_out])
             for gpu, cpu in zip(self.kv_caches, self.cpu_caches):
-                cpu[:, dst] = b.gather_blocks(gpu, src).to("cpu")
+                _as_bytes(cpu)[:, dst] = _as_bytes(b.gather_blocks(gpu, src).to("cpu"))
         if plan.swap_in:
             src = torch.tensor([c for c, _ in plan.swap_in])
             dst = self._to_device(np.asarray([g for _, g in plan.swap_in], dtype=np.int64))
             for gpu, cpu in zip(self.kv_caches, self.cpu_caches):
-                b.scatter_blocks(gpu, cpu[:, src], dst)
+                b.scatter_blocks(gpu, _as_bytes(cpu)[:, src].view(cpu.dtype), dst)
         if plan.copies:
             src = self._to_device(np.asarray([s for s, _ in plan.copies], dtype=np.int64))
             dst = self._to_device(np.asarray([d for _, d in plan.copies], dtype=np.int64))

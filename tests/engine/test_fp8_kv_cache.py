@@ -104,3 +104,30 @@ def test_unsupported_kv_cache_dtypes_and_devices_are_refused_in_one_line(monkeyp
     assert "\n" not in str(e.value) and "compute capability 8.9" in str(e.value) and "A100" in str(e.value)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_device(EngineConfig(device="cuda", kv_cache_dtype="fp8"), None)  # Hopper: accepted
+
+
+@pytest.mark.gpu
+def test_gpu_quantized_engines_match_the_cpu_reference_path():
+    """The embedded model on the GPU (Triton kernels, torch._scaled_mm) against the CPU (torch reference)
+    for each quantization: the same greedy tokens, logits within float32 kernel noise."""
+    import json as _json
+    import tempfile
+    from pathlib import Path
+
+    from engine.default_model import DEFAULT_MODEL_DIR
+    from engine.model.quantize import write_awq
+
+    awq = write_awq(DEFAULT_MODEL_DIR, Path(tempfile.mkdtemp()) / "awq", 128)
+    prompts = zen_prefixes()
+    for model, kw in (
+        (None, dict(kv_cache_dtype="fp8", dtype="float32")),
+        (None, dict(kv_cache_dtype="fp8", dtype="bfloat16")),
+        (None, dict(quantization="fp8", dtype="bfloat16")),
+        (str(awq), dict(dtype="float16")),
+    ):
+        if (kw.get("quantization") == "fp8" or "kv_cache_dtype" in kw) and torch.cuda.get_device_capability() < (8, 9):
+            continue
+        cpu, gpu = LLM(model, device="cpu", **kw), LLM(model, device="cuda", **kw)
+        rate, identical = agreement(greedy(gpu, prompts), greedy(cpu, prompts))
+        print(f"gpu vs cpu {_json.dumps(kw)}: greedy {rate:.3f} ({identical}/19 identical)")
+        assert rate >= 0.9

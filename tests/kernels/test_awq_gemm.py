@@ -74,3 +74,35 @@ def test_fp8_linear_reference_is_per_token_and_per_channel():
     err = float((y - want).norm(dim=-1).div(want.norm(dim=-1)).max())
     print(f"fp8 linear (reference): worst row relative error {err:.3e}")
     assert err < 0.08  # two e4m3 roundings (3 mantissa bits each), averaged over 64 products
+
+
+@pytest.mark.gpu
+def test_gpu_awq_gemm_llama3_shapes():
+    """Llama-3-8B's projections at decode (1, 16 rows) and prefill (256) sizes against dequantize + matmul."""
+    for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
+        qweight, qzeros, scales = _random_awq(k, n, 128, torch.float16, seed=k + n)
+        w = qr.awq_dequantize(qweight, qzeros, scales, 128)
+        for m in (1, 16, 256):
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            got = awq_gemm(x, qweight, qzeros, scales, 128)
+            want = x.float() @ w
+            err = float((got.float() - want).norm() / want.norm())
+            print(f"gpu awq {k}x{n} m={m}: rel err {err:.2e}")
+            assert err < 2e-3
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_linear_scaled_mm_matches_the_reference():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("torch._scaled_mm needs compute capability 8.9+")
+    from kernels import quant_cuda
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(4096, 4096, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+    wq, ws = qr.quantize_rows(w)
+    for m in (1, 7, 256):
+        x = torch.randn(m, 4096, generator=g, device="cuda", dtype=torch.bfloat16)
+        got, want = quant_cuda.fp8_linear(x, wq, ws), qr.fp8_linear(x, wq, ws)
+        err = float((got.float() - want.float()).norm() / want.float().norm())
+        print(f"gpu fp8 linear m={m}: rel err vs reference {err:.2e}")
+        assert err < 1e-2
