@@ -154,8 +154,14 @@ def load_named_weights(
         copy_into(param.data, where, tensor, raw_name)
         loaded.add((name, shard))
     if unexpected:
+        kv_scales = any(n.endswith((".k_scale", ".v_scale")) for n in unexpected)
         raise ModelLoadError(
             f"checkpoint has {len(unexpected)} weight(s) this architecture does not use, e.g. {unexpected[:3]}"
+            + (
+                "; checkpoint KV-cache scales are not read (--kv-cache-dtype fp8 calibrates its own)"
+                if kv_scales
+                else ""
+            )
         )
     missing = sorted(_checkpoint_name(n, s, stacked) for n, s in expected - loaded)
     if missing:
