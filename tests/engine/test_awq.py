@@ -188,6 +188,7 @@ def test_the_seeds_awq_start_up_line_serves(awq, tmp_path):
         log.close()
 
 
+@pytest.mark.slow
 def test_the_memory_estimate_shows_what_quantization_buys(awq, tmp_path):
     """opsctl doctor's figures (engine/memory/estimate.py): weights per storage dtype beside the unquantized
     size, KV bytes per token in the cache's dtype beside the other --kv-cache-dtype."""

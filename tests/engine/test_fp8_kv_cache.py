@@ -26,6 +26,7 @@ MIN_ARGMAX_AGREEMENT = 0.95
 MIN_GREEDY_AGREEMENT = 0.90
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fp8_cache_logits_and_greedy_tokens_stay_close_to_the_models_own_cache(dtype):
     base = LLM(None, dtype=dtype)
