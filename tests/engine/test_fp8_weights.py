@@ -62,13 +62,16 @@ def test_serialized_fp8_checkpoints_load(fp8_checkpoints):
 
 @pytest.mark.slow
 def test_fp8_tensor_parallel_and_dummy_weights():
-    """Two ranks: column-parallel shards keep their rows' scales, row-parallel ranks scale their own slice
-    of each row (so the sums differ from one rank's by rounding only).  Dummy weights (benchmarks)
-    quantize random 16-bit tensors the same way."""
+    """Two ranks, FP8 weights and an FP8 KV cache: column-parallel shards keep their rows' scales,
+    row-parallel ranks scale their own slice of each row (so the sums differ from one rank's by rounding
+    only), each rank calibrates the KV scales of its own heads.  Dummy weights (benchmarks) quantize
+    random 16-bit tensors the same way."""
     prompts = zen_prefixes()[:8]
-    with LLM(None, quantization="fp8") as one, LLM(None, quantization="fp8", tensor_parallel_size=2) as two:
+    kw = dict(quantization="fp8", kv_cache_dtype="fp8")
+    with LLM(None, **kw) as one, LLM(None, tensor_parallel_size=2, **kw) as two:
+        assert two.llm_engine.core.runner.local.kv_caches[0].shape[2] == 1  # one of the two KV heads per rank
         rate, identical = agreement(greedy(two, prompts), greedy(one, prompts))
-    print(f"fp8 TP=2 vs TP=1: greedy {rate:.3f} ({identical}/8 identical)")
+    print(f"fp8 weights + fp8 KV, TP=2 vs TP=1: greedy {rate:.3f} ({identical}/8 identical)")
     assert rate >= 0.9
     dummy = LLM(None, quantization="fp8", load_format="dummy", kv_cache_dtype="fp8")
     assert len(greedy(dummy, prompts[:2], 4)[0]) == 4
