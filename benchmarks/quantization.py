@@ -336,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if gpu else "cpu")
     base_model = model_dir(quick=not gpu)
     if args.quick:  # a private copy: the AWQ checkpoint is written beside it
-        private = Path(args.out) / "quick-model"
+        import tempfile
+
+        private = Path(tempfile.mkdtemp(prefix="pagekeeper-quant-")) / "model"
         shutil.copytree(base_model, private, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
         base_model = str(private)
     models = {"base": base_model, "awq": awq_model_dir(base_model, quick=not gpu)}
