@@ -16,6 +16,9 @@ from typing import Any, Literal
 
 BLOCK_SIZES = (8, 16, 32)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings (the seed's `--dtype half`)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's spelling; fp8 means float8_e4m3fn
+QUANTIZATIONS = ("fp8", "awq")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MODEL_NAME = "pagekeeper-default"  # the embedded model's served name, also accepted as --model
 
@@ -43,9 +46,28 @@ class EngineConfig:
     )
     dtype: str = field(
         default="auto",
-        metadata=_flag("Weight and activation dtype; auto follows the checkpoint.", choices=DTYPES),
+        metadata=_flag(
+            "Weight and activation dtype; auto follows the checkpoint (float16 for AWQ); half = float16, "
+            "float = float32.",
+            choices=DTYPES + tuple(DTYPE_ALIASES),
+        ),
     )
     device: str = field(default="auto", metadata=_flag("cpu, cuda, cuda:N, or auto (cuda when available)."))
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = field(
+        default="auto",
+        metadata=_flag(
+            "KV cache storage: auto (the model's dtype) or fp8 / fp8_e4m3 (float8_e4m3fn with one power-of-two "
+            "scale per layer, K/V and KV head, calibrated at start-up: half the bytes per token)."
+        ),
+    )
+    quantization: Literal["fp8", "awq"] | None = field(
+        default=None,
+        metadata=_flag(
+            "Weight quantization: fp8 (FP8 weights with per-channel scales, quantized at load from a 16-bit "
+            "checkpoint, or an FP8 checkpoint) or awq (an AutoAWQ GEMM int4 checkpoint). Default: what the "
+            "checkpoint's quantization_config says, else none."
+        ),
+    )
     seed: int = field(default=0, metadata=_flag("Seed for requests that do not bring their own."))
     max_model_len: int | None = field(
         default=None,
@@ -126,6 +148,7 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         self.validate()
 
     def validate(self) -> None:
@@ -134,6 +157,20 @@ class EngineConfig:
             raise ConfigError(f"--block-size must be one of {BLOCK_SIZES}, got {self.block_size}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+                + (
+                    " (fp8_e5m2 is not supported: e4m3 keeps one more mantissa bit)"
+                    if "e5m2" in str(self.kv_cache_dtype)
+                    else ""
+                )
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r} "
+                "(GPTQ, bitsandbytes and other methods are not supported)"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0.0 < self.cpu_kv_cache_fraction < 1.0:
@@ -191,6 +228,11 @@ class EngineConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def kv_cache_fp8(self) -> bool:
+        """The KV cache is stored in float8_e4m3fn (--kv-cache-dtype fp8 or fp8_e4m3)."""
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     def resolved_preemption_mode(self, device: str) -> str:
         if self.preemption_mode is not None:

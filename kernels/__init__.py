@@ -45,3 +45,15 @@ def fused_backend(device: torch.device | str) -> ModuleType:
     from kernels import reference
 
     return reference
+
+
+def quant_backend(device: torch.device | str) -> ModuleType:
+    """The module providing fp8_linear/awq_linear: `kernels.quant_cuda` (torch._scaled_mm, the Triton AWQ
+    GEMM) on CUDA, `kernels.quant_reference` (dequantize, then a torch matmul) elsewhere."""
+    if torch.device(device).type == "cuda":
+        from kernels import quant_cuda
+
+        return quant_cuda
+    from kernels import quant_reference
+
+    return quant_reference

@@ -9,6 +9,10 @@
 All three block operations are one kernel: copy block ``src_idx[i]`` of one tensor to block
 ``dst_idx[i]`` of another (or the same), chunked along the block's contiguous
 ``num_kv_heads * block_size * head_dim`` elements.
+
+An fp8 cache (``float8_e4m3fn``, see kernels/reference.py) is written through its bytes: the key
+and value are divided by their head's power-of-two scale and encoded by ``kernels.fp8.e4m3_bits``;
+block copies move bytes, whatever the dtype.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.fp8 import e4m3_bits
+
+FP8 = torch.float8_e4m3fn
 
 
 # Host-side integer helpers (triton.cdiv / next_power_of_2 go through JIT-function dispatch: slow per call).
@@ -34,6 +42,7 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    kv_scale_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -46,6 +55,7 @@ def _write_kv_kernel(
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -59,8 +69,16 @@ def _write_kv_kernel(
         k = tl.load(key_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
         v = tl.load(value_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
         dst = blk * stride_cb + off * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        if KV_FP8:
+            # The cache is passed as its bytes; scales are powers of two, so 1 / scale is exact.
+            mask_h = offs_h < NUM_HEADS
+            k_inv = 1.0 / tl.load(kv_scale_ptr + offs_h, mask=mask_h, other=1.0)
+            v_inv = 1.0 / tl.load(kv_scale_ptr + NUM_HEADS + offs_h, mask=mask_h, other=1.0)
+            tl.store(k_cache_ptr + dst, e4m3_bits(k.to(tl.float32) * k_inv[:, None]), mask=mask)
+            tl.store(v_cache_ptr + dst, e4m3_bits(v.to(tl.float32) * v_inv[:, None]), mask=mask)
+        else:
+            tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -101,8 +119,15 @@ def _inner_contiguous(t: torch.Tensor) -> bool:
     return t.stride(4) == 1 and t.stride(3) == d and t.stride(2) == bs * d
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store key/value ``[T, num_kv_heads, head_dim]`` into their slots of ``kv_cache``."""
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+) -> None:
+    """Store key/value ``[T, num_kv_heads, head_dim]`` into their slots of ``kv_cache`` (an fp8 cache
+    quantized with ``kv_scale`` ``[2, num_kv_heads]``, as kernels/reference.py)."""
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
@@ -117,6 +142,11 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         )
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache's last dimension must be contiguous")
+    fp8 = kv_cache.dtype == FP8
+    if fp8:
+        if kv_scale is None or tuple(kv_scale.shape) != (2, num_heads) or not kv_scale.is_contiguous():
+            raise ValueError(f"an fp8 KV cache needs a contiguous kv_scale [2, {num_heads}]")
+        kv_cache = kv_cache.view(torch.uint8)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _write_kv_kernel[(num_tokens,)](
         key,
@@ -124,6 +154,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         k_cache,
         v_cache,
         slot_mapping,
+        kv_scale if fp8 else slot_mapping,  # unused without fp8
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -136,6 +167,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         HEADS_PAD=_next_pow2(num_heads),
         HEAD_DIM_PAD=_next_pow2(head_dim),
         BLOCK_SIZE=block_size,
+        KV_FP8=fp8,
         num_warps=4 if num_heads * head_dim >= 1024 else 1,
     )
 
@@ -145,6 +177,10 @@ def _copy(
 ) -> None:
     if n == 0:
         return
+    if src.dtype == FP8:  # bytes are bytes (and every Triton version loads and stores uint8)
+        src = src.view(torch.uint8)
+    if dst.dtype == FP8:
+        dst = dst.view(torch.uint8)
     if not (_inner_contiguous(src) and _inner_contiguous(dst)):
         raise ValueError("each block's (heads, block_size, head_dim) must be contiguous")
     numel = src.shape[2] * src.shape[3] * src.shape[4]

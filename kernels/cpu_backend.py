@@ -11,6 +11,10 @@ project's 2-core test machine, one thread, bf16, 8 heads of 64 (decode, per laye
 
 Block copies (forks, swap) move whole blocks and do not care about the layout; they are the reference's.  The
 reference stays the oracle: tests run both on the same keys and values, each in its own layout.
+
+An fp8 cache (kernels/reference.py has the format) is written and gathered as bytes, widened to the query's
+dtype after the gather (exact), and its per-head power-of-two scales are applied to the queries (key scale) and
+to the output (value scale) instead of to every cached element: exact, since scaling by a power of two is.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import copy_blocks, gather_blocks, scatter_blocks
+from kernels.reference import FP8, copy_blocks, gather_blocks, quantize_fp8, scatter_blocks
 
 __all__ = ["write_kv", "paged_attention", "copy_blocks", "gather_blocks", "scatter_blocks", "kv_cache_shape"]
 
@@ -31,24 +35,55 @@ def kv_cache_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store key/value ``[T, num_kv_heads, head_dim]`` into their slots (slot -1: padding, not written)."""
+def _check_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor | None:
+    """The scales an fp8 cache needs (None for a 16/32-bit cache)."""
+    if kv_cache.dtype != FP8:
+        return None
+    if kv_scale is None or tuple(kv_scale.shape) != (2, kv_cache.shape[3]):
+        raise ValueError(f"an fp8 KV cache needs kv_scale [2, {kv_cache.shape[3]}] (keys' and values' scales)")
+    return kv_scale
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+) -> None:
+    """Store key/value ``[T, num_kv_heads, head_dim]`` into their slots (slot -1: padding, not written),
+    quantized with ``kv_scale`` when the cache is fp8."""
+    scale = _check_scale(kv_cache, kv_scale)
     _, num_blocks, block_size, heads, dim = kv_cache.shape
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     slots = slot_mapping.long()
+    if scale is not None:  # stored as bytes
+        key = quantize_fp8(key, scale[0, :, None]).view(torch.uint8)
+        value = quantize_fp8(value, scale[1, :, None]).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
     kv_cache[0].view(num_blocks * block_size, heads, dim).index_copy_(0, slots, key.to(kv_cache.dtype))
     kv_cache[1].view(num_blocks * block_size, heads, dim).index_copy_(0, slots, value.to(kv_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def _gather(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``[B, H, nblk * block_size, D]`` keys (or values) of the sequences whose block rows are `table` ``[B,
-    nblk]``: one contiguous copy of the blocks, returned as a strided view (no permute)."""
+    nblk]``: one contiguous copy of the blocks, returned as a strided view (no permute).  An fp8 cache's
+    blocks are gathered as bytes and widened to `dtype`."""
     batch, nblk = table.shape
     _, block_size, heads, dim = cache.shape
-    rows = cache.index_select(0, table.reshape(-1).long())  # [B * nblk, bs, H, D]
+    index = table.reshape(-1).long()
+    if cache.dtype == FP8:
+        rows = cache.view(torch.uint8).index_select(0, index).view(FP8).to(dtype)
+    else:
+        rows = cache.index_select(0, index)  # [B * nblk, bs, H, D]
     return rows.view(batch, nblk * block_size, heads, dim).transpose(1, 2)
+
+
+def _per_query_head(scale: torch.Tensor, heads: int) -> torch.Tensor:
+    """A per-KV-head scale ``[H_kv]`` as ``[1, H_q, 1, 1]`` (the query heads of one KV head are adjacent)."""
+    return scale.repeat_interleave(heads // scale.shape[0]).view(1, heads, 1, 1)
 
 
 def paged_attention(
@@ -62,8 +97,11 @@ def paged_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,
     num_decodes: int = 0,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's query chunk over its paged context; ``[T, Hq, D]`` out."""
+    """Causal attention of each sequence's query chunk over its paged context; ``[T, Hq, D]`` out.
+    `kv_scale`: an fp8 cache's per-head scales."""
+    kv_scale = _check_scale(kv_cache, kv_scale)
     if out is None:
         out = torch.empty_like(query)
     batch = seq_lens.shape[0]
@@ -71,9 +109,9 @@ def paged_attention(
         num_decodes = batch
     d = num_decodes  # a mixed step lists its one-token sequences first: rows 0..d-1
     if d:
-        _decode(query[:d], kv_cache, block_tables[:d], seq_lens[:d], scale, out[:d])
+        _decode(query[:d], kv_cache, block_tables[:d], seq_lens[:d], scale, out[:d], kv_scale)
     if d < batch:
-        _prefill(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, first_seq=d)
+        _prefill(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, d, kv_scale)
     return out
 
 
@@ -84,20 +122,25 @@ def _decode(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     batch, heads, dim = query.shape
     block_size = kv_cache.shape[2]
     lens = seq_lens.tolist()
     longest = max(lens)
     nblk = -(-longest // block_size)
-    k = _gather(kv_cache[0], block_tables[:, :nblk])
-    v = _gather(kv_cache[1], block_tables[:, :nblk])
+    k = _gather(kv_cache[0], block_tables[:, :nblk], query.dtype)
+    v = _gather(kv_cache[1], block_tables[:, :nblk], query.dtype)
     mask = None
     if min(lens) < nblk * block_size:  # the padding past each sequence's end (and past its last block)
         position = torch.arange(nblk * block_size, device=query.device)
         mask = position.view(1, 1, 1, -1) < seq_lens.view(batch, 1, 1, 1)
     q = query.to(k.dtype).view(batch, heads, 1, dim)
+    if kv_scale is not None:
+        q = q * _per_query_head(kv_scale[0], heads).to(q.dtype)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != k.shape[1])
+    if kv_scale is not None:
+        o = o * _per_query_head(kv_scale[1], heads).to(o.dtype)
     out.copy_(o.view(batch, heads, dim))
 
 
@@ -110,6 +153,7 @@ def _prefill(
     scale: float,
     out: torch.Tensor,
     first_seq: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Sequences `first_seq`.. (chunks of several tokens): those with the same chunk and context lengths go
     through one fused attention call together (a uniform batch is one call per layer)."""
@@ -126,8 +170,8 @@ def _prefill(
             part = members[i : i + per_call]
             nblk = -(-ctx // block_size)
             table = block_tables[part, :nblk]
-            k = _gather(kv_cache[0], table)[:, :, :ctx]
-            v = _gather(kv_cache[1], table)[:, :, :ctx]
+            k = _gather(kv_cache[0], table, query.dtype)[:, :, :ctx]
+            v = _gather(kv_cache[1], table, query.dtype)[:, :, :ctx]
             rows = torch.cat([torch.arange(starts[b], starts[b] + q_len) for b in part]) if len(part) > 1 else None
             q = query[rows] if rows is not None else query[starts[part[0]] : starts[part[0]] + q_len]
             q = q.view(len(part), q_len, heads, dim).transpose(1, 2).to(k.dtype)
@@ -137,7 +181,11 @@ def _prefill(
                 key_pos = torch.arange(ctx, device=query.device).view(1, -1)
                 query_pos = torch.arange(ctx - q_len, ctx, device=query.device).view(-1, 1)
                 mask = key_pos <= query_pos
+            if kv_scale is not None:
+                q = q * _per_query_head(kv_scale[0], heads).to(q.dtype)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != k.shape[1])
+            if kv_scale is not None:
+                o = o * _per_query_head(kv_scale[1], heads).to(o.dtype)
             o = o.transpose(1, 2).reshape(len(part) * q_len, heads, dim)
             if rows is not None:
                 out.index_copy_(0, rows, o.to(out.dtype))

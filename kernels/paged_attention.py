@@ -15,6 +15,12 @@ Prefill/extend: one program per (query head, tile of ``BLOCK_M`` query rows, seq
 lengths in one launch.  Keys before the tile's first query position need no causal mask and are
 walked in an unmasked loop; only the diagonal band is masked.  Heavy (late) tiles are launched first.
 
+FP8 KV cache (kernels/reference.py has the format): K/V tiles are loaded as float8_e4m3fn and
+widened in registers to the query's dtype (exact: every e4m3 value is a bf16/fp16 value), so the
+tensor-core dots run as for a 16-bit cache while half the bytes are read.  The head's power-of-two
+scales are applied once per program, not per element: the key scale folds into the score scale,
+the value scale multiplies the normalised output.
+
 Nothing here depends on sequence lengths at compile time: lengths come from tensors, the split
 size is a runtime argument that is never specialised, and tile sizes come from a small table keyed
 on head dim, block size and dtype.  Softmax runs in float32 (exp2 with log2(e) folded into the
@@ -32,6 +38,7 @@ import triton.language as tl
 from kernels.cache_ops import _cdiv, _next_pow2
 
 LOG2E = 1.4426950408889634
+FP8 = torch.float8_e4m3fn
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,6 +105,7 @@ def _decode_kernel(
     v_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    kv_scale_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -110,6 +118,7 @@ def _decode_kernel(
     stride_pb,
     stride_ph,
     stride_ps,
+    stride_sc,
     tokens_per_split,
     QUERY_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -120,6 +129,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -146,6 +156,8 @@ def _decode_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        if KV_FP8:
+            qk_scale = qk_scale * tl.load(kv_scale_ptr + kvh)
 
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         k_base = k_ptr + kvh.to(tl.int64) * stride_ch
@@ -156,8 +168,8 @@ def _decode_kernel(
             blk = tl.load(table + pos // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
             row = blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
 
             s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
             s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -166,6 +178,8 @@ def _decode_kernel(
             )
 
         o = acc / l_i[:, None]
+        if KV_FP8:
+            o = o * tl.load(kv_scale_ptr + stride_sc + kvh)
         if SPLIT:
             # Normalised partial output and its log2-sum-exp (scores are in log2 units).
             p_row = seq.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
@@ -229,6 +243,7 @@ def _prefill_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    kv_scale_ptr,
     qk_scale,
     first_seq,
     stride_qt,
@@ -239,6 +254,7 @@ def _prefill_kernel(
     stride_ch,
     stride_cs,
     stride_bt,
+    stride_sc,
     QUERY_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -247,6 +263,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     head = tl.program_id(0)
     m_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest (latest) tiles first
@@ -277,6 +294,8 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
 
         kvh = head // QUERY_GROUP
+        if KV_FP8:
+            qk_scale = qk_scale * tl.load(kv_scale_ptr + kvh)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         k_base = k_ptr + kvh.to(tl.int64) * stride_ch
         v_base = v_ptr + kvh.to(tl.int64) * stride_ch
@@ -287,8 +306,8 @@ def _prefill_kernel(
             pos = n0 + offs_n
             blk = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
             row = blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs
-            k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
-            v = tl.load(v_base + row[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+            k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0).to(q.dtype)
+            v = tl.load(v_base + row[:, None] + offs_d[None, :], mask=mask_d[None, :], other=0.0).to(q.dtype)
             s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
             m_i, l_i, acc = _online_softmax_step(
                 m_i, l_i, acc, s, v, M_FLOOR=False, PV_DOT=True, DOT_PRECISION=DOT_PRECISION, DOT_UPCAST=DOT_UPCAST
@@ -302,8 +321,8 @@ def _prefill_kernel(
             blk = tl.load(table + pos // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
             row = blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_base + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
             visible = (pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
             s = tl.where(visible, s, float("-inf"))
@@ -314,6 +333,8 @@ def _prefill_kernel(
             )
 
         o = acc / l_i[:, None]
+        if KV_FP8:
+            o = o * tl.load(kv_scale_ptr + stride_sc + kvh)
         tl.store(
             out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty),
@@ -391,8 +412,17 @@ def _check_cache(kv_cache: torch.Tensor, query: torch.Tensor) -> None:
         raise ValueError(f"query head dim {query.shape[-1]} != cache head dim {kv_cache.shape[-1]}")
     if query.shape[1] % kv_cache.shape[2]:
         raise ValueError(f"{query.shape[1]} query heads are not a multiple of {kv_cache.shape[2]} KV heads")
-    if query.dtype != kv_cache.dtype:
+    if query.dtype != kv_cache.dtype and kv_cache.dtype != FP8:
         raise ValueError(f"query dtype {query.dtype} != kv_cache dtype {kv_cache.dtype}")
+
+
+def _scales(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+    """(the scales an fp8 cache is read with, their row stride); (None, 0) for a 16/32-bit cache."""
+    if kv_cache.dtype != FP8:
+        return None, 0
+    if kv_scale is None or tuple(kv_scale.shape) != (2, kv_cache.shape[2]) or kv_scale.stride(1) != 1:
+        raise ValueError(f"an fp8 KV cache needs kv_scale [2, {kv_cache.shape[2]}] float32 (last dim contiguous)")
+    return kv_scale, kv_scale.stride(0)
 
 
 def _scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -410,9 +440,11 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: dict | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (row b of ``query`` belongs to sequence b); ``[B, Hq, D]`` out."""
     _check_cache(kv_cache, query)
+    scales, stride_sc = _scales(kv_cache, kv_scale)
     if query.stride(-1) != 1:
         query = query.contiguous()
     batch, num_heads, head_dim = query.shape
@@ -449,6 +481,7 @@ def paged_attention_decode(
         v_cache,
         block_tables,
         seq_lens,
+        seq_lens if scales is None else scales,  # unused without fp8
         scale * LOG2E,
         query.stride(0),
         query.stride(1),
@@ -459,6 +492,7 @@ def paged_attention_decode(
         k_cache.stride(2),
         block_tables.stride(0),
         *p_strides,
+        stride_sc,
         tokens_per_split,
         QUERY_GROUP=group,
         BLOCK_M=max(16, _next_pow2(group)),
@@ -469,6 +503,7 @@ def paged_attention_decode(
         SPLIT=split,
         DOT_PRECISION=_dot_precision(query.dtype),
         DOT_UPCAST=_dot_upcast(query),
+        KV_FP8=scales is not None,
         **cfg,
     )
     if split:
@@ -499,6 +534,7 @@ def paged_attention_prefill(
     out: torch.Tensor | None = None,
     config: dict | None = None,
     first_seq: int = 0,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each sequence's chunk of queries attends causally to the chunk and all earlier paged KV.
 
@@ -508,6 +544,7 @@ def paged_attention_prefill(
     in the middle of serving.
     """
     _check_cache(kv_cache, query)
+    scales, stride_sc = _scales(kv_cache, kv_scale)
     if query.stride(-1) != 1:
         query = query.contiguous()
     num_tokens, num_heads, head_dim = query.shape
@@ -529,6 +566,7 @@ def paged_attention_prefill(
         block_tables,
         seq_lens,
         query_start_loc,
+        seq_lens if scales is None else scales,  # unused without fp8
         scale * LOG2E,
         first_seq,
         query.stride(0),
@@ -539,6 +577,7 @@ def paged_attention_prefill(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        stride_sc,
         QUERY_GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=_pad_dim(head_dim),
@@ -546,6 +585,7 @@ def paged_attention_prefill(
         BLOCK_M=block_m,
         DOT_PRECISION=_dot_precision(query.dtype),
         DOT_UPCAST=_dot_upcast(query),
+        KV_FP8=scales is not None,
         **cfg,
     )
     return out

@@ -19,12 +19,39 @@ Attention metadata for a batch of sequences (flattened along tokens):
 
 Decode is the case q_len = 1 for every sequence; prefill, chunked prefill and extend are the
 general case.  All math is done in float32.
+
+FP8 KV cache (``--kv-cache-dtype fp8``): the cache tensor is ``float8_e4m3fn`` and every layer has
+``kv_scale`` ``[2, num_kv_heads]`` float32 (row 0 keys, row 1 values), powers of two.  A stored
+element is ``round_to_e4m3(clamp(x / scale, -448, 448))`` and reads back as ``stored * scale``.
+Because the scale is a power of two, dividing and multiplying by it are exact: the e4m3 rounding
+is the only error, and the Triton kernels reproduce this reference bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` (scale a power of two, broadcast against x) clamped to the e4m3 range and rounded
+    to nearest even.  Clamped first: a value past 448 saturates instead of becoming NaN."""
+    return (x.float() * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def _check_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor | None:
+    """The scales an fp8 cache needs (None for a 16/32-bit cache, whose values are stored as they are)."""
+    if kv_cache.dtype != FP8:
+        return None
+    if kv_scale is None:
+        raise ValueError("an fp8 KV cache needs kv_scale [2, num_kv_heads] (keys' and values' scales)")
+    if tuple(kv_scale.shape) != (2, kv_cache.shape[2]):
+        raise ValueError(f"kv_scale must be [2, {kv_cache.shape[2]}], got {tuple(kv_scale.shape)}")
+    return kv_scale
+
 
 # Above this many score elements (batch x query x key x heads) per call, sequences are processed in
 # smaller groups so that a long prefill on the CPU does not need gigabytes of scratch memory.
@@ -35,14 +62,24 @@ def kv_cache_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim
     return (2, num_blocks, num_kv_heads, block_size, head_dim)
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store key/value ``[T, num_kv_heads, head_dim]`` into their slots of ``kv_cache``."""
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+) -> None:
+    """Store key/value ``[T, num_kv_heads, head_dim]`` into their slots of ``kv_cache`` (quantized
+    with ``kv_scale`` when the cache is fp8)."""
+    scale = _check_scale(kv_cache, kv_scale)
     block_size = kv_cache.shape[3]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
+    if scale is not None:
+        key, value = quantize_fp8(key, scale[0, :, None]), quantize_fp8(value, scale[1, :, None])
     # Advanced indices separated by a slice put the indexed dimension first: [T, H, D].
     kv_cache[0][blocks, :, offsets] = key.to(kv_cache.dtype)
     kv_cache[1][blocks, :, offsets] = value.to(kv_cache.dtype)
@@ -74,12 +111,14 @@ def paged_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,
     num_decodes: int = 0,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context; ``[T, Hq, D]`` out.
 
     `num_decodes` is the GPU backend's hint for mixed steps (see kernels/triton_backend.py); the
-    math here is the same for every sequence, so it is unused.
+    math here is the same for every sequence, so it is unused.  `kv_scale`: an fp8 cache's scales.
     """
+    kv_scale = _check_scale(kv_cache, kv_scale)
     if out is None:
         out = torch.empty_like(query)
     num_seqs = seq_lens.shape[0]
@@ -90,7 +129,14 @@ def paged_attention(
         while end < num_seqs and (end + 1 - start) * max_query_len * max_seq_len * heads <= _MAX_SCORE_ELEMENTS:
             end += 1
         _attend_group(
-            query, kv_cache, block_tables[start:end], seq_lens[start:end], query_start_loc[start : end + 1], scale, out
+            query,
+            kv_cache,
+            block_tables[start:end],
+            seq_lens[start:end],
+            query_start_loc[start : end + 1],
+            scale,
+            out,
+            kv_scale,
         )
         start = end
     return out
@@ -104,6 +150,7 @@ def _attend_group(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     device = query.device
     q_start = query_start_loc[:-1].long()
@@ -121,6 +168,8 @@ def _attend_group(
 
     k, v = gather_kv(kv_cache, block_tables, max_len)
     k, v = k.float(), v.float()
+    if kv_scale is not None:  # fp8: stored x scale (exact: powers of two)
+        k, v = k * kv_scale[0][None, :, None, None], v * kv_scale[1][None, :, None, None]
 
     q_pos = seq_lens[:, None] - q_lens[:, None] + arange_q[None, :]  # [B, max_q]
     k_pos = torch.arange(max_len, device=device)

@@ -38,8 +38,10 @@ def paged_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,
     num_decodes: int = 0,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context; ``[T, Hq, D]`` out.
+    `kv_scale`: an fp8 cache's per-head scales (kernels/reference.py has the format).
 
     A mixed step (decodes batched with prefill chunks) lists its `num_decodes` one-token sequences
     first: they go to the decode kernel, the rest to the prefill kernel.  In the prefill kernel a
@@ -50,16 +52,37 @@ def paged_attention(
     with _on_device(query):
         batch = seq_lens.shape[0]
         if max_query_len == 1 and query.shape[0] == batch:
-            return paged_attention_decode(query, kv_cache, block_tables, seq_lens, scale, max_seq_len, out=out)
+            return paged_attention_decode(
+                query, kv_cache, block_tables, seq_lens, scale, max_seq_len, out=out, kv_scale=kv_scale
+            )
         if not 0 < num_decodes < batch:
             return paged_attention_prefill(
-                query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out=out
+                query,
+                kv_cache,
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                scale,
+                max_query_len,
+                out=out,
+                kv_scale=kv_scale,
             )
         if out is None:
             out = torch.empty_like(query)
         d = num_decodes  # rows 0..d-1 are the decodes' queries; the slices below keep aligned bases
-        paged_attention_decode(query[:d], kv_cache, block_tables[:d], seq_lens[:d], scale, max_seq_len, out=out[:d])
+        paged_attention_decode(
+            query[:d], kv_cache, block_tables[:d], seq_lens[:d], scale, max_seq_len, out=out[:d], kv_scale=kv_scale
+        )
         paged_attention_prefill(
-            query, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, out=out, first_seq=d
+            query,
+            kv_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            max_query_len,
+            out=out,
+            first_seq=d,
+            kv_scale=kv_scale,
         )
         return out

@@ -115,14 +115,28 @@ def _memory_plan(cfg: PagekeeperConfig, gpu, report) -> bool:  # type: ignore[no
         f"{econf.model_path()} ({plan.architecture}, {plan.dtype}, weights {plan.weight_bytes / 2**20:.1f} MiB"
         + (f" per rank x {tp} ranks)" if tp > 1 else ")"),
     )
+    first = plan.ranks[0]
+    by_dtype = ", ".join(f"{name} {_size(n)}" for name, n in first.weight_bytes_by_dtype.items())
+    if plan.quantization:
+        report(
+            True,
+            "weights",
+            f"{by_dtype} = {_size(first.weight_bytes)}{' per rank' if tp > 1 else ''}: {plan.quantization}; "
+            f"{_size(first.unquantized_weight_bytes)} unquantized in {plan.dtype} "
+            f"({first.unquantized_weight_bytes / max(1, first.weight_bytes):.2f}x)",
+        )
+    else:
+        report(True, "weights", f"{by_dtype} (--quantization fp8 stores the linear layers in one byte per weight)")
     if readings and len(readings) < tp:
         report(False, "tensor parallel", f"--tensor-parallel-size {tp} needs {tp} GPUs, NVML sees {len(readings)}")
         return False
+    other = "auto" if econf.kv_cache_fp8 else "fp8"
     report(
         True,
         "kv per token",
-        f"{plan.kv_bytes_per_token} bytes; {plan.kv_bytes_per_block} per block of {plan.block_size}"
-        + (" (per rank)" if tp > 1 else ""),
+        f"{plan.kv_bytes_per_token} bytes in {plan.kv_dtype}; {plan.kv_bytes_per_block} per block of {plan.block_size}"
+        + (" (per rank)" if tp > 1 else "")
+        + f"; {plan.kv_bytes_per_token_other} with --kv-cache-dtype {other}",
     )
     if plan.kv_budget_bytes is None:
         report(None, "kv budget", plan.kv_budget_source)

@@ -71,6 +71,8 @@ class KVPlan:
     profile: Profile | None = field(default=None, repr=False)
     # Tensor parallelism: the blocks every rank uses, the smallest rank's plan (None: this plan alone).
     agreed_blocks: int | None = None
+    weights_by_dtype: dict[str, int] = field(default_factory=dict)  # storage dtype -> bytes (quantization)
+    kv_dtype: str = ""  # the KV cache's storage dtype (float8_e4m3fn with --kv-cache-dtype fp8)
 
     @property
     def usable_blocks(self) -> int:
@@ -95,14 +97,19 @@ class KVPlan:
         def gib(x: int | None) -> str:
             return "-" if x is None else f"{x / 2**30:8.2f} GiB"
 
+        by_dtype = ", ".join(f"{name} {x / 2**30:.2f}" for name, x in self.weights_by_dtype.items())
         return [
             ("device memory (total)", gib(self.total_bytes)),
-            ("weights", gib(self.weights_bytes)),
+            ("weights", gib(self.weights_bytes) + (f"  ({by_dtype} GiB)" if by_dtype else "")),
             ("peak activations", gib(self.activation_bytes)),
             ("CUDA graphs", gib(self.graph_bytes) if self.graph_bytes else "-  (--enforce-eager or CPU)"),
             ("other processes + CUDA context", gib(self.non_torch_bytes)),
             ("fragmentation buffer", gib(self.fragmentation_buffer_bytes or None)),
             ("KV cache", gib(self.kv_bytes) + f"  ({self.source})"),
+            (
+                "KV cache dtype",
+                f"{self.kv_dtype or '-'}, {self.bytes_per_block // max(1, self.block_size)} bytes/token",
+            ),
             ("KV blocks x block size", f"{self.num_blocks} x {self.block_size}"),
             ("KV tokens", f"{self.num_tokens}"),
             ("max concurrency at max_model_len", f"{self.max_concurrency:.1f} x {self.max_model_len} tokens"),
@@ -181,6 +188,8 @@ def plan_kv_cache(
     device: torch.device,
     baseline: DeviceBaseline | None = None,
     profile: Profile | None = None,
+    kv_dtype: str = "",
+    weights_by_dtype: dict[str, int] | None = None,
 ) -> KVPlan:
     assert config.max_model_len is not None and config.max_num_batched_tokens is not None
     plan = KVPlan(
@@ -190,6 +199,8 @@ def plan_kv_cache(
         source="",
         block_size=config.block_size,
         max_model_len=config.max_model_len,
+        kv_dtype=kv_dtype,
+        weights_by_dtype=dict(weights_by_dtype or {}),
     )
     if device.type == "cuda" and baseline is not None and profile is not None:
         buffer = max(MIN_FRAGMENTATION_BUFFER, int(config.fragmentation_buffer_factor * profile.fragmentation_bytes))

@@ -4,11 +4,15 @@
 costs, and how many tokens and max-length sequences the KV cache would hold on this device.  With
 tensor parallelism every rank gets its own figures (its shard of the weights, its KV heads, its
 GPU's free memory), from the model built on the meta device exactly as that rank will build it.
+
+Quantization shows what it buys: the weights per storage dtype (AWQ's packed int32, FP8, the 16-bit
+embeddings and norms) beside what the unquantized model would take, and the KV bytes per token in
+the cache's dtype beside the other choice of --kv-cache-dtype.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv.kv_cache_manager import blocks_for_tokens
@@ -35,6 +39,8 @@ class RankEstimate:
     weight_bytes: int  # this rank's shard, as loaded
     kv_bytes_per_token: int  # its KV heads
     kv_budget_bytes: int | None
+    weight_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    unquantized_weight_bytes: int = 0  # the same shard without --quantization (in the model's dtype)
 
 
 @dataclass
@@ -51,6 +57,9 @@ class MemoryEstimate:
     kv_budget_bytes: int | None  # None when it depends on a GPU that is not here
     kv_budget_source: str
     ranks: list[RankEstimate]
+    kv_dtype: str = ""  # the cache's storage dtype
+    kv_bytes_per_token_other: int = 0  # with the other --kv-cache-dtype (fp8 <-> the model's dtype)
+    quantization: str = ""  # what --quantization / the checkpoint loads, described
 
     def rank_kv_tokens(self, r: RankEstimate) -> int | None:
         if r.kv_budget_bytes is None:
@@ -77,26 +86,55 @@ class MemoryEstimate:
         return tokens / (blocks_for_tokens(self.max_model_len, self.block_size) * self.block_size)
 
 
-def rank_shapes(config: EngineConfig, info: ModelInfo) -> list[tuple[int, int]]:
-    """(weight bytes, KV bytes per token) of every tensor-parallel rank, from the model built on the
-    meta device as that rank builds it (ConfigError when the heads do not split)."""
+@dataclass
+class RankShape:
+    weights_by_dtype: dict[str, int]
+    unquantized_weights: int
+    kv_elements_per_token: int  # K and V over every layer, this rank's KV heads
+
+    @property
+    def weights(self) -> int:
+        return sum(self.weights_by_dtype.values())
+
+
+def rank_shapes(config: EngineConfig, info: ModelInfo) -> list[RankShape]:
+    """Every tensor-parallel rank's weights (per storage dtype, and without quantization) and KV elements
+    per token, from the model built on the meta device as that rank builds it (ConfigError when the
+    heads, or a quantized layer's packing, do not split)."""
+    import dataclasses
+
     import torch
 
     from engine.distributed.group import TPGroup
     from engine.model.loader import build_on_meta
 
     elem = torch.empty((), dtype=info.dtype).element_size()
+    plain = dataclasses.replace(info, quant=None)
     out = []
     n = config.tensor_parallel_size
     for rank in range(n):
         model = build_on_meta(info, 1, torch.device("cpu"), TPGroup(rank, n))
-        weights = sum(p.numel() for p in model.parameters()) * elem
-        out.append((weights, 2 * model.num_layers * model.num_kv_heads * model.head_dim * elem))
+        by_dtype: dict[str, int] = {}
+        for p in model.parameters():
+            name = str(p.dtype).removeprefix("torch.")
+            by_dtype[name] = by_dtype.get(name, 0) + p.numel() * p.element_size()
+        unquantized = by_dtype.get(str(info.dtype).removeprefix("torch."), 0)
+        if info.quant is not None:
+            unquantized = sum(
+                p.numel() for p in build_on_meta(plain, 1, torch.device("cpu"), TPGroup(rank, n)).parameters()
+            )
+            unquantized *= elem
+        else:
+            unquantized = sum(by_dtype.values())
+        kv = 2 * model.num_layers * model.num_kv_heads * model.head_dim
+        out.append(RankShape(dict(sorted(by_dtype.items(), key=lambda kv_: -kv_[1])), unquantized, kv))
     return out
 
 
 def estimate(config: EngineConfig, gpus: list[tuple[int, int]] | None = None) -> MemoryEstimate:
     """`gpus`: (total, used) bytes of each rank's GPU (rank r on the r-th), empty without NVML."""
+    import torch
+
     from engine.model.loader import inspect_model
 
     info = inspect_model(config)
@@ -105,7 +143,12 @@ def estimate(config: EngineConfig, gpus: list[tuple[int, int]] | None = None) ->
     gpus = gpus or []
     ranks = []
     source = ""
-    for rank, (weights, per_token) in enumerate(rank_shapes(config, info)):
+    model_elem = torch.empty((), dtype=info.dtype).element_size()
+    kv_elem = 1 if config.kv_cache_fp8 else model_elem
+    other_elem = model_elem if config.kv_cache_fp8 else 1
+    shapes = rank_shapes(config, info)
+    for rank, shape in enumerate(shapes):
+        weights, per_token = shape.weights, shape.kv_elements_per_token * kv_elem
         budget: int | None
         if config.kv_cache_memory_bytes is not None:
             budget, source = config.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
@@ -124,7 +167,16 @@ def estimate(config: EngineConfig, gpus: list[tuple[int, int]] | None = None) ->
             source = "--cpu-kv-cache-fraction of available RAM"
         else:
             budget, source = None, "profiled at start-up on the GPU (no NVML reading here)"
-        ranks.append(RankEstimate(rank, weights, per_token, None if budget is None else max(0, budget)))
+        ranks.append(
+            RankEstimate(
+                rank,
+                weights,
+                per_token,
+                None if budget is None else max(0, budget),
+                shape.weights_by_dtype,
+                shape.unquantized_weights,
+            )
+        )
     first = ranks[0]
     return MemoryEstimate(
         architecture=info.architecture,
@@ -137,4 +189,7 @@ def estimate(config: EngineConfig, gpus: list[tuple[int, int]] | None = None) ->
         kv_budget_bytes=first.kv_budget_bytes,
         kv_budget_source=source,
         ranks=ranks,
+        kv_dtype="float8_e4m3fn" if config.kv_cache_fp8 else str(info.dtype).removeprefix("torch."),
+        kv_bytes_per_token_other=shapes[0].kv_elements_per_token * other_elem,
+        quantization=info.quant.describe() if info.quant is not None else "",
     )

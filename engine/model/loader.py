@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.config import ConfigError, EngineConfig
 from engine.distributed.group import SINGLE, TPGroup
+from engine.model.quant import QuantSpec, check_device, check_dtype, resolve_quantization
 from engine.model.registry import ARCHITECTURES, supported
 from engine.model.weights import ModelLoadError, finish_loading, iter_checkpoint
 
@@ -35,6 +36,7 @@ class ModelInfo:
     max_position_embeddings: int
     sliding_window: int | None
     eos_token_ids: list[int]
+    quant: QuantSpec | None = None  # weight quantization (engine/model/quant/spec.py); None: none
 
 
 def inspect_model(config: EngineConfig) -> ModelInfo:
@@ -58,24 +60,29 @@ def inspect_model(config: EngineConfig) -> ModelInfo:
         raise ConfigError(
             f"--model {path}: architecture {archs or hf_config.model_type!r} is not supported; supported: {supported()}"
         )
+    quant = resolve_quantization(config, hf_config, path)
+    check_device(config, quant)
+    dtype = check_dtype(quant, _resolve_dtype(config.dtype, hf_config), config.dtype)
     return ModelInfo(
         path=path,
         hf_config=hf_config,
         architecture=arch,
-        dtype=_resolve_dtype(config.dtype, hf_config),
+        dtype=_DTYPES[dtype],
         max_position_embeddings=int(hf_config.max_position_embeddings),
         sliding_window=_sliding_window(hf_config),
         eos_token_ids=_eos_ids(path, hf_config),
+        quant=quant,
     )
 
 
-def _resolve_dtype(requested: str, hf_config: Any) -> torch.dtype:
+def _resolve_dtype(requested: str, hf_config: Any) -> str:
+    """The dtype's name: the flag's, or the checkpoint's for auto (float32 when it names none we use)."""
     if requested != "auto":
-        return _DTYPES[requested]
+        return requested
     found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(found, torch.dtype):
-        return found if found in _DTYPES.values() else torch.float32
-    return _DTYPES.get(str(found), torch.float32)
+        found = str(found).removeprefix("torch.")
+    return str(found) if str(found) in _DTYPES else "float32"
 
 
 def _sliding_window(hf_config: Any) -> int | None:
@@ -135,7 +142,12 @@ def build_on_meta(info: ModelInfo, max_model_len: int, device: torch.device, tp:
     cls = ARCHITECTURES[info.architecture]
     try:
         with torch.device("meta"), _default_dtype(info.dtype):
-            return cls(info.hf_config, info.architecture, max_model_len, device, tp=tp)
+            model = cls(info.hf_config, info.architecture, max_model_len, device, tp=tp)
+            if info.quant is not None:
+                from engine.model.quant.layers import quantize_linears
+
+                quantize_linears(model, info.quant)
+            return model
     except ValueError as e:
         raise ConfigError(f"--model {info.path}: {e}") from e
 
@@ -155,7 +167,7 @@ def load_model(
     With tensor parallelism each rank builds and reads only its shard."""
     model = build_on_meta(info, max_model_len, device, tp).to_empty(device=device)
     if load_format == "dummy":
-        _random_weights(model)
+        _random_weights(model, info.dtype)
     else:
         try:
             model.load_weights(iter_checkpoint(info.path))
@@ -191,12 +203,21 @@ def check_checkpoint(info: ModelInfo) -> int:
 
 
 @torch.no_grad()
-def _random_weights(model: nn.Module) -> None:
+def _random_weights(model: nn.Module, dtype: torch.dtype) -> None:
     """N(0, 0.02) weights, unit norms, zero biases, each checkpoint tensor drawn from a generator
     seeded by its name: every tensor-parallel rank holds its slice of the same model, so outputs at
     --tensor-parallel-size N can be compared with 1."""
     modules = dict(model.named_modules())
+    quantized = set()
+    for mname, module in modules.items():
+        load_random = getattr(module, "load_random", None)
+        if load_random is not None:  # a quantized layer draws and quantizes its own tensors
+            offsets = getattr(module, "shard_offsets", None)
+            load_random(mname, list(offsets) if offsets is not None and "" not in offsets else [None], dtype)
+            quantized.add(mname)
     for name, p in model.named_parameters():
+        if name.rsplit(".", 1)[0] in quantized:
+            continue
         if "norm" in name and name.endswith("weight"):
             p.fill_(1.0)
             continue

@@ -89,9 +89,14 @@ def vocab_size(model: nn.Module) -> int:
     return next(m.vocab_size for m in model.modules() if isinstance(m, VocabEmbedding))
 
 
-def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def kv_bytes_per_block(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> int:
+    """Bytes of one block over every layer, K and V, in the cache's dtype (1 byte per element for fp8)."""
     elems = 2 * model.num_kv_heads * block_size * model.head_dim * model.num_layers
-    return elems * torch.empty((), dtype=dtype).element_size()
+    return elems * torch.empty((), dtype=kv_dtype).element_size()
 
 
 class StaticInputs:
@@ -122,12 +127,14 @@ class ModelRunner:
         num_cpu_blocks: int = 0,
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
+        self.kv_dtype = dtype = kv_dtype or dtype  # the cache's dtype: the model's, or float8_e4m3fn
         shape = kv_cache_shape(model, num_blocks, block_size, device)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
         # Swap space: written before it is read, so no need to zero it; pinned for fast copies.
@@ -461,16 +468,18 @@ class ModelRunner:
     def apply(self, plan: StepPlan) -> None:
         """Block movements the KV manager decided, in order: swap-out, swap-in, copy-on-write."""
         b = self.backend
+        # The CPU side of a swap indexes blocks as bytes when the cache is fp8 (every torch has uint8
+        # indexing; float8 indexing on CPU came later than the GPU image's torch).
         if plan.swap_out:
             src = self._to_device(np.asarray([g for g, _ in plan.swap_out], dtype=np.int64))
             dst = torch.tensor([c for _, c in plan.swap_out])
             for gpu, cpu in zip(self.kv_caches, self.cpu_caches):
-                cpu[:, dst] = b.gather_blocks(gpu, src).to("cpu")
+                _as_bytes(cpu)[:, dst] = _as_bytes(b.gather_blocks(gpu, src).to("cpu"))
         if plan.swap_in:
             src = torch.tensor([c for c, _ in plan.swap_in])
             dst = self._to_device(np.asarray([g for _, g in plan.swap_in], dtype=np.int64))
             for gpu, cpu in zip(self.kv_caches, self.cpu_caches):
-                b.scatter_blocks(gpu, cpu[:, src], dst)
+                b.scatter_blocks(gpu, _as_bytes(cpu)[:, src].view(cpu.dtype), dst)
         if plan.copies:
             src = self._to_device(np.asarray([s for s, _ in plan.copies], dtype=np.int64))
             dst = self._to_device(np.asarray([d for _, d in plan.copies], dtype=np.int64))

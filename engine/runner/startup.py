@@ -29,6 +29,7 @@ from engine.memory.budget import (
 from engine.model.cpu_packing import pack_linears
 from engine.model.loader import ModelInfo, load_model
 from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.kv_scales import calibrate_kv_scales, kv_cache_dtype
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
 from engine.runner.sampler import DeviceSample, sample_on_device
 
@@ -72,8 +73,12 @@ def start_runner(
         baseline = device_baseline(device)
     assert config.max_model_len is not None
     model = load_model(model_info, config.max_model_len, device, config.load_format, tp)
-    per_block = kv_bytes_per_block(model, config.block_size, model_info.dtype)
+    kv_dtype = kv_cache_dtype(config, model_info.dtype)
+    if kv_dtype != model_info.dtype:
+        calibrate_kv_scales(config, model, int(model_info.hf_config.vocab_size), model_info.dtype, device)
+    per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    by_dtype = weights_by_dtype(model)  # before the CPU packing below replaces weights by opaque ones
     if device.type == "cpu":
         packed = pack_linears(model)  # oneDNN's blocked layout, once (engine/model/cpu_packing.py says why)
         if packed:
@@ -82,7 +87,15 @@ def start_runner(
         profile = profile_step(device, weights, lambda: dummy_step(config, model_info, model, device))
         if not config.enforce_eager:
             profile.graph_bytes = graph_pool_bytes(config, model_info, model, device)
-    kv_plan = plan_kv_cache(config, per_block, device, baseline, profile)
+    kv_plan = plan_kv_cache(
+        config,
+        per_block,
+        device,
+        baseline,
+        profile,
+        kv_dtype=str(kv_dtype).removeprefix("torch."),
+        weights_by_dtype=by_dtype,
+    )
     kv_plan.weights_bytes = weights  # this rank's shard (also on CPU, where nothing is profiled)
     if agree is not None:
         kv_plan.agreed_blocks = agree(kv_plan)
@@ -105,11 +118,21 @@ def start_runner(
         num_cpu_blocks,
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
+        kv_dtype=kv_dtype,
     )
     capture_seconds = 0.0
     if device.type == "cuda" and not config.enforce_eager:
         capture_seconds = runner.capture_decode_graphs(config.max_num_seqs)
     return StartedRunner(runner, model, kv_plan, preemption_mode, num_cpu_blocks, capture_seconds)
+
+
+def weights_by_dtype(model: nn.Module) -> dict[str, int]:
+    """This rank's weight bytes per storage dtype (int32 for AWQ's packed int4, float8_e4m3fn, ...)."""
+    out: dict[str, int] = {}
+    for p in model.parameters():
+        name = str(p.dtype).removeprefix("torch.")
+        out[name] = out.get(name, 0) + p.numel() * p.element_size()
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def dummy_step(config: EngineConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> None:
@@ -134,7 +157,16 @@ def dummy_step(config: EngineConfig, model_info: ModelInfo, model: nn.Module, de
             SeqStep(sid, 0, n, ids, table_blocks=list(range(next_block, next_block + k)), sample_ids=[sid])
         )
         next_block += k
-    runner = ModelRunner(model, next_block, bs, model_info.dtype, device, config.seed, max_num_seqs=config.max_num_seqs)
+    runner = ModelRunner(
+        model,
+        next_block,
+        bs,
+        model_info.dtype,
+        device,
+        config.seed,
+        max_num_seqs=config.max_num_seqs,
+        kv_dtype=kv_cache_dtype(config, model_info.dtype),
+    )
     runner.rows.reserve()  # the per-sequence rows of penalties and logit_bias, at full capacity
     runner.execute(plan)
     sample_worst_case(runner, config.max_num_seqs, vocab, model_info.dtype)
@@ -170,7 +202,14 @@ def graph_pool_bytes(config: EngineConfig, model_info: ModelInfo, model: nn.Modu
     assert config.max_model_len is not None
     blocks = -(-config.max_model_len // config.block_size)
     runner = ModelRunner(
-        model, blocks, config.block_size, model_info.dtype, device, config.seed, max_model_len=config.max_model_len
+        model,
+        blocks,
+        config.block_size,
+        model_info.dtype,
+        device,
+        config.seed,
+        max_model_len=config.max_model_len,
+        kv_dtype=kv_cache_dtype(config, model_info.dtype),
     )
     used = profile_graph_memory(device, partial(runner.capture_decode_graphs, config.max_num_seqs, only_largest=True))
     del runner

@@ -246,6 +246,7 @@ def serve(
     model_name = engine_config.model_name()
     cache_info = {
         "block_size": str(engine_config.block_size),
+        "cache_dtype": engine_config.kv_cache_dtype,  # vLLM's label: auto, fp8, fp8_e4m3
         "num_gpu_blocks": str(core.kv.num_blocks),
         "num_cpu_blocks": str(core.kv.num_cpu_blocks),
         "gpu_memory_utilization": str(engine_config.gpu_memory_utilization),

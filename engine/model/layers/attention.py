@@ -2,6 +2,10 @@
 
 The layer does not know which kernels run: `kernels.attention_backend(device)` picks the Triton
 kernels on CUDA and the torch reference elsewhere, behind the same two functions.
+
+With an FP8 KV cache (the runner allocates it as float8_e4m3fn) the layer hands the kernels its
+`kv_scale` ``[2, num_kv_heads]``: one power-of-two scale per K/V and KV head, set at start-up by
+engine/runner/kv_scales.py from the largest values a calibration pass wrote (`kv_amax`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.backend: ModuleType | None = None  # set by the model runner
+        # The FP8 cache's scales (unused by a 16/32-bit cache); not in the checkpoint, so not persistent.
+        self.register_buffer("kv_scale", torch.ones(2, num_kv_heads, dtype=torch.float32), persistent=False)
+        # While calibrating: the largest |k| and |v| written so far, per KV head (else None).
+        self.kv_amax: torch.Tensor | None = None
+
+    def finish_load(self) -> None:
+        """Scales of 1 until calibration sets them (the model is built on the meta device, so the buffer
+        holds whatever memory it was given)."""
+        with torch.no_grad():
+            self.kv_scale.fill_(1.0)
 
     def forward(
         self,
@@ -49,7 +63,11 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         backend = self.backend
         assert backend is not None, "the model runner sets the attention backend before the first step"
-        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        if self.kv_amax is not None:
+            seen = torch.stack([k.abs().amax(dim=(0, 2)), v.abs().amax(dim=(0, 2))]).float()
+            self.kv_amax = torch.maximum(self.kv_amax, seen)
+        kv_scale = self.kv_scale if kv_cache.dtype == torch.float8_e4m3fn else None
+        backend.write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
         return backend.paged_attention(
             q,
             kv_cache,
@@ -60,4 +78,5 @@ class PagedAttention(nn.Module):
             meta.max_query_len,
             meta.max_seq_len,
             num_decodes=meta.num_decodes,
+            kv_scale=kv_scale,
         )
