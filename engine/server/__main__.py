@@ -151,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-reserved-cores",
         type=int,
         default=None,
-        help="CPU engine: cores kept for HTTP, tokenizing and detokenizing; the model's threads are bound to the "
-        "rest (default 1 when the process may use 2 or more cores; 0 binds nothing).",
+        help="CPU engine: cores kept for HTTP, tokenizing and detokenizing; the model's threads run on the rest "
+        "(default 1 when the process may use 4 or more cores, else 0: nothing kept).",
     )
     s.add_argument(
         "--control-socket",

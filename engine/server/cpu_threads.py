@@ -27,6 +27,13 @@ from engine.config import ConfigError
 
 log = structlog.get_logger("pagekeeper.server")
 
+# Below this many cores nothing is reserved by default: on a 2-core machine that also runs clients, a supervisor
+# and tests, one model thread left the engine too slow under load for the supervisor's cache-pressure rule to see a
+# stuck cache (tests/opsctl/test_supervisor_faults.py failed with two busy processes beside it, and passed with the
+# default two threads).  `--cpu-reserved-cores 1` still buys the lower TPOT on such a machine when it serves alone
+# (README: the vLLM CPU comparison).
+AUTO_RESERVE_MIN_CORES = 4
+
 
 @dataclass(frozen=True)
 class CpuThreadPlan:
@@ -52,9 +59,9 @@ def available_cores() -> tuple[int, ...]:
 
 
 def plan_cpu_threads(cores: tuple[int, ...], reserved: int | None) -> CpuThreadPlan:
-    """`reserved` cores (None: one when there are at least two) for serving; the rest compute."""
+    """`reserved` cores (None: one when there are at least four) for serving; the rest compute."""
     if reserved is None:
-        reserved = 1 if len(cores) >= 2 else 0
+        reserved = 1 if len(cores) >= AUTO_RESERVE_MIN_CORES else 0
     if reserved <= 0 or not hasattr(os, "sched_setaffinity"):
         return CpuThreadPlan(cores, ())
     if reserved >= len(cores):

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,23 +150,24 @@ def test_log_rotation_keeps_the_engine_log_bounded_while_it_serves(instances):
     r = inst.opsctl("start")
     assert r.returncode == 0, r.stdout + r.stderr
     pid = inst.status()["engine"]["pid"]
+
+    def rotations() -> float:
+        return inst.supervisor_metrics().get("pagekeeper_supervisor_log_rotations_total{log=engine.log}", 0)
+
+    # Requests until the supervisor (polling every 0.5 s) has rotated twice: each is an http_request line in
+    # engine.log (about 150 bytes).  A fixed count was written in one poll interval by a fast CPU: one rotation.
+    sent, deadline = 0, time.monotonic() + 90
     with httpx.Client(timeout=60) as client:
-        for i in range(150):  # each request is an http_request line in engine.log (about 150 bytes)
-            assert (
-                client.post(
-                    inst.url + "/v1/completions", json={"model": MODEL, "prompt": f"n{i}", "max_tokens": 1}
-                ).status_code
-                == 200
-            )
-    inst.wait_for(
-        lambda st: inst.supervisor_metrics().get("pagekeeper_supervisor_log_rotations_total{log=engine.log}", 0) >= 2,
-        30,
-        "two rotations of engine.log",
-    )
+        while rotations() < 2:
+            assert time.monotonic() < deadline, f"{sent} requests and fewer than two rotations of engine.log"
+            for _ in range(25):
+                body = {"model": MODEL, "prompt": f"n{sent}", "max_tokens": 1}
+                assert client.post(inst.url + "/v1/completions", json=body).status_code == 200
+                sent += 1
+            time.sleep(0.3)
     log = inst.runtime / "engine.log"
     sizes = {p.name: p.stat().st_size for p in sorted(inst.runtime.glob("engine.log*"))}
-    rotations = inst.supervisor_metrics()["pagekeeper_supervisor_log_rotations_total{log=engine.log}"]
-    print(f"after 150 requests: {sizes}, rotations {rotations:.0f}")
+    print(f"after {sent} requests: {sizes}, rotations {rotations():.0f}")
     assert set(sizes) <= {"engine.log", "engine.log.1", "engine.log.2"}, sizes  # two backups, no more
     assert "engine.log.1" in sizes and "engine.log.2" in sizes
     for name in sizes:

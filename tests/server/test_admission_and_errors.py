@@ -108,11 +108,14 @@ def test_api_key_guards_v1_but_not_health_or_metrics(launch):
 
 
 def test_client_disconnect_aborts_the_request_and_frees_its_blocks(launch):
-    server = launch()
+    server = launch("--enable-debug-hooks")
     body = {"model": MODEL, "prompt": "Errors should", "max_tokens": 240, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         for _ in zip(range(3), r.iter_lines()):
             pass
+        # the step loop stands still while both clients go away, so that neither request can finish first
+        # (a fast CPU generated the 240 tokens before the disconnect was noticed)
+        assert httpx.post(server.url + "/debug/freeze", params={"seconds": 2}).status_code == 200
     # closed after a few chunks; a non-streaming request cut off by a client timeout too
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.3)

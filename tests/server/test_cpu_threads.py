@@ -13,10 +13,12 @@ from engine.config import ConfigError
 from engine.server.cpu_threads import plan_cpu_threads
 
 
-def test_the_plan_keeps_one_core_by_default_and_refuses_to_keep_them_all() -> None:
-    assert plan_cpu_threads((0, 1), None).compute_cores == (0,)
-    assert plan_cpu_threads((0, 1), None).serving_cores == (1,)
+def test_the_plan_keeps_one_core_of_four_by_default_and_refuses_to_keep_them_all() -> None:
+    assert plan_cpu_threads((0, 1, 2, 3), None).compute_cores == (0, 1, 2)
+    assert plan_cpu_threads((0, 1, 2, 3), None).serving_cores == (3,)
+    assert plan_cpu_threads((0, 1), 1).compute_cores == (0,)
     assert plan_cpu_threads((3, 5, 7, 9), 2).compute_cores == (3, 5)
+    assert not plan_cpu_threads((0, 1), None).binds  # two cores: both compute unless asked
     assert not plan_cpu_threads((0,), None).binds  # one core: nothing to split
     assert not plan_cpu_threads((0, 1, 2), 0).binds
     with pytest.raises(ConfigError, match="--cpu-reserved-cores 2 leaves no core for the model"):
@@ -34,7 +36,7 @@ def _allowed(pid: int) -> dict[int, str]:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding needs at least two cores")
 def test_a_cpu_server_keeps_a_core_for_its_event_loop(launch) -> None:
-    server = launch()
+    server = launch("--cpu-reserved-cores", "1")
     r = httpx.post(server.url + "/v1/completions", json={"model": "pagekeeper-default", "prompt": "Now is"})
     assert r.status_code == 200
     bound = [json.loads(ln) for ln in server.log().splitlines() if '"cpu_threads_bound"' in ln]
@@ -51,5 +53,5 @@ def test_a_cpu_server_keeps_a_core_for_its_event_loop(launch) -> None:
 
 
 def test_two_compute_cores_are_pinned_one_is_not() -> None:
-    assert plan_cpu_threads((0, 1, 2), None).pins
-    assert not plan_cpu_threads((0, 1), None).pins
+    assert plan_cpu_threads((0, 1, 2), 1).pins
+    assert not plan_cpu_threads((0, 1), 1).pins
