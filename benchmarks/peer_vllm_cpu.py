@@ -181,9 +181,10 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
 def _serve(engine: str, args: argparse.Namespace, model: Path, dtype: str, port: int, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": str(KV_GIB)}
     common = ["--dtype", dtype, "--max-num-seqs", "256", "--max-num-batched-tokens", "8192", "--max-model-len", "512"]
-    if engine == "pagekeeper":
+    if engine.startswith("pagekeeper"):
         cmd = [sys.executable, "-m", "engine.server", "--model", str(model), "--port", str(port), *common]
-        cmd += ["--kv-cache-memory-bytes", str(KV_GIB << 30), "--served-model-name", "m"]
+        cmd += ["--kv-cache-memory-bytes", str(KV_GIB << 30), "--served-model-name", "m", "--disable-log-stats"]
+        cmd += SERVING_VARIANTS[engine]
     else:
         cmd = [args.vllm_python, "-c", VLLM_CLI, "serve", str(model), "--port", str(port), *common]
         cmd += ["--served-model-name", "m", "--no-enable-prefix-caching"]
@@ -206,11 +207,15 @@ def _bench(args: argparse.Namespace, model: Path, port: int, rate: str, result_d
     return {k: full.get(k) for k in keys}
 
 
+# pagekeeper's server as it starts by default, and with one core kept for HTTP (vLLM's CPU default).
+SERVING_VARIANTS = {"pagekeeper": [], "pagekeeper-reserved1": ["--cpu-reserved-cores", "1"]}
+
+
 def serving(args: argparse.Namespace, models: dict[str, Path], workdir: Path) -> dict[str, Any]:
     size = args.serving_size
     model, dtype = models[size], args.dtypes[0]
     runs: list[dict[str, Any]] = []
-    for engine in ("pagekeeper", "vllm"):
+    for engine in (*SERVING_VARIANTS, "vllm"):
         port = _free_port()
         proc = _serve(engine, args, model, dtype, port, workdir / f"{engine}-server.log")
         try:
@@ -226,12 +231,14 @@ def serving(args: argparse.Namespace, models: dict[str, Path], workdir: Path) ->
                 proc.wait(60)
     out: dict[str, Any] = {"serving_runs": runs}
     by = {(r["engine"], r["rate"]): r for r in runs}
-    for rate in args.rates:
-        pk, vl = by.get(("pagekeeper", rate)), by.get(("vllm", rate))
-        if pk and vl and vl["median_tpot_ms"]:
-            out[f"serving_tpot_ratio_rate{rate}"] = pk["median_tpot_ms"] / vl["median_tpot_ms"]
-            out[f"serving_ttft_ratio_rate{rate}"] = pk["median_ttft_ms"] / vl["median_ttft_ms"]
-            out[f"serving_throughput_ratio_rate{rate}"] = pk["output_throughput"] / vl["output_throughput"]
+    for variant in SERVING_VARIANTS:
+        suffix = "" if variant == "pagekeeper" else "_" + variant.removeprefix("pagekeeper-")
+        for rate in args.rates:
+            pk, vl = by.get((variant, rate)), by.get(("vllm", rate))
+            if pk and vl and vl["median_tpot_ms"]:
+                out[f"serving_tpot_ratio_rate{rate}{suffix}"] = pk["median_tpot_ms"] / vl["median_tpot_ms"]
+                out[f"serving_ttft_ratio_rate{rate}{suffix}"] = pk["median_ttft_ms"] / vl["median_ttft_ms"]
+                out[f"serving_throughput_ratio_rate{rate}{suffix}"] = pk["output_throughput"] / vl["output_throughput"]
     return out
 
 
