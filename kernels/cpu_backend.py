@@ -175,15 +175,19 @@ def _prefill(
             rows = torch.cat([torch.arange(starts[b], starts[b] + q_len) for b in part]) if len(part) > 1 else None
             q = query[rows] if rows is not None else query[starts[part[0]] : starts[part[0]] + q_len]
             q = q.view(len(part), q_len, heads, dim).transpose(1, 2).to(k.dtype)
-            # query i sits at position ctx - q_len + i and sees every key up to it (bottom-right causal)
+            # query i sits at position ctx - q_len + i and sees every key up to it (bottom-right causal); a chunk
+            # that is the whole context (a fresh prompt) is plain causal attention, which the fused kernel does
+            # without a mask
             mask = None
-            if q_len > 1:
+            if 1 < q_len < ctx:
                 key_pos = torch.arange(ctx, device=query.device).view(1, -1)
                 query_pos = torch.arange(ctx - q_len, ctx, device=query.device).view(-1, 1)
                 mask = key_pos <= query_pos
             if kv_scale is not None:
                 q = q * _per_query_head(kv_scale[0], heads).to(q.dtype)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != k.shape[1])
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=1 < q_len == ctx, scale=scale, enable_gqa=heads != k.shape[1]
+            )
             if kv_scale is not None:
                 o = o * _per_query_head(kv_scale[1], heads).to(o.dtype)
             o = o.transpose(1, 2).reshape(len(part) * q_len, heads, dim)
