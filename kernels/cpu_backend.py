@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import FP8, copy_blocks, gather_blocks, quantize_fp8, scatter_blocks
+from kernels.reference import FP8, check_kv_scale, copy_blocks, gather_blocks, quantize_fp8, scatter_blocks
 
 __all__ = ["write_kv", "paged_attention", "copy_blocks", "gather_blocks", "scatter_blocks", "kv_cache_shape"]
 
@@ -35,15 +35,6 @@ def kv_cache_shape(num_blocks: int, num_kv_heads: int, block_size: int, head_dim
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
-def _check_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor | None:
-    """The scales an fp8 cache needs (None for a 16/32-bit cache)."""
-    if kv_cache.dtype != FP8:
-        return None
-    if kv_scale is None or tuple(kv_scale.shape) != (2, kv_cache.shape[3]):
-        raise ValueError(f"an fp8 KV cache needs kv_scale [2, {kv_cache.shape[3]}] (keys' and values' scales)")
-    return kv_scale
-
-
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -53,7 +44,7 @@ def write_kv(
 ) -> None:
     """Store key/value ``[T, num_kv_heads, head_dim]`` into their slots (slot -1: padding, not written),
     quantized with ``kv_scale`` when the cache is fp8."""
-    scale = _check_scale(kv_cache, kv_scale)
+    scale = check_kv_scale(kv_cache, kv_scale, heads_dim=3)
     _, num_blocks, block_size, heads, dim = kv_cache.shape
     valid = slot_mapping >= 0
     if not bool(valid.all()):
@@ -101,7 +92,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context; ``[T, Hq, D]`` out.
     `kv_scale`: an fp8 cache's per-head scales."""
-    kv_scale = _check_scale(kv_cache, kv_scale)
+    kv_scale = check_kv_scale(kv_cache, kv_scale, heads_dim=3)
     if out is None:
         out = torch.empty_like(query)
     batch = seq_lens.shape[0]

@@ -42,14 +42,15 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def _check_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor | None:
-    """The scales an fp8 cache needs (None for a 16/32-bit cache, whose values are stored as they are)."""
+def check_kv_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, heads_dim: int = 2) -> torch.Tensor | None:
+    """The scales an fp8 cache needs (None for a 16/32-bit cache, whose values are stored as they are);
+    `heads_dim` is the cache's KV-head axis (2 head-major, 3 for the CPU backend's token-major layout)."""
     if kv_cache.dtype != FP8:
         return None
     if kv_scale is None:
         raise ValueError("an fp8 KV cache needs kv_scale [2, num_kv_heads] (keys' and values' scales)")
-    if tuple(kv_scale.shape) != (2, kv_cache.shape[2]):
-        raise ValueError(f"kv_scale must be [2, {kv_cache.shape[2]}], got {tuple(kv_scale.shape)}")
+    if tuple(kv_scale.shape) != (2, kv_cache.shape[heads_dim]):
+        raise ValueError(f"kv_scale must be [2, {kv_cache.shape[heads_dim]}], got {tuple(kv_scale.shape)}")
     return kv_scale
 
 
@@ -71,7 +72,7 @@ def write_kv(
 ) -> None:
     """Store key/value ``[T, num_kv_heads, head_dim]`` into their slots of ``kv_cache`` (quantized
     with ``kv_scale`` when the cache is fp8)."""
-    scale = _check_scale(kv_cache, kv_scale)
+    scale = check_kv_scale(kv_cache, kv_scale)
     block_size = kv_cache.shape[3]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
@@ -118,7 +119,7 @@ def paged_attention(
     `num_decodes` is the GPU backend's hint for mixed steps (see kernels/triton_backend.py); the
     math here is the same for every sequence, so it is unused.  `kv_scale`: an fp8 cache's scales.
     """
-    kv_scale = _check_scale(kv_cache, kv_scale)
+    kv_scale = check_kv_scale(kv_cache, kv_scale)
     if out is None:
         out = torch.empty_like(query)
     num_seqs = seq_lens.shape[0]

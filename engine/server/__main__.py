@@ -199,7 +199,13 @@ def parse_args(argv: list[str] | None) -> tuple[ServerConfig, EngineConfig]:
             "writes its tool calls in"
         )
     load_chat_template(server.chat_template)  # a path that is not there fails now, before the model loads
-    return resolve_key_files(server), EngineConfig.from_cli_args(args)
+    engine = EngineConfig.from_cli_args(args)
+    if server.cpu_reserved_cores and (engine.resolved_device().startswith("cuda") or engine.tensor_parallel_size > 1):
+        raise ConfigError(
+            f"--cpu-reserved-cores {server.cpu_reserved_cores} sets a CPU engine's threads; this engine runs on "
+            f"{'a GPU' if engine.resolved_device().startswith('cuda') else 'tensor-parallel ranks'}: leave it out"
+        )
+    return resolve_key_files(server), engine
 
 
 def log_inapplicable_flags(engine_config: EngineConfig, device: str) -> None:
@@ -264,13 +270,6 @@ def serve(
     threads = CpuThreadPlan(available_cores(), ())
     if core.device.type == "cpu" and engine_config.tensor_parallel_size == 1:
         threads = plan_cpu_threads(threads.compute_cores, server_config.cpu_reserved_cores)
-    elif server_config.cpu_reserved_cores:
-        log.info(
-            "flag_ignored",
-            flag="--cpu-reserved-cores",
-            value=server_config.cpu_reserved_cores,
-            reason="it binds a CPU engine's threads; this engine runs on a GPU or over tensor-parallel ranks",
-        )
     async_engine = AsyncEngine(
         engine,
         metrics,

@@ -55,3 +55,19 @@ def test_a_cpu_server_keeps_a_core_for_its_event_loop(launch) -> None:
 def test_two_compute_cores_are_pinned_one_is_not() -> None:
     assert plan_cpu_threads((0, 1, 2), 1).pins
     assert not plan_cpu_threads((0, 1), 1).pins
+
+
+def test_the_flag_is_refused_where_it_could_not_apply() -> None:
+    """Tensor-parallel ranks (and GPU engines) set their own threads: the flag is an error there, not ignored."""
+    import subprocess
+    import sys
+
+    from tests.server.harness import REPO, free_port
+
+    r = subprocess.run(
+        [sys.executable, "-m", "engine.server", "--port", str(free_port()), "--cpu-reserved-cores", "1",
+         "--tensor-parallel-size", "2"],
+        capture_output=True, text=True, timeout=120, cwd=str(REPO),
+    )  # fmt: skip
+    print(r.stderr.strip().splitlines()[-1])
+    assert r.returncode == 2 and "--cpu-reserved-cores 1" in r.stderr and "tensor-parallel" in r.stderr
