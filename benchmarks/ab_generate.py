@@ -11,6 +11,7 @@ random weights, 256 prompts x 512 in x 256 out, greedy, no EOS, CUDA graphs on.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 
@@ -37,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         load_format="dummy",
     )
     prompts = prompts_for(args.num_prompts, args.input_len, LLAMA3_8B["vocab_size"], seed=0)
-    _, cold, elapsed = run_pagekeeper(model_dir(quick=False), engine_args, prompts, args.output_len)
+    if "work" in inspect.signature(run_pagekeeper).parameters:  # this tree's: (prompt, output length) pairs
+        work = [(p, args.output_len) for p in prompts]
+        _, cold, elapsed, _ = run_pagekeeper(model_dir(quick=False), engine_args, work)
+    else:  # an older checkout's
+        _, cold, elapsed = run_pagekeeper(model_dir(quick=False), engine_args, prompts, args.output_len)
     line = {
         "label": args.label,
         "gpu": torch.cuda.get_device_name(),

@@ -18,9 +18,10 @@ eager calls, which also shows the host's launch cost wherever that exceeds the k
   K/V laid out contiguously `[B, Hkv, ctx, D]`, with torch's default backend choice (each fused
   backend's own time is in `contiguous_backend_ms`).  `bytes_read` counts K, V, the queries and the
   block tables; `achieved_TBps` = (bytes_read + output bytes) / paged time, comparable to copy_TBps.
-- prefill, 2048-token chunks: paged prefill (fresh prompt, and a chunk after 2048 cached tokens)
-  against SDPA on the same contiguous data (causal; the chunk-after-context case uses a lower-right
-  causal mask, which torch serves with its memory-efficient kernel, so the fresh rows are the target).
+- prefill (`PREFILL_SHAPES`): fresh 2,048-token chunks, a 2,048 chunk after 2,048 cached tokens, and
+  512 / 8,192-token chunks after a 4,096-token cached prefix, against SDPA on the same contiguous data
+  (causal; a chunk after context uses a lower-right causal mask) and against cuDNN's SDPA alone
+  (`prefill_over_cudnn`, the ratio issue 21 targets at <= 1.10).
 - `--sweep`: decode/prefill tile configurations at batch 64 x 4096 / batch 1-4 x 2048, to pick the table.
 
 Each row also records the paged output's relative error against SDPA's, so that the timed kernel is
@@ -220,6 +221,53 @@ def _decode_bytes_read(cache, query, tables, seq_lens, batch: int, context: int)
     return 2 * batch * context * HKV * D * elt + query.numel() * elt + tables.numel() * 4 + seq_lens.numel() * 4
 
 
+def _cudnn_ms(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int, context: int, scale: float):
+    """cuDNN's SDPA over contiguous K/V: (ms, how it was called), or (None, why it could not run).
+
+    GQA is passed through where cuDNN takes it, else K/V are expanded to every query head outside the
+    timing.  A chunk after cached context needs the lower-right causal mask, given as a dense additive
+    bias (cuDNN's path for arbitrary masks), also built outside the timing.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = HQ // HKV
+    ke = ve = mask = None
+    attempts = []
+    if chunk == context:
+        attempts.append(
+            (
+                "causal, gqa",
+                lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, is_causal=True, enable_gqa=True),
+            )
+        )
+    ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    if chunk == context:
+        attempts.append(
+            ("causal, expanded K/V", lambda: F.scaled_dot_product_attention(q4, ke, ve, scale=scale, is_causal=True))
+        )
+    else:
+        rows = torch.arange(chunk, device=DEVICE)[:, None] + (context - chunk)
+        visible = torch.arange(context, device=DEVICE)[None, :] <= rows
+        mask = torch.zeros(chunk, context, device=DEVICE, dtype=DTYPE).masked_fill_(~visible, float("-inf"))
+        mask = mask[None, None]
+        attempts.append(
+            (
+                "lower-right causal bias, expanded K/V",
+                lambda: F.scaled_dot_product_attention(q4, ke, ve, attn_mask=mask, scale=scale),
+            )
+        )
+    why = []
+    for how, fn in attempts:
+        try:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                ref = fn()
+                ms = _bench(fn)
+            return ms, how, ref
+        except Exception as e:  # noqa: BLE001 - this torch/cuDNN cannot take these inputs
+            why.append(f"{how}: {(str(e).splitlines() or [type(e).__name__])[0][:160]}")
+    return None, "; ".join(why), None
+
+
 def prefill_row(batch: int, chunk: int, context: int, block_size: int) -> dict:
     from kernels import paged_attention as pa
 
@@ -243,17 +291,21 @@ def prefill_row(batch: int, chunk: int, context: int, block_size: int) -> dict:
         def sdpa():
             return F.scaled_dot_product_attention(q4, ke, ve, attn_mask=mask, scale=scale)
 
-    err = _rel(paged(), sdpa().transpose(1, 2).reshape(batch * chunk, HQ, D))
+    out = paged()
+    err = _rel(out, sdpa().transpose(1, 2).reshape(batch * chunk, HQ, D))
     paged_ms = _bench(paged)
     paged_eager_ms = _bench_eager(paged)
     sdpa_ms, per_backend = _sdpa_times(sdpa) if chunk == context else (_bench(sdpa), {})
+    cudnn_ms, cudnn_how, cudnn_out = _cudnn_ms(q4, k, v, chunk, context, scale)
+    cudnn_err = None if cudnn_out is None else _rel(out, cudnn_out.transpose(1, 2).reshape(batch * chunk, HQ, D))
     prior = context - chunk
     flops = 4 * batch * HQ * D * (chunk * prior + chunk * (chunk + 1) / 2)
-    cache = k = v = None  # frees the memory now (a closure above still names it)
+    cache = k = v = ke = ve = cudnn_out = None  # frees the memory now (a closure above still names it)
     return dict(
         batch=batch,
         chunk=chunk,
         context=context,
+        cached_prefix=prior,
         block_size=block_size,
         paged_ms=round(paged_ms, 5),
         sdpa_ms=round(sdpa_ms, 5),
@@ -262,10 +314,27 @@ def prefill_row(batch: int, chunk: int, context: int, block_size: int) -> dict:
         sdpa_best_ms=round(_best(sdpa_ms, per_backend), 5),
         paged_over_sdpa=round(paged_ms / sdpa_ms, 3),
         paged_over_best_sdpa=round(paged_ms / _best(sdpa_ms, per_backend), 3),
+        cudnn_ms=cudnn_ms and round(cudnn_ms, 5),
+        cudnn_call=cudnn_how,
+        prefill_over_cudnn=cudnn_ms and round(paged_ms / cudnn_ms, 3),
         paged_TFLOPs=round(flops / paged_ms / 1e9, 1),
         sdpa_TFLOPs=round(flops / sdpa_ms / 1e9, 1),
+        cudnn_TFLOPs=cudnn_ms and round(flops / cudnn_ms / 1e9, 1),
         rel_err_vs_sdpa=err,
+        rel_err_vs_cudnn=cudnn_err,
     )
+
+
+# (batch, chunk, context): fresh 2,048-token chunks, then 512 and 8,192 after a 4,096-token cached prefix
+PREFILL_SHAPES = (
+    (1, 2048, 2048),
+    (4, 2048, 2048),
+    (1, 2048, 4096),
+    (4, 2048, 4096),
+    (1, 512, 4608),
+    (4, 512, 4608),
+    (1, 8192, 12288),
+)
 
 
 def sweep(copy: float) -> dict:
@@ -432,13 +501,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         torch.cuda.empty_cache()
     if not args.no_prefill:
-        for batch, chunk, context in ((1, 2048, 2048), (4, 2048, 2048), (1, 2048, 4096), (4, 2048, 4096)):
+        for batch, chunk, context in PREFILL_SHAPES:
             r = prefill_row(batch, chunk, context, 16)
             result["prefill"].append(r)
             print(
                 f"prefill b={batch} chunk={chunk} ctx={context}: paged {r['paged_ms']:.3f} ms "
                 f"({r['paged_TFLOPs']} TFLOP/s), sdpa {r['sdpa_ms']:.3f} ms ({r['sdpa_TFLOPs']} TFLOP/s), "
-                f"{r['paged_over_sdpa']:.2f}x, err {r['rel_err_vs_sdpa']:.1e}",
+                f"{r['paged_over_sdpa']:.2f}x, cudnn {r['cudnn_ms']} ms ({r['prefill_over_cudnn']}x, "
+                f"{r['cudnn_call']}), err {r['rel_err_vs_sdpa']:.1e}",
                 flush=True,
             )
             torch.cuda.empty_cache()
@@ -455,6 +525,11 @@ def main(argv: list[str] | None = None) -> int:
         prefill_2048_paged_over_sdpa=[r["paged_over_sdpa"] for r in fresh],
         prefill_2048_le_1_25x_sdpa=bool(fresh) and all(r["paged_over_sdpa"] <= 1.25 for r in fresh),
         prefill_2048_paged_over_best_sdpa=[r["paged_over_best_sdpa"] for r in fresh],
+        prefill_over_cudnn={
+            f"{r['batch']}x{r['chunk']}+{r['cached_prefix']}": r["prefill_over_cudnn"] for r in result["prefill"]
+        },
+        prefill_le_1_10x_cudnn=bool(result["prefill"])
+        and all(r["prefill_over_cudnn"] is not None and r["prefill_over_cudnn"] <= 1.10 for r in result["prefill"]),
     )
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

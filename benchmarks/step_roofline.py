@@ -1,0 +1,139 @@
+"""A schedule-aware roofline: the engine's own steps, each at the device's ceiling.
+
+The simple roofline (prefill FLOPs at the matmul rate plus decode bytes at copy bandwidth) treats
+prefill and decode as if they ran one after the other.  A continuous-batching engine runs them in the
+same steps: a step that prefills a chunk is compute-bound, and the decodes riding in it cost almost
+nothing extra, while a step of a few long-tail decodes reads every weight for a handful of tokens.
+So the bound that says what this schedule could reach replays the steps the scheduler really planned
+(recorded from its plain-data StepPlans) and costs each at
+
+    max(bytes it must move / copy bandwidth, FLOPs it must do / matmul rate)
+
+with the weights read once per step.  The additive bound (the simple roofline, over the same steps)
+is reported beside it.  Both count a step's work exactly from its plan: each sequence's new tokens,
+the context it attends to, and the rows it samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """The per-token costs of a decoder-only transformer of one shape and weight width."""
+
+    linear_params: int  # every projection of every layer
+    lm_head_params: int
+    layers: int
+    heads: int
+    head_dim: int
+    kv_bytes_per_token: int  # K and V of every layer
+    weight_bytes: int  # what one step reads: the linears and the LM head (not the embedding)
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], dtype_bytes: int) -> ModelCost:
+        h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+        heads, kv_heads, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+        head_dim = cfg.get("head_dim") or h // heads
+        linear = layers * (h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * inter)
+        lm_head = h * vocab
+        return cls(
+            linear_params=linear,
+            lm_head_params=lm_head,
+            layers=layers,
+            heads=heads,
+            head_dim=head_dim,
+            kv_bytes_per_token=2 * layers * kv_heads * head_dim * dtype_bytes,
+            weight_bytes=(linear + lm_head) * dtype_bytes,
+        )
+
+    def attention_flops(self, start: int, num_tokens: int) -> float:
+        """QK^T and PV of `num_tokens` queries at positions start.. over every earlier key (causal)."""
+        keys_seen = num_tokens * start + num_tokens * (num_tokens + 1) / 2
+        return self.layers * 4 * self.heads * self.head_dim * keys_seen
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step computed: (start, num_tokens) per sequence, and how many rows it sampled."""
+
+    seqs: tuple[tuple[int, int], ...]
+    samples: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.seqs)
+
+
+def step_work(step: StepShape, cost: ModelCost) -> dict[str, float]:
+    """FLOPs and bytes of one step, split into its prefill part (sequences computing more than one
+    token) and its decode part (one token each)."""
+    prefill_flops = decode_flops = 0.0
+    decode_kv = kv = 0.0
+    has_decode = False
+    for start, n in step.seqs:
+        flops = 2 * cost.linear_params * n + cost.attention_flops(start, n)
+        touched = (start + n) * cost.kv_bytes_per_token  # the context read, the new tokens written
+        kv += touched
+        if n == 1:
+            has_decode = True
+            decode_flops += flops
+            decode_kv += touched
+        else:
+            prefill_flops += flops
+    head = 2 * cost.lm_head_params * step.samples
+    return {
+        "flops": prefill_flops + decode_flops + head,
+        "bytes": cost.weight_bytes + kv,
+        "prefill_flops": prefill_flops + (0.0 if has_decode else head),
+        "decode_bytes": (cost.weight_bytes + decode_kv) if has_decode else 0.0,
+    }
+
+
+def bounds(steps: list[StepShape], cost: ModelCost, matmul_flops: float, copy_bytes_per_s: float) -> dict[str, Any]:
+    """Seconds this exact schedule needs at the device's ceilings: per step max(bytes, FLOPs) time
+    (schedule-aware), and prefill FLOPs + decode bytes over the whole run (additive)."""
+    aware = additive_prefill = additive_decode = 0.0
+    compute_bound = 0
+    for step in steps:
+        w = step_work(step, cost)
+        t_bytes, t_flops = w["bytes"] / copy_bytes_per_s, w["flops"] / matmul_flops
+        aware += max(t_bytes, t_flops)
+        compute_bound += t_flops > t_bytes
+        additive_prefill += w["prefill_flops"] / matmul_flops
+        additive_decode += w["decode_bytes"] / copy_bytes_per_s
+    return {
+        "steps": len(steps),
+        "compute_bound_steps": compute_bound,
+        "tokens_computed": sum(s.tokens for s in steps),
+        "schedule_aware_s": aware,
+        "additive_s": additive_prefill + additive_decode,
+        "additive_prefill_s": additive_prefill,
+        "additive_decode_s": additive_decode,
+    }
+
+
+@contextlib.contextmanager
+def recorded_steps(llm: Any) -> Iterator[list[StepShape]]:
+    """Every step the engine's scheduler plans inside the block, as StepShapes (the plan is plain
+    data, so reading it changes nothing the engine does)."""
+    scheduler = llm.llm_engine.core.scheduler
+    steps: list[StepShape] = []
+    original = scheduler.schedule
+
+    def schedule() -> Any:
+        plan = original()
+        if plan.seqs:
+            steps.append(
+                StepShape(tuple((s.start, s.num_tokens) for s in plan.seqs), sum(len(s.sample_ids) for s in plan.seqs))
+            )
+        return plan
+
+    scheduler.schedule = schedule
+    try:
+        yield steps
+    finally:
+        del scheduler.schedule  # the bound method again
