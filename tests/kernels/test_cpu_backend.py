@@ -85,3 +85,18 @@ def test_writes_land_where_the_reference_writes_them():
 
 def test_the_engine_uses_it_on_the_cpu():
     assert kernels.attention_backend("cpu") is cpu_backend
+
+
+def test_the_gather_reuses_one_buffer_per_role_and_allocates_past_the_cap(monkeypatch):
+    cache = torch.randn(32, 8, 2, 16)
+    table = torch.tensor([[3, 1, 4], [1, 5, 9]])
+    first = cpu_backend._gather(cache, table, "k")
+    expected = cache[table.reshape(-1)].view(2, 24, 2, 16).transpose(1, 2)
+    assert torch.equal(first, expected)
+    ptr = first.data_ptr()
+    second = cpu_backend._gather(cache, table[:, :2], "k")  # smaller: the same memory
+    assert second.data_ptr() == ptr and torch.equal(second, expected[:, :, :16])
+    assert cpu_backend._gather(cache, table, "v").data_ptr() != ptr  # K and V are read together
+    monkeypatch.setattr(cpu_backend, "_SCRATCH_CAP_BYTES", 1024)
+    big = cpu_backend._gather(cache, table, "k")
+    assert big.data_ptr() != ptr and torch.equal(big, expected)
