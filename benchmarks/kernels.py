@@ -449,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="only the target rows")
     ap.add_argument("--sweep", action="store_true", help="also sweep tile configurations")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--no-decode", action="store_true", help="only the prefill rows")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.kernels needs a CUDA GPU", file=sys.stderr)
@@ -488,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes += [(64, 4096, bs) for bs in (8, 16, 32)]
     if args.quick:
         shapes = [(64, 4096, bs) for bs in (8, 16, 32)]
+    if args.no_decode:
+        shapes = []
     for batch, context, bs in shapes:
         r = decode_row(batch, context, bs, copy)
         result["decode"].append(r)

@@ -35,6 +35,7 @@ import json
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -203,9 +204,9 @@ def decode_fp8_kernel(copy_Bps: float, sweep: bool) -> dict[str, Any]:
     dequant = (fp8.float() * scale[:, None, :, None, None]).to(cache.dtype)
     sm = query.shape[-1] ** -0.5
 
-    def run(c: torch.Tensor, kv_scale: torch.Tensor | None, config: dict | None = None):
+    def run(c: torch.Tensor, kv_scale: torch.Tensor | None, config: dict | None = None, splits: int | None = None):
         return lambda: pa.paged_attention_decode(
-            query, c, tables, seq_lens, sm, context, kv_scale=kv_scale, config=config
+            query, c, tables, seq_lens, sm, context, kv_scale=kv_scale, config=config, num_splits=splits
         )
 
     want = triton_backend.paged_attention(query, dequant, tables, seq_lens, qsl, sm, 1, context)
@@ -226,28 +227,23 @@ def decode_fp8_kernel(copy_Bps: float, sweep: bool) -> dict[str, Any]:
         "fp8_achieved_TBps": round((fp8_bytes + out_bytes) / (fp8_ms * 1e-3) / 1e12, 4),
         "bf16_achieved_TBps": round((bf16_bytes + out_bytes) / (bf16_ms * 1e-3) / 1e12, 4),
         "rel_err_vs_dequantized_bf16": err,
-        "config": pa.decode_config(query.shape[-1], bs, query.dtype),
+        "config": pa.decode_config(query.shape[-1], bs, query.dtype, kv_fp8=True),
     }
     row["fp8_pct_of_copy"] = round(100 * row["fp8_achieved_TBps"] * 1e12 / copy_Bps, 1)
     row["bf16_pct_of_copy"] = round(100 * row["bf16_achieved_TBps"] * 1e12 / copy_Bps, 1)
     row["speedup_fp8_over_bf16"] = round(bf16_ms / fp8_ms, 3)
     if sweep:
         trials = []
-        for block_n in (32, 64, 128, 256):
-            for warps in (4, 8):
-                for stages in (2, 3, 4):
-                    cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-                    try:
-                        ms = _bench(run(fp8, scale, cfg))
-                        trials.append(
-                            {
-                                **cfg,
-                                "ms": round(ms, 5),
-                                "pct_of_copy": round(100 * (fp8_bytes + out_bytes) / (ms * 1e-3) / copy_Bps, 1),
-                            }
-                        )
-                    except Exception as e:  # noqa: BLE001 - a tile that does not fit: say so
-                        trials.append({**cfg, "error": str(e)[:120]})
+        for block_n, warps, stages, splits in [
+            (bn, w, st, 1) for bn in (64, 128, 256) for w in (2, 4, 8) for st in (2, 3, 4)
+        ] + [(128, 4, st, sp) for st in (3, 4) for sp in (2, 4)]:
+            cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            try:
+                ms = _bench(run(fp8, scale, cfg, splits))
+                pct = round(100 * (fp8_bytes + out_bytes) / (ms * 1e-3) / copy_Bps, 1)
+                trials.append({**cfg, "num_splits": splits, "ms": round(ms, 5), "pct_of_copy": pct})
+            except Exception as e:  # noqa: BLE001 - a tile that does not fit: say so
+                trials.append({**cfg, "num_splits": splits, "error": str(e)[:120]})
         row["sweep"] = sorted(trials, key=lambda t: t.get("ms", 1e9))
     return row
 
@@ -275,11 +271,13 @@ def awq_gemm_kernel(copy_Bps: float, sweep: bool) -> list[dict[str, Any]]:
         qweight, qzeros, scales = t["qweight"], t["qzeros"], t["scales"]
         dense = awq_dequantize(qweight, qzeros, scales, 128).t().contiguous().half()  # [n, k]
         packed = qweight.numel() * 4 + qzeros.numel() * 4 + scales.numel() * 2
-        for m in (1, 16, 256):
+        for m in (1, 16, 64, 256, 1024):
             x = torch.randn(m, k, generator=g, device="cuda", dtype=torch.float16)
             got = awq_gemm(x, qweight, qzeros, scales, 128)
             want = F.linear(x.float(), dense.float())
             ms = _bench(lambda: awq_gemm(x, qweight, qzeros, scales, 128))
+            tiles_ms = _bench(lambda: awq_gemm(x, qweight, qzeros, scales, 128, dense=False))
+            dequant_ms = _bench(lambda: awq_gemm(x, qweight, qzeros, scales, 128, dense=True))
             dense_ms = _bench(lambda: F.linear(x, dense))
             moved = packed + x.numel() * 2 + m * n * 2
             row = {
@@ -288,22 +286,28 @@ def awq_gemm_kernel(copy_Bps: float, sweep: bool) -> list[dict[str, Any]]:
                 "N": n,
                 "M": m,
                 "awq_ms": round(ms, 5),
+                "awq_in_register_ms": round(tiles_ms, 5),
+                "awq_dequantize_then_cublas_ms": round(dequant_ms, 5),
                 "fp16_dense_ms": round(dense_ms, 5),
                 "speedup_over_dense": round(dense_ms / ms, 3),
                 "awq_achieved_TBps": round(moved / (ms * 1e-3) / 1e12, 4),
                 "pct_of_copy": round(100 * moved / (ms * 1e-3) / copy_Bps, 1),
                 "rel_err": float((got.float() - want).norm() / want.norm()),
             }
-            if sweep and m == 1:
+            if sweep and m in (1, 16, 64):
                 trials = []
-                for bn in (32, 64, 128):
+                for bn in (64, 128, 256):
                     for bk in (64, 128):
-                        for warps in (2, 4, 8):
-                            for splits in (None, 1, 2, 4, 8, 16):
-                                cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3)
+                        for warps in (4, 8):
+                            for splits in (None, 1, 2, 4, 8):
+                                cfg = dict(
+                                    BLOCK_M=16 if m <= 16 else 32, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3
+                                )
                                 try:
                                     t_ms = _bench(
-                                        lambda: awq_gemm(x, qweight, qzeros, scales, 128, config=cfg, splits=splits)
+                                        lambda: awq_gemm(
+                                            x, qweight, qzeros, scales, 128, config=cfg, splits=splits, dense=False
+                                        )
                                     )
                                     trials.append({**cfg, "splits": splits, "ms": round(t_ms, 5)})
                                 except Exception as e:  # noqa: BLE001
@@ -311,8 +315,10 @@ def awq_gemm_kernel(copy_Bps: float, sweep: bool) -> list[dict[str, Any]]:
                 row["sweep_best"] = sorted(trials, key=lambda t: t.get("ms", 1e9))[:8]
             rows.append(row)
             print(
-                f"awq {name} M={m}: {row['awq_ms']} ms ({row['pct_of_copy']} % of copy), "
-                f"dense {row['fp16_dense_ms']} ms"
+                f"awq {name} M={m}: {row['awq_ms']} ms ({row['pct_of_copy']} % of copy; in-register "
+                f"{row['awq_in_register_ms']}, dequantize+cuBLAS {row['awq_dequantize_then_cublas_ms']}), "
+                f"fp16 dense {row['fp16_dense_ms']} ms"
+                + (f", best {row['sweep_best'][:1]}" if "sweep_best" in row else "")
             )
     return rows
 
@@ -400,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
             engines[cname], logits[cname] = run_engine(cname, models[which], flags, base, work, copy_Bps)
         except Exception as e:  # noqa: BLE001 - record why a configuration could not run, keep the rest
             engines[cname] = {"flags": flags, "error": f"{type(e).__name__}: {e}"[:800]}
+            engines[cname]["traceback_tail"] = traceback.format_exc()[-2500:]
+        _free()  # a failed start's tensors live in its traceback's frames until collected: before the next
         save()
     for cname, row in engines.items():
         if cname in logits and "bf16" in logits and cname != "bf16":

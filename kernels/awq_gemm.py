@@ -28,6 +28,31 @@ import triton.language as tl
 from kernels.cache_ops import _cdiv
 
 
+@triton.jit
+def _unpack(words, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``[ROWS, COLS // 8]`` packed int32 words -> ``[ROWS, COLS]`` int4 values in column order: each word is
+    loaded once and its eight nibbles are shifted out side by side (column ``j`` of a word sits at nibble
+    ``(j // 2) + 4 (j % 2)``, AWQ's order)."""
+    j = tl.arange(0, 8)
+    shift = ((j // 2) + (j % 2) * 4) * 4
+    nib = (words[:, :, None] >> shift[None, None, :]) & 0xF
+    return tl.reshape(nib, (ROWS, COLS))
+
+
+@triton.jit
+def _dequant_tile(
+    q, z, s, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr, FP16_MATH: tl.constexpr
+):
+    """(nibble - zero) x scale for a ``[BLOCK_K, BLOCK_N]`` tile with one group's zero points and scales.
+    FP16_MATH: the product of a small integer and a float16 scale is exact before its one rounding, so
+    float16 arithmetic gives the float32 result rounded to float16, in half the instructions."""
+    nib = _unpack(q, BLOCK_K, BLOCK_N)
+    zero = tl.reshape(_unpack(z[None, :], 1, BLOCK_N), (BLOCK_N,))
+    if FP16_MATH:
+        return (nib - zero[None, :]).to(tl.float16) * s.to(tl.float16)[None, :]
+    return ((nib - zero[None, :]).to(tl.float32) * s.to(tl.float32)[None, :]).to(OUT_DTYPE)
+
+
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_om", "k_per_split"])
 def _awq_gemm_kernel(
     x_ptr,
@@ -47,18 +72,18 @@ def _awq_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP16_MATH: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)  # the packed words of those columns
     mask_m = offs_m < M
     mask_n = offs_n < N
     packed_n = N // 8
-    word = offs_n // 8
-    col = offs_n % 8
-    shift = ((col // 2) + (col % 2) * 4) * 4  # AWQ's order: nibble of column j of a word
+    mask_w = offs_w < packed_n
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = split * k_per_split
@@ -71,31 +96,94 @@ def _awq_gemm_kernel(
             other=0.0,
         )
         q = tl.load(
-            qweight_ptr + offs_k[:, None].to(tl.int64) * packed_n + word[None, :],
-            mask=mask_n[None, :],
+            qweight_ptr + offs_k[:, None].to(tl.int64) * packed_n + offs_w[None, :],
+            mask=mask_w[None, :],
             other=0,
         )
         g = k0 // GROUP  # BLOCK_K divides GROUP: one group per tile
-        z = tl.load(qzeros_ptr + g * packed_n + word, mask=mask_n, other=0)
+        z = tl.load(qzeros_ptr + g * packed_n + offs_w, mask=mask_w, other=0)
         s = tl.load(scales_ptr + g * N + offs_n, mask=mask_n, other=0.0)
-        nib = (q >> shift[None, :]) & 0xF
-        zero = (z >> shift) & 0xF
-        w = ((nib - zero[None, :]).to(tl.float32) * s.to(tl.float32)[None, :]).to(x.dtype)
-        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
+        w = _dequant_tile(q, z, s, BLOCK_K, BLOCK_N, x.dtype, FP16_MATH)
+        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
 
     out = out_ptr + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _awq_dequant_kernel(
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    out_ptr,
+    N,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP16_MATH: tl.constexpr,
+):
+    """The whole weight ``[K, N]`` in the activation dtype, for many-row products (a cuBLAS GEMM then
+    runs at the matmul rate, which a dequantize-in-registers tile cannot match)."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    packed_n = N // 8
+    mask_w = offs_w < packed_n
+    mask_n = offs_n < N
+    q = tl.load(qweight_ptr + offs_k[:, None].to(tl.int64) * packed_n + offs_w[None, :], mask=mask_w[None, :], other=0)
+    g = (pid_k * BLOCK_K) // GROUP
+    z = tl.load(qzeros_ptr + g * packed_n + offs_w, mask=mask_w, other=0)
+    s = tl.load(scales_ptr + g * N + offs_n, mask=mask_n, other=0.0)
+    w = _dequant_tile(q, z, s, BLOCK_K, BLOCK_N, out_ptr.dtype.element_ty, FP16_MATH)
+    tl.store(
+        out_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :],
+        w.to(out_ptr.dtype.element_ty),
+        mask=mask_n[None, :],
+    )
+
+
+# From this many rows a product dequantizes the weight once and runs cuBLAS (the GPU benchmark's
+# `awq_gemm` rows time both paths: benchmarks/quantization.py).
+DENSE_MIN_ROWS = 48  # H100: at 64 rows dequantize + cuBLAS won on all four shapes, at 16 none
+
+
+def awq_dequantize(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight ``[K, N]`` in `dtype`, unpacked by one Triton kernel."""
+    k, packed_n = qweight.shape
+    n = packed_n * 8
+    out = torch.empty((k, n), dtype=dtype, device=qweight.device)
+    block_k = min(group_size, 32)
+    _awq_dequant_kernel[(_cdiv(k, block_k), _cdiv(n, 128))](
+        qweight,
+        qzeros,
+        scales,
+        out,
+        n,
+        GROUP=group_size,
+        BLOCK_K=block_k,
+        BLOCK_N=128,
+        FP16_MATH=dtype == torch.float16,
+        num_warps=4,
+    )
+    return out
+
+
 def gemm_config(m: int, group_size: int, dtype: torch.dtype) -> dict:
-    """Tile sizes by row count (untuned guesses until the GPU benchmark sweeps them: see
-    benchmarks/quantization.py --sweep)."""
-    block_k = min(group_size, 64 if dtype == torch.float32 else 128)
+    """Tile sizes by row count.  Decode rows from the H100 sweep (benchmarks/quantization.py --sweep, the 8B's
+    four projections at M = 1 and 16): 256-column tiles of 64 rows with 8 warps and split-K were best or
+    within 10 % of best on every shape; from DENSE_MIN_ROWS rows the weight is dequantized for cuBLAS."""
+    block_k = min(group_size, 64)
     if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=3)
+        return dict(
+            BLOCK_M=16, BLOCK_N=256 if dtype != torch.float32 else 64, BLOCK_K=block_k, num_warps=8, num_stages=3
+        )
     if m <= 64:
-        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=min(block_k, 64), num_warps=4, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=min(block_k, 64), num_warps=4, num_stages=3)
+        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,9 +194,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 def num_splits(m_tiles: int, n_tiles: int, k: int, block_k: int, device: torch.device) -> int:
-    """Split K until there are ~2 programs per SM, keeping at least 4 K-tiles per split."""
+    """Split K until there are ~6 programs per SM (a decode GEMV needs many loads in flight), keeping at least
+    4 K-tiles per split."""
     programs = m_tiles * n_tiles
-    target = 2 * _num_sms(device)
+    target = 6 * _num_sms(device)
     if programs >= target:
         return 1
     return max(1, min(-(-target // programs), k // (4 * block_k)))
@@ -122,8 +211,10 @@ def awq_gemm(
     group_size: int,
     config: dict | None = None,
     splits: int | None = None,
+    dense: bool | None = None,
 ) -> torch.Tensor:
-    """``x @ W`` for x ``[..., in]`` (float16 or float32), W in AWQ's layout; ``[..., out]`` in x's dtype."""
+    """``x @ W`` for x ``[..., in]`` (float16 or float32), W in AWQ's layout; ``[..., out]`` in x's dtype.
+    `dense`: dequantize W once and multiply densely (default: from DENSE_MIN_ROWS rows on a GPU)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -132,6 +223,11 @@ def awq_gemm(
     n = scales.shape[1]
     if qweight.shape != (k, n // 8) or qzeros.shape != (k // group_size, n // 8):
         raise ValueError(f"AWQ tensors {tuple(qweight.shape)}/{tuple(qzeros.shape)} do not fit x [*, {k}] -> {n}")
+    fp16_math = x.dtype == torch.float16
+    if dense is None:
+        dense = m >= DENSE_MIN_ROWS and x.device.type == "cuda" and config is None
+    if dense:
+        return (x2 @ awq_dequantize(qweight, qzeros, scales, group_size, x.dtype)).reshape(*shape[:-1], n)
     cfg = dict(gemm_config(m, group_size, x.dtype), **(config or {}))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     if group_size % bk:
@@ -164,6 +260,7 @@ def awq_gemm(
             BLOCK_N=bn,
             BLOCK_K=bk,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            FP16_MATH=fp16_math,
             **cfg,
         )
     if splits > 1:

@@ -9,6 +9,8 @@ from the fp8 cache) and through one prefill, then greedy continuations of its 19
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -128,7 +130,15 @@ def test_gpu_quantized_engines_match_the_cpu_reference_path():
     ):
         if (kw.get("quantization") == "fp8" or "kv_cache_dtype" in kw) and torch.cuda.get_device_capability() < (8, 9):
             continue
-        cpu, gpu = LLM(model, device="cpu", **kw), LLM(model, device="cuda", **kw)
-        rate, identical = agreement(greedy(gpu, prompts), greedy(cpu, prompts))
+        with LLM(model, device="cpu", **kw) as cpu:
+            want = greedy(cpu, prompts)
+        gpu = LLM(model, device="cuda", **kw)
+        try:
+            rate, identical = agreement(greedy(gpu, prompts), want)
+        finally:  # the next configuration profiles the GPU's free memory: this one must be gone
+            gpu.close()
+            del gpu
+            gc.collect()
+            torch.cuda.empty_cache()
         print(f"gpu vs cpu {_json.dumps(kw)}: greedy {rate:.3f} ({identical}/19 identical)")
         assert rate >= 0.9

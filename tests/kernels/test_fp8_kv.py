@@ -244,9 +244,9 @@ def test_gpu_fp8_kernels_llama3_sizes(block_size):
             kv_scale = _scales(8, block_size)
             fp8, dequant = _quantized(case, kv_scale)
             out = torch.full_like(case.query, float("nan"))
-            triton_backend.paged_attention(
-                *fp8.args(), out=out, kv_scale=kv_scale, num_decodes=1 if q_lens[0] > 1 else 0
-            )
+            # a mixed step lists its one-token sequences first; here the decode comes last, so none lead
+            leading = next((i for i, q in enumerate(q_lens) if q > 1), len(q_lens))
+            triton_backend.paged_attention(*fp8.args(), out=out, kv_scale=kv_scale, num_decodes=leading)
             _check(out, dequant, dtype, f"gpu bs={block_size} q={q_lens[:2]}")
     cache = torch.randn(2, 4096, 8, block_size, 128, device="cuda").to(FP8)
     slots = torch.randperm(4096 * block_size, device="cuda")[:8192]
