@@ -53,7 +53,11 @@ def model_dir(quick: bool) -> str:
     if quick:
         return str(DEFAULT_MODEL_DIR)
     d = Path(tempfile.mkdtemp(prefix="llama3-8b-shape-"))
-    (d / "config.json").write_text(json.dumps(LLAMA3_8B))
+    # The embedded tokenizer comes along, so BOS/EOS are its ids: a grammar engine (structured outputs)
+    # refuses an EOS outside the tokenizer's vocabulary.
+    own = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    cfg = {**LLAMA3_8B, "bos_token_id": own["bos_token_id"], "eos_token_id": own["eos_token_id"]}
+    (d / "config.json").write_text(json.dumps(cfg))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEFAULT_MODEL_DIR / name, d / name)
     return str(d)
