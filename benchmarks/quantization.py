@@ -294,6 +294,25 @@ def awq_gemm_kernel(copy_Bps: float, sweep: bool) -> list[dict[str, Any]]:
                 "pct_of_copy": round(100 * moved / (ms * 1e-3) / copy_Bps, 1),
                 "rel_err": float((got.float() - want).norm() / want.norm()),
             }
+            if m == 1:
+                row["awq_tiled_ms"] = round(_bench(lambda: awq_gemm(x, qweight, qzeros, scales, 128, gemv=False)), 5)
+            if sweep and m == 1:
+                gemv_trials = []
+                for bn in (128, 256, 512):
+                    for bk in (32, 64, 128):
+                        for warps in (2, 4, 8):
+                            for splits in (None, 8):
+                                cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+                                try:
+                                    t_ms = _bench(
+                                        lambda: awq_gemm(
+                                            x, qweight, qzeros, scales, 128, gemv=True, gemv_config=cfg, splits=splits
+                                        )
+                                    )
+                                    gemv_trials.append({**cfg, "splits": splits, "ms": round(t_ms, 5)})
+                                except Exception as e:  # noqa: BLE001
+                                    gemv_trials.append({**cfg, "splits": splits, "error": str(e)[:120]})
+                row["gemv_sweep_best"] = sorted(gemv_trials, key=lambda t: t.get("ms", 1e9))[:5]
             if sweep and m in (1, 16, 64):
                 trials = []
                 for bn in (64, 128, 256):
@@ -306,7 +325,15 @@ def awq_gemm_kernel(copy_Bps: float, sweep: bool) -> list[dict[str, Any]]:
                                 try:
                                     t_ms = _bench(
                                         lambda: awq_gemm(
-                                            x, qweight, qzeros, scales, 128, config=cfg, splits=splits, dense=False
+                                            x,
+                                            qweight,
+                                            qzeros,
+                                            scales,
+                                            128,
+                                            config=cfg,
+                                            splits=splits,
+                                            dense=False,
+                                            gemv=False,
                                         )
                                     )
                                     trials.append({**cfg, "splits": splits, "ms": round(t_ms, 5)})

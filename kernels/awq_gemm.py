@@ -110,6 +110,54 @@ def _awq_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit(do_not_specialize=["stride_xm", "stride_om", "k_per_split"])
+def _awq_gemv_kernel(
+    x_ptr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_os,
+    k_per_split,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One row of ``x @ W`` on the CUDA cores: a decode step's product reads each packed word once and
+    needs no tensor-core operand layout (the tiled kernel pads one row to sixteen and moves every
+    unpacked tile into the dot's layout).  Per group the zero point comes out of the sum:
+    ``sum_k x_k (q_kn - z_n) s_n = s_n (sum_k x_k q_kn - z_n sum_k x_k)``."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    row = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    packed_n = N // 8
+    mask_n = offs_n < N
+    mask_w = offs_w < packed_n
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + offs_k).to(tl.float32)
+        q = tl.load(
+            qweight_ptr + offs_k[:, None].to(tl.int64) * packed_n + offs_w[None, :], mask=mask_w[None, :], other=0
+        )
+        g = k0 // GROUP
+        z = tl.load(qzeros_ptr + g * packed_n + offs_w, mask=mask_w, other=0)
+        s = tl.load(scales_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        nib = _unpack(q, BLOCK_K, BLOCK_N).to(tl.float32)
+        zero = tl.reshape(_unpack(z[None, :], 1, BLOCK_N), (BLOCK_N,)).to(tl.float32)
+        acc += s * (tl.sum(x[:, None] * nib, 0) - zero * tl.sum(x, 0))
+    out = out_ptr + split * stride_os + row.to(tl.int64) * stride_om + offs_n
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
 @triton.jit
 def _awq_dequant_kernel(
     qweight_ptr,
@@ -172,6 +220,51 @@ def awq_dequantize(
     return out
 
 
+GEMV_MAX_ROWS = 4  # a decode batch of a few sequences
+
+
+def _gemv(
+    x2: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    config: dict | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
+    m, k = x2.shape
+    n = scales.shape[1]
+    cfg = dict(dict(BLOCK_N=256, BLOCK_K=min(group_size, 64), num_warps=4, num_stages=3), **(config or {}))
+    bn, bk = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+    if group_size % bk:
+        raise ValueError(f"BLOCK_K {bk} must divide the AWQ group size {group_size}")
+    n_tiles = _cdiv(n, bn)
+    if splits is None:
+        splits = num_splits(m, n_tiles, k, bk, x2.device)
+    k_per_split = _cdiv(_cdiv(k, splits), bk) * bk
+    splits = _cdiv(k, k_per_split)
+    out = torch.empty((splits, m, n), dtype=torch.float32 if splits > 1 else x2.dtype, device=x2.device)
+    if m:
+        _awq_gemv_kernel[(n_tiles, splits, m)](
+            x2,
+            qweight,
+            qzeros,
+            scales,
+            out,
+            n,
+            k,
+            x2.stride(0),
+            n,
+            m * n,
+            k_per_split,
+            GROUP=group_size,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            **cfg,
+        )
+    return out.sum(0).to(x2.dtype) if splits > 1 else out[0]
+
+
 def gemm_config(m: int, group_size: int, dtype: torch.dtype) -> dict:
     """Tile sizes by row count.  Decode rows from the H100 sweep (benchmarks/quantization.py --sweep, the 8B's
     four projections at M = 1 and 16): 256-column tiles of 64 rows with 8 warps and split-K were best or
@@ -212,9 +305,12 @@ def awq_gemm(
     config: dict | None = None,
     splits: int | None = None,
     dense: bool | None = None,
+    gemv: bool | None = None,
+    gemv_config: dict | None = None,
 ) -> torch.Tensor:
     """``x @ W`` for x ``[..., in]`` (float16 or float32), W in AWQ's layout; ``[..., out]`` in x's dtype.
-    `dense`: dequantize W once and multiply densely (default: from DENSE_MIN_ROWS rows on a GPU)."""
+    `dense`: dequantize W once and multiply densely (default: from DENSE_MIN_ROWS rows on a GPU); `gemv`:
+    one row per program on the CUDA cores (default: up to GEMV_MAX_ROWS rows in 16 bits)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -228,6 +324,10 @@ def awq_gemm(
         dense = m >= DENSE_MIN_ROWS and x.device.type == "cuda" and config is None
     if dense:
         return (x2 @ awq_dequantize(qweight, qzeros, scales, group_size, x.dtype)).reshape(*shape[:-1], n)
+    if gemv is None:
+        gemv = m <= GEMV_MAX_ROWS and x.dtype != torch.float32 and config is None
+    if gemv:
+        return _gemv(x2, qweight, qzeros, scales, group_size, config=gemv_config, splits=splits).reshape(*shape[:-1], n)
     cfg = dict(gemm_config(m, group_size, x.dtype), **(config or {}))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     if group_size % bk:

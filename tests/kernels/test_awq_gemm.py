@@ -46,11 +46,23 @@ def test_gemm_equals_dequantize_then_matmul(dtype, group):
     for m in (1, 5, 37):  # decode rows (BLOCK_M 16), a small batch, a prefill chunk
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
         want = x.double() @ w
-        for splits in (None, 1, 3, "dense"):
+        for splits in (None, 1, 3, "dense", "gemv", "gemv-split"):
             if splits == "dense":  # the weight dequantized once, then a dense product
                 got = awq_gemm(x, qweight, qzeros, scales, group, dense=True)
+            elif splits.__class__ is str:  # one row per program on the CUDA cores
+                cfg = dict(BLOCK_N=64, BLOCK_K=32)
+                got = awq_gemm(
+                    x,
+                    qweight,
+                    qzeros,
+                    scales,
+                    group,
+                    gemv=True,
+                    gemv_config=cfg,
+                    splits=3 if splits == "gemv-split" else 1,
+                )
             else:
-                got = awq_gemm(x, qweight, qzeros, scales, group, splits=splits, dense=False)
+                got = awq_gemm(x, qweight, qzeros, scales, group, splits=splits, dense=False, gemv=False)
             err = float((got.double() - want).norm() / want.norm())
             print(f"awq gemm {str(dtype)[6:]} g={group} m={m} splits={splits}: rel err {err:.2e}")
             assert got.dtype == dtype and got.shape == (m, n) and err < tol
