@@ -71,7 +71,7 @@ class _Scratch:
     """
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self.buffers: dict[tuple[str, torch.dtype, torch.device, bool], torch.Tensor] = {}
 
     def get(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = 1
@@ -79,7 +79,9 @@ class _Scratch:
             numel *= n
         if numel * dtype.itemsize > _SCRATCH_CAP_BYTES:
             return torch.empty(shape, dtype=dtype, device=device)
-        key = (role, dtype, device)
+        # an inference tensor (made under torch.inference_mode, as the engine runs) cannot be written outside
+        # that mode, nor a normal one read back as cheaply inside it: one buffer per mode
+        key = (role, dtype, device, torch.is_inference_mode_enabled())
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(max(numel, 2 * (0 if buf is None else buf.numel())), dtype=dtype, device=device)

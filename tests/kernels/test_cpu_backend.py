@@ -5,6 +5,8 @@ CPU."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -97,6 +99,24 @@ def test_the_gather_reuses_one_buffer_per_role_and_allocates_past_the_cap(monkey
     second = cpu_backend._gather(cache, table[:, :2], "k")  # smaller: the same memory
     assert second.data_ptr() == ptr and torch.equal(second, expected[:, :, :16])
     assert cpu_backend._gather(cache, table, "v").data_ptr() != ptr  # K and V are read together
+
+    def engine_then_test() -> None:  # a fresh thread: its buffers are made under inference mode first
+        with torch.inference_mode():  # as the engine gathers
+            assert torch.equal(cpu_backend._gather(cache, table, "k"), expected)
+        assert torch.equal(cpu_backend._gather(cache, table, "k"), expected)  # an inference tensor is not reused
+
+    errors: list[BaseException] = []
+    t = threading.Thread(target=lambda: _record(errors, engine_then_test))
+    t.start()
+    t.join()
+    assert not errors, errors
     monkeypatch.setattr(cpu_backend, "_SCRATCH_CAP_BYTES", 1024)
     big = cpu_backend._gather(cache, table, "k")
     assert big.data_ptr() != ptr and torch.equal(big, expected)
+
+
+def _record(errors: list[BaseException], fn) -> None:  # type: ignore[no-untyped-def]
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - reported by the test's own thread
+        errors.append(e)
