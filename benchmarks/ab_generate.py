@@ -2,18 +2,20 @@
 
     PYTHONPATH=<checkout> python <this file> --label after
 
-Imports the engine and benchmarks.throughput from whatever PYTHONPATH names first, so the same
-file times an older commit (git archive it into a directory) against the working tree, each in a
-fresh process, alternating.  Prints one JSON line: label, tok/s, seconds.  Llama-3-8B shape, bf16,
-random weights, 256 prompts x 512 in x 256 out, greedy, no EOS, CUDA graphs on.
+Imports the engine from whatever PYTHONPATH names first, so the same file times an older commit (git
+archive it into a directory) against the working tree, each in a fresh process, alternating.  Run it
+from outside benchmarks/ (copy it to /tmp): run as a script, its own directory comes first on sys.path,
+and benchmarks/kernels.py would shadow the kernels package.  The timed loop is this file's own, so
+that only the engine differs between the two sides.  Prints one JSON line: label, tok/s, seconds.
+Llama-3-8B shape, bf16, random weights, 256 prompts x 512 in x 256 out, greedy, no EOS, CUDA graphs on.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
+import time
 
 import torch
 
@@ -26,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=256)
     args = p.parse_args(argv)
     from benchmarks.memory import LLAMA3_8B, model_dir
-    from benchmarks.throughput import prompts_for, run_pagekeeper
+    from engine import LLM, SamplingParams
 
     engine_args = dict(
         device="cuda",
@@ -37,12 +39,21 @@ def main(argv: list[str] | None = None) -> int:
         swap_space=0,
         load_format="dummy",
     )
-    prompts = prompts_for(args.num_prompts, args.input_len, LLAMA3_8B["vocab_size"], seed=0)
-    if "work" in inspect.signature(run_pagekeeper).parameters:  # this tree's: (prompt, output length) pairs
-        work = [(p, args.output_len) for p in prompts]
-        _, cold, elapsed, _ = run_pagekeeper(model_dir(quick=False), engine_args, work)
-    else:  # an older checkout's
-        _, cold, elapsed = run_pagekeeper(model_dir(quick=False), engine_args, prompts, args.output_len)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, LLAMA3_8B["vocab_size"], (args.num_prompts, args.input_len), generator=g).tolist()
+    # Its own timed loop, the same for every tree (the engine is what differs between A and B, never the
+    # harness): one shared SamplingParams, a warm-up of 32 prompts, one timed generate.
+    t = time.perf_counter()
+    llm = LLM(model_dir(quick=False), **engine_args)
+    cold = time.perf_counter() - t
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:32]], params, use_tqdm=False)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
     line = {
         "label": args.label,
         "gpu": torch.cuda.get_device_name(),
