@@ -159,6 +159,12 @@ def test_no_request_fails_through_restarts_hangs_and_kills(deploy, record_proper
     killed = [r for r in records if r.outcome != "ok" and at_kill(r)]
     other = [r for r in records if r.outcome != "ok" and r not in clean_503 and r not in killed]
 
+    # The engine counts a request in flight until its handler returns, a moment after the last byte reached the
+    # client: a request that completed just before the kill -9 may be counted as lost too (a full-suite run on
+    # 2026-11-24: 4 counted, 3 failed).
+    finished_at_kill = [
+        r for r in records if r.outcome == "ok" and marks["kill_sent"] - 0.05 <= r.end <= marks["engine_dead"] + 0.1
+    ]
     table = Counter((phase_of(r), r.outcome) for r in records)
     names = ["steady"] + [p[0] for p in phases]
     outcomes = sorted({r.outcome for r in records})
@@ -167,7 +173,8 @@ def test_no_request_fails_through_restarts_hangs_and_kills(deploy, record_proper
         lines.append(f"{name:<34}" + "".join(f"{table[(name, o)]:>12}" for o in outcomes))
     lines.append(f"{'total':<34}" + "".join(f"{sum(table[(n, o)] for n in names):>12}" for o in outcomes))
     lines.append(
-        f"in flight at kill -9 and failed: {len(killed)} (supervisor counted {kill_lost:.0f}); "
+        f"in flight at kill -9 and failed: {len(killed)} (supervisor counted {kill_lost:.0f}; "
+        f"{len(finished_at_kill)} completed within 0.05 s before it); "
         f"--no-drain clean 503s: {len(clean_503)} (supervisor counted {no_drain_lost:.0f}); "
         f"any other failure: {len(other)}"
     )
@@ -186,7 +193,8 @@ def test_no_request_fails_through_restarts_hangs_and_kills(deploy, record_proper
     assert not other, other[:10]
     # in flight at kill -9: a prompt, clean failure (the connection closes; nothing hangs), and counted
     assert all(r.outcome in ("reset", "truncated") and r.end - marks["kill_sent"] < 10 for r in killed), killed
-    assert 1 <= kill_lost <= len(killed)
+    # Never more than those that failed plus those that completed at the kill, never fewer than one.
+    assert 1 <= kill_lost <= len(killed) + len(finished_at_kill), (kill_lost, killed, finished_at_kill)
     # --no-drain: in-flight requests were answered with a retryable 503 at once, and each was counted
     assert no_drain_lost == len(clean_503)
     # the supervisor's own view agrees: every restart was one we caused, none failed
