@@ -1,20 +1,18 @@
-"""Triton: ``x @ W`` with W in AutoAWQ's int4 GEMM layout, dequantized in registers (never in memory).
+"""Triton: ``x @ W`` with W in AutoAWQ's int4 GEMM layout.
 
-kernels/quant_reference.py has the layout.  One program computes a ``BLOCK_M x BLOCK_N`` tile of
-the output over a range of K: for every ``BLOCK_K`` rows it loads the packed int32 words of its
-columns (each word feeds the eight columns it packs: the loads of one word coalesce), shifts
-each column's nibble out (column ``j`` of a word sits at nibble ``(j // 2) + 4 (j % 2)``),
-subtracts the group's zero point, multiplies by the group's scale and feeds the tensor-core dot
-in the activation dtype.  ``BLOCK_K`` divides the group size, so a tile needs one row of zero
-points and scales.
+kernels/quant_reference.py has the layout.  Every path loads each packed int32 word once and shifts its
+eight nibbles out side by side in registers (column ``j`` of a word sits at nibble ``(j // 2) + 4 (j % 2)``);
+``BLOCK_K`` divides the group size, so a tile needs one row of zero points and scales.  Three paths, by the
+number of rows (measured on an H100, benchmarks/quantization.py):
 
-Two shapes of work, one kernel:
-
-- prefill (many rows): large M and N tiles, the whole K per program;
-- decode (a handful of rows, the "GEMV" case): ``BLOCK_M = 16`` (the smallest dot) and split-K, so
-  that a batch-1 step still spreads the weight read over every SM; the splits write float32
-  partials that one sum combines.  Decode is bound by reading the packed weight: 4 bits per
-  element instead of 16, the 4x lower floor the AWQ benchmark measures against.
+- up to GEMV_MAX_ROWS (a decode step of a few sequences): one row per program on the CUDA cores, split-K,
+  the group's zero point factored out of the sum.  Decode is bound by reading the packed weight (4 bits per
+  element instead of 16: the 4x lower floor the AWQ benchmark measures against), and a tensor-core dot would
+  pad the row to sixteen and move every unpacked tile into its operand layout;
+- up to DENSE_MIN_ROWS: ``BLOCK_M x BLOCK_N`` tiles dequantized in registers feeding the tensor-core dot,
+  split-K when the tiles alone would leave SMs idle (float32 partials that one sum combines);
+- from DENSE_MIN_ROWS (prefill): the weight dequantized once by a Triton kernel, then cuBLAS, which runs at
+  the matmul rate that a dequantize-in-registers tile does not reach.
 """
 
 from __future__ import annotations
