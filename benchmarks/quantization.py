@@ -16,8 +16,9 @@ benchmarks/results/quantization-<gpu>-<date>.json:
   bandwidth counting the bytes it really reads (fp8 K/V, queries, block tables, lengths, scales, and
   the output written) as a percentage of a device-to-device copy's (target >= 85 %); the bf16 cache
   on the same data beside it.
-- `awq_gemm`: the Triton AWQ kernel on the 8B's four projection shapes at 1, 16 and 256 rows against
-  the dense matmul, with bandwidth over the packed bytes.
+- `awq_gemm`: the AWQ product on the 8B's four projection shapes at 1, 16, 64, 256 and 1,024 rows: the
+  default dispatch, the in-register tiles, dequantize + cuBLAS, and (one row) the tiled kernel against the
+  GEMV, beside the fp16 dense matmul, with bandwidth over the packed bytes; `--sweep` adds tile sweeps.
 - `engines`: per configuration (bf16, fp16, fp8 KV, fp8 weights, both, AWQ in float16) the memory plan
   (weights per dtype, KV tokens), throughput on the throughput benchmark's workload (256 prompts x 512
   in, 256 out, greedy, no EOS), batch-1 decode latency (time per output token over 256 tokens after
