@@ -9,9 +9,12 @@ So the bound that says what this schedule could reach replays the steps the sche
 
     max(bytes it must move / copy bandwidth, FLOPs it must do / matmul rate)
 
-with the weights read once per step.  The additive bound (the simple roofline, over the same steps)
-is reported beside it.  Both count a step's work exactly from its plan: each sequence's new tokens,
-the context it attends to, and the rows it samples.
+with the weights read once per step.  The additive bound (the simple roofline, over the same steps:
+prefill FLOPs at the matmul rate plus decode bytes at copy bandwidth) is reported beside it.  Neither
+is below the other in general: a compute-bound mixed step costs less in the aware bound (the decodes
+ride along), a bandwidth-bound prefill step more (its bytes count there, only its FLOPs in the other).
+Both count a step's work exactly from its plan: each sequence's new tokens, the context it attends to,
+and the rows it samples.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def test_a_decode_step_is_bandwidth_bound_and_a_long_prefill_is_compute_bound():
     b = bounds([decode, prefill], c, matmul_flops=100e12, copy_bytes_per_s=1e12)
     assert b["steps"] == 2 and b["compute_bound_steps"] == 1
     assert b["schedule_aware_s"] == pytest.approx(w["bytes"] / 1e12 + wp["flops"] / 100e12)
-    # a mixed step costs its larger side only: the additive bound is never below the aware one
+    # a compute-bound mixed step costs its FLOPs only, while the additive bound also pays the decode's bytes
     mixed = StepShape(((0, 4000), (50, 1)), samples=2)
     m = bounds([mixed], c, 100e12, 1e12)
     assert m["schedule_aware_s"] <= m["additive_s"]

@@ -81,8 +81,10 @@ def test_quick_long_tailed_benchmark_with_structured_requests(tmp_path):
     assert w["prompt_len"]["max"] > w["prompt_len"]["median"]  # lengths differ
     b = result["step_bounds"]
     assert b["tokens_computed"] == w["prompt_tokens"] + w["output_tokens"] - 24
-    assert 0 < b["schedule_aware_s"] <= b["additive_s"]
-    assert 0 < result["schedule_aware_fraction"] <= result["additive_fraction"] < 1
+    # Neither bound is below the other in general: a bandwidth-bound prefill step (a tiny model on a CPU) costs
+    # its bytes in the aware bound and only its FLOPs in the additive one.
+    assert b["schedule_aware_s"] > 0 and b["additive_s"] > 0
+    assert 0 < result["schedule_aware_fraction"] < 1 and 0 < result["additive_fraction"] < 1
     s = result["structured"]
     assert s["structured_requests"] == 6 and 0 < s["generated_tokens"] <= s["planned_tokens"]
     assert s["structured_completed_valid_json"] == s["structured_completed"]  # whatever completed parses
