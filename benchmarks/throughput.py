@@ -377,8 +377,6 @@ def hf_static_varlen(hf: Any, work: Workload, batch: int, device: torch.device) 
     """(seconds, useful tokens) for transformers `generate` in arrival-order static batches, left-padded;
     each batch generates its longest output for every row (what static batching costs), and only the
     tokens each request asked for count."""
-    from transformers import GenerationConfig
-
     useful = 0
     with torch.inference_mode():
         hf.generate(torch.tensor([work[0][0][:8]], device=device), generation_config=_no_eos_config(hf, 2))
@@ -393,14 +391,7 @@ def hf_static_varlen(hf: Any, work: Workload, batch: int, device: torch.device) 
                 ids[r, width - len(p) :] = torch.tensor(p)
                 mask[r, width - len(p) :] = 1
             longest = max(o for _, o in rows)
-            gen = GenerationConfig(
-                max_new_tokens=longest,
-                min_new_tokens=longest,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                bos_token_id=None,
-            )
+            gen = _no_eos_config(hf, longest)
             out = hf.generate(ids.to(device), attention_mask=mask.to(device), generation_config=gen)
             assert out.shape[1] == width + longest
             useful += sum(o for _, o in rows)

@@ -237,11 +237,8 @@ def _gemv(
     if group_size % bk:
         raise ValueError(f"BLOCK_K {bk} must divide the AWQ group size {group_size}")
     n_tiles = _cdiv(n, bn)
-    if splits is None:
-        splits = num_splits(m, n_tiles, k, bk, x2.device)
-    k_per_split = _cdiv(_cdiv(k, splits), bk) * bk
-    splits = _cdiv(k, k_per_split)
-    out = torch.empty((splits, m, n), dtype=torch.float32 if splits > 1 else x2.dtype, device=x2.device)
+    splits, k_per_split = _split_k(k, bk, num_splits(m, n_tiles, k, bk, x2.device) if splits is None else splits)
+    out = _partials(splits, m, n, x2.dtype, x2.device)
     if m:
         _awq_gemv_kernel[(n_tiles, splits, m)](
             x2,
@@ -260,7 +257,22 @@ def _gemv(
             BLOCK_K=bk,
             **cfg,
         )
-    return out.sum(0).to(x2.dtype) if splits > 1 else out[0]
+    return _combined(out, x2.dtype)
+
+
+def _split_k(k: int, block_k: int, splits: int) -> tuple[int, int]:
+    """(splits, rows of K per split): whole BLOCK_K tiles per split, and no split left empty."""
+    k_per_split = _cdiv(_cdiv(k, splits), block_k) * block_k
+    return _cdiv(k, k_per_split), k_per_split
+
+
+def _partials(splits: int, m: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[splits, m, n]``: float32 partial sums when K is split, else the result itself in `dtype`."""
+    return torch.empty((splits, m, n), dtype=torch.float32 if splits > 1 else dtype, device=device)
+
+
+def _combined(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return out.sum(0).to(dtype) if out.shape[0] > 1 else out[0]
 
 
 def gemm_config(m: int, group_size: int, dtype: torch.dtype) -> dict:
@@ -331,14 +343,8 @@ def awq_gemm(
     if group_size % bk:
         raise ValueError(f"BLOCK_K {bk} must divide the AWQ group size {group_size}")
     m_tiles, n_tiles = _cdiv(m, bm), _cdiv(n, bn)
-    if splits is None:
-        splits = num_splits(m_tiles, n_tiles, k, bk, x.device)
-    k_per_split = _cdiv(_cdiv(k, splits), bk) * bk
-    splits = _cdiv(k, k_per_split)
-    if splits == 1:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    else:
-        out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    splits, k_per_split = _split_k(k, bk, num_splits(m_tiles, n_tiles, k, bk, x.device) if splits is None else splits)
+    out = _partials(splits, m, n, x.dtype, x.device)
     if m:
         _awq_gemm_kernel[(m_tiles, n_tiles, splits)](
             x2,
@@ -361,6 +367,4 @@ def awq_gemm(
             FP16_MATH=fp16_math,
             **cfg,
         )
-    if splits > 1:
-        out = out.sum(0).to(x.dtype)
-    return out.reshape(*shape[:-1], n)
+    return _combined(out, x.dtype).reshape(*shape[:-1], n)
