@@ -268,13 +268,40 @@ def _cudnn_ms(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int, co
     return None, "; ".join(why), None
 
 
+def _engine_layout(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, chunk: int):
+    """The chunk's q, k, v as the model hands them to attention: strided views of one fused projection output
+    ``[T, (Hq + 2 Hkv) D]`` (k, v: the last `chunk` positions of each sequence's contiguous K/V)."""
+    t = batch * chunk
+    kf = k[:, :, -chunk:].transpose(1, 2).reshape(t, HKV * D)
+    vf = v[:, :, -chunk:].transpose(1, 2).reshape(t, HKV * D)
+    fused = torch.cat([query.reshape(t, HQ * D), kf, vf], dim=1)
+    q, kk, vv = fused.split([HQ * D, HKV * D, HKV * D], dim=1)
+    return q.view(t, HQ, D), kk.view(t, HKV, D), vv.view(t, HKV, D)
+
+
 def prefill_row(batch: int, chunk: int, context: int, block_size: int) -> dict:
+    """`paged_ms` times the engine's entry point (`kernels.triton_backend.paged_attention`) as the runner calls
+    it: a fresh chunk (no context before it) on the dense path over the step's own K/V when the backend takes
+    it here, else the paged prefill kernel with its automatic tile choice; `triton_ms` is the paged kernel
+    alone on the same rows."""
     from kernels import paged_attention as pa
+    from kernels import triton_backend
+    from kernels.dense_prefill import DenseChunks, runs_of
 
     cache, tables, query, seq_lens, qsl, k, v = paged_setup(batch, context, block_size, q_len=chunk)
     scale = D**-0.5
+    q_eng, k_eng, v_eng = _engine_layout(query, k, v, batch, chunk)
+    least = triton_backend.dense_prefill_min_tokens(DTYPE, DTYPE, HQ, HKV, D, query.device)
+    dense = None
+    if chunk == context and least is not None and chunk >= least:
+        dense = DenseChunks(runs_of([chunk] * batch, 0), batch, 0)
 
     def paged():
+        return triton_backend.paged_attention(
+            q_eng, cache, tables, seq_lens, qsl, scale, chunk, context, dense=dense, fresh_kv=(k_eng, v_eng)
+        )
+
+    def triton_only():
         return pa.paged_attention_prefill(query, cache, tables, seq_lens, qsl, scale, chunk)
 
     q4 = query.view(batch, chunk, HQ, D).transpose(1, 2)
@@ -295,19 +322,23 @@ def prefill_row(batch: int, chunk: int, context: int, block_size: int) -> dict:
     err = _rel(out, sdpa().transpose(1, 2).reshape(batch * chunk, HQ, D))
     paged_ms = _bench(paged)
     paged_eager_ms = _bench_eager(paged)
+    triton_ms = _bench(triton_only) if dense is not None else paged_ms
     sdpa_ms, per_backend = _sdpa_times(sdpa) if chunk == context else (_bench(sdpa), {})
     cudnn_ms, cudnn_how, cudnn_out = _cudnn_ms(q4, k, v, chunk, context, scale)
     cudnn_err = None if cudnn_out is None else _rel(out, cudnn_out.transpose(1, 2).reshape(batch * chunk, HQ, D))
     prior = context - chunk
     flops = 4 * batch * HQ * D * (chunk * prior + chunk * (chunk + 1) / 2)
-    cache = k = v = ke = ve = cudnn_out = None  # frees the memory now (a closure above still names it)
+    cache = k = v = ke = ve = cudnn_out = q_eng = k_eng = v_eng = None  # frees the memory now (closures name it)
     return dict(
         batch=batch,
         chunk=chunk,
         context=context,
         cached_prefix=prior,
         block_size=block_size,
+        path="dense (cuDNN over the step's K/V)" if dense is not None else "paged Triton kernel",
         paged_ms=round(paged_ms, 5),
+        triton_ms=round(triton_ms, 5),
+        triton_over_cudnn=cudnn_ms and round(triton_ms / cudnn_ms, 3),
         sdpa_ms=round(sdpa_ms, 5),
         paged_eager_ms=round(paged_eager_ms, 5),
         sdpa_backend_ms={n: (round(t, 5) if isinstance(t, float) else t) for n, t in per_backend.items()},
@@ -405,6 +436,71 @@ def sweep(copy: float) -> dict:
             out["prefill_tiles"].append(dict(cfg, error=str(e)[:200]))
     cache = None  # frees the memory now (a closure above still names it)
     return out
+
+
+def prefill_tile_choice() -> list[dict]:
+    """The paged prefill kernel's tiles where its grid is small (few sequences, short chunks after a long prefix),
+    to check the automatic choice (`SMALL_GRID_CONFIG` below two waves of programs) against the alternatives."""
+    from kernels import paged_attention as pa
+
+    rows = []
+    scale = D**-0.5
+    for batch, chunk, context in ((1, 512, 4608), (2, 512, 4608), (4, 512, 4608), (1, 1024, 5120), (1, 2048, 4096)):
+        cache, tables, query, seq_lens, qsl, _, _ = paged_setup(batch, context, 16, q_len=chunk)
+        row: dict = dict(batch=batch, chunk=chunk, context=context)
+        row["auto_ms"] = round(
+            _bench(lambda: pa.paged_attention_prefill(query, cache, tables, seq_lens, qsl, scale, chunk)), 5
+        )
+        for bm, bn, warps, stages in ((128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2)):
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            ms = _bench(
+                lambda: pa.paged_attention_prefill(query, cache, tables, seq_lens, qsl, scale, chunk, config=cfg)
+            )
+            row[f"{bm}x{bn}_{warps}w{stages}s_ms"] = round(ms, 5)
+        print("prefill tiles", row, flush=True)
+        rows.append(row)
+        cache = None
+    return rows
+
+
+def dense_threshold() -> list[dict]:
+    """Fresh chunks of 64-1,024 tokens: the paged kernel against the dense path (the engine's entry point with
+    the chunk listed as dense), device time and eager time (which carries each path's host cost), to place
+    `DENSE_PREFILL_MIN_TOKENS`."""
+    from kernels import paged_attention as pa
+    from kernels import triton_backend
+    from kernels.dense_prefill import DenseChunks, runs_of
+
+    rows = []
+    scale = D**-0.5
+    if triton_backend.dense_prefill_min_tokens(DTYPE, DTYPE, HQ, HKV, D, torch.device(DEVICE)) is None:
+        return rows
+    for batch in (1, 4):
+        for chunk in (64, 128, 256, 512, 1024):
+            cache, tables, query, seq_lens, qsl, k, v = paged_setup(batch, chunk, 16, q_len=chunk)
+            q_eng, k_eng, v_eng = _engine_layout(query, k, v, batch, chunk)
+            dense = DenseChunks(runs_of([chunk] * batch, 0), batch, 0)
+
+            def paged():
+                return pa.paged_attention_prefill(query, cache, tables, seq_lens, qsl, scale, chunk)
+
+            def dense_path():
+                return triton_backend.paged_attention(
+                    q_eng, cache, tables, seq_lens, qsl, scale, chunk, chunk, dense=dense, fresh_kv=(k_eng, v_eng)
+                )
+
+            row = dict(
+                batch=batch,
+                chunk=chunk,
+                paged_ms=round(_bench(paged), 5),
+                dense_ms=round(_bench(dense_path), 5),
+                paged_eager_ms=round(_bench_eager(paged), 5),
+                dense_eager_ms=round(_bench_eager(dense_path), 5),
+            )
+            print("dense threshold", row, flush=True)
+            rows.append(row)
+            cache = k = v = q_eng = k_eng = v_eng = None
+    return rows
 
 
 def host_overheads() -> dict:
@@ -515,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             torch.cuda.empty_cache()
+        result["prefill_tile_choice"] = prefill_tile_choice()
+        result["dense_threshold"] = dense_threshold()
 
     key = next((r for r in result["decode"] if (r["batch"], r["context"], r["block_size"]) == (64, 4096, 16)), None)
     fresh = [r for r in result["prefill"] if r["chunk"] == r["context"]]

@@ -24,9 +24,18 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from kernels.dense_prefill import DenseChunks, dense_prefill
 from kernels.reference import FP8, check_kv_scale, copy_blocks, gather_blocks, quantize_fp8, scatter_blocks
 
-__all__ = ["write_kv", "paged_attention", "copy_blocks", "gather_blocks", "scatter_blocks", "kv_cache_shape"]
+__all__ = [
+    "write_kv",
+    "paged_attention",
+    "dense_prefill_min_tokens",
+    "copy_blocks",
+    "gather_blocks",
+    "scatter_blocks",
+    "kv_cache_shape",
+]
 
 # Above this many score elements (queries x keys x heads) per group of prefill sequences, the group is split,
 # so that a long prompt never needs gigabytes of scratch memory.
@@ -138,9 +147,12 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_decodes: int = 0,
     kv_scale: torch.Tensor | None = None,
+    dense: DenseChunks | None = None,
+    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context; ``[T, Hq, D]`` out.
-    `kv_scale`: an fp8 cache's per-head scales."""
+    `kv_scale`: an fp8 cache's per-head scales.  `dense`: fresh chunks listed last, attended over the step's
+    own K/V (`fresh_kv`) without gathering them back out of the cache (kernels/dense_prefill.py)."""
     kv_scale = check_kv_scale(kv_cache, kv_scale, heads_dim=3)
     if out is None:
         out = torch.empty_like(query)
@@ -148,11 +160,24 @@ def paged_attention(
     if max_query_len == 1 and query.shape[0] == batch:
         num_decodes = batch
     d = num_decodes  # a mixed step lists its one-token sequences first: rows 0..d-1
+    paged_end = batch - (dense.num_seqs if dense is not None else 0)
     if d:
         _decode(query[:d], kv_cache, block_tables[:d], seq_lens[:d], scale, out[:d], kv_scale)
-    if d < batch:
-        _prefill(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, d, kv_scale)
+    if d < paged_end:
+        _prefill(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, out, d, kv_scale, paged_end)
+    if dense is not None:
+        if fresh_kv is None or kv_scale is not None:
+            raise ValueError("dense (fresh) chunks need the step's K/V (fresh_kv) and a 16/32-bit cache")
+        dense_prefill(query, *fresh_kv, dense, scale, out)
     return out
+
+
+def dense_prefill_min_tokens(
+    dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+) -> int | None:
+    """Fresh chunks of two tokens or more take the step's own K/V (one gather of the chunk less per layer);
+    None for an fp8 cache, whose attention reads the quantized values."""
+    return 2 if kv_dtype == dtype else None
 
 
 def _decode(
@@ -194,15 +219,16 @@ def _prefill(
     out: torch.Tensor,
     first_seq: int,
     kv_scale: torch.Tensor | None = None,
+    end_seq: int | None = None,
 ) -> None:
-    """Sequences `first_seq`.. (chunks of several tokens): those with the same chunk and context lengths go
-    through one fused attention call together (a uniform batch is one call per layer)."""
+    """Sequences `first_seq` .. `end_seq` - 1 (chunks of several tokens): those with the same chunk and context
+    lengths go through one fused attention call together (a uniform batch is one call per layer)."""
     heads, dim = query.shape[1], query.shape[2]
     block_size = kv_cache.shape[2]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     groups: dict[tuple[int, int], list[int]] = {}
-    for b in range(first_seq, len(lens)):
+    for b in range(first_seq, len(lens) if end_seq is None else end_seq):
         groups.setdefault((starts[b + 1] - starts[b], lens[b]), []).append(b)
     for (q_len, ctx), members in groups.items():
         per_call = max(1, _MAX_SCORE_ELEMENTS // max(1, q_len * ctx * heads))

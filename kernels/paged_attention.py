@@ -401,6 +401,12 @@ def prefill_config(head_dim: int, block_size: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3)
 
 
+# A chunk whose grid of 128-row tiles would not fill two waves of the GPU (a 512-token chunk of one sequence
+# after a long cached prefix: 32 heads x 4 tiles = 128 programs on the H100's 132 SMs, each streaming the
+# whole context) runs 64-row tiles: twice the programs, half the serial work each.
+SMALL_GRID_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -557,13 +563,15 @@ def paged_attention_prefill(
     config: dict | None = None,
     first_seq: int = 0,
     kv_scale: torch.Tensor | None = None,
+    num_seqs: int | None = None,
 ) -> torch.Tensor:
     """Each sequence's chunk of queries attends causally to the chunk and all earlier paged KV.
 
-    Sequences before `first_seq` are left alone (a mixed step's decodes, which the decode kernel
-    serves).  An offset rather than sliced tensors: a slice of the block tables or lengths starts
-    at an address Triton cannot assume 16-byte aligned, which would compile another kernel variant
-    in the middle of serving.
+    Only sequences `first_seq` .. `first_seq + num_seqs - 1` (default: to the end) are computed; the
+    others are left alone (a mixed step's decodes, which the decode kernel serves, and its fresh chunks,
+    which cuDNN serves).  An offset rather than sliced tensors: a slice of the block tables or lengths
+    starts at an address Triton cannot assume 16-byte aligned, which would compile another kernel
+    variant in the middle of serving.
     """
     _check_cache(kv_cache, query)
     scales, stride_sc = _scales(kv_cache, kv_scale)
@@ -573,10 +581,14 @@ def paged_attention_prefill(
     _, _, num_kv_heads, block_size, _ = kv_cache.shape
     if out is None:
         out = torch.empty_like(query)
-    batch = seq_lens.shape[0] - first_seq
+    batch = seq_lens.shape[0] - first_seq if num_seqs is None else num_seqs
     if num_tokens == 0 or batch <= 0:
         return out
     cfg = dict(prefill_config(head_dim, block_size, query.dtype), **(config or {}))
+    if config is None and cfg["BLOCK_M"] > SMALL_GRID_CONFIG["BLOCK_M"]:
+        programs = num_heads * _cdiv(max_query_len, cfg["BLOCK_M"]) * batch
+        if programs < 2 * _num_sms(query.device):
+            cfg = dict(SMALL_GRID_CONFIG)
     block_m = cfg.pop("BLOCK_M")
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_heads, _cdiv(max_query_len, block_m), batch)
@@ -617,6 +629,7 @@ def paged_attention_prefill(
 __all__ = [
     "decode_config",
     "prefill_config",
+    "SMALL_GRID_CONFIG",
     "num_decode_splits",
     "paged_attention_decode",
     "paged_attention_prefill",

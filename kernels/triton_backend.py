@@ -2,7 +2,8 @@
 
 ``paged_attention`` picks the decode kernel when every sequence has one query token
 (``max_query_len == 1``) and the prefill/extend kernel otherwise; a mixed step whose one-token
-sequences come first runs each part on its own kernel.  Nothing here synchronises with
+sequences come first runs each part on its own kernel, and fresh prompt chunks listed last run on
+cuDNN's attention over the step's own K/V (kernels/dense_prefill.py).  Nothing here synchronises with
 the device: the lengths the launch needs (``max_query_len``, ``max_seq_len``) arrive as Python ints,
 everything else stays in tensors read by the kernels.
 """
@@ -11,13 +12,25 @@ from __future__ import annotations
 
 import contextlib
 
+import structlog
 import torch
 
 from kernels.cache_ops import copy_blocks, gather_blocks, scatter_blocks, write_kv
+from kernels.dense_prefill import DenseChunks, cudnn_refusal, dense_prefill
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 from kernels.reference import kv_cache_shape
 
-__all__ = ["write_kv", "paged_attention", "copy_blocks", "gather_blocks", "scatter_blocks", "kv_cache_shape"]
+__all__ = [
+    "write_kv",
+    "paged_attention",
+    "dense_prefill_min_tokens",
+    "copy_blocks",
+    "gather_blocks",
+    "scatter_blocks",
+    "kv_cache_shape",
+]
+
+log = structlog.get_logger("pagekeeper.kernels")
 
 
 def _on_device(t: torch.Tensor):
@@ -25,6 +38,32 @@ def _on_device(t: torch.Tensor):
     if t.device.type == "cuda" and t.device.index is not None and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
+
+
+# Fresh chunks shorter than this stay on the paged kernel.  H100, Llama-3-8B shape (kernels-h100-2026-11-25.json,
+# `dense_threshold`): cuDNN's device time wins from 512 tokens (batch 4: 0.044 vs 0.063 ms), but each call costs
+# 40-110 us of host time against the paged kernel's 10-20 us, which a step of 1,024 fresh tokens (about 0.7 ms
+# of GEMMs per layer) hides and a short chunk in a step of decodes may not.
+DENSE_PREFILL_MIN_TOKENS = 1024
+# cuDNN builds an execution plan for every new sequence length (a long-tailed run spent 1.5 ms per call on it,
+# 5,122 against 7,380 tok/s without the dense path: step-phases-h100-long-tailed*-2026-11-25.json), so chunk
+# lengths are padded up to a multiple of this: at most 29 lengths between 1,024 and 8,192 tokens.
+DENSE_LENGTH_QUANTUM = 256
+
+
+def dense_prefill_min_tokens(
+    dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+) -> int | None:
+    """The shortest fresh chunk (no context before it) that runs on cuDNN's attention over the step's own
+    K/V instead of the paged kernel (kernels/dense_prefill.py); None where cuDNN cannot take this model:
+    a float32 model, an fp8 cache, or a cuDNN that fails the start-up probe (logged once)."""
+    if dtype not in (torch.float16, torch.bfloat16) or kv_dtype != dtype:
+        return None
+    why = cudnn_refusal(dtype, num_heads, num_kv_heads, head_dim, str(device))
+    if why is not None:
+        log.info("dense_prefill_off", reason=why)
+        return None
+    return DENSE_PREFILL_MIN_TOKENS
 
 
 def paged_attention(
@@ -39,6 +78,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_decodes: int = 0,
     kv_scale: torch.Tensor | None = None,
+    dense: DenseChunks | None = None,
+    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context; ``[T, Hq, D]`` out.
     `kv_scale`: an fp8 cache's per-head scales (kernels/reference.py has the format).
@@ -47,7 +88,8 @@ def paged_attention(
     first: they go to the decode kernel, the rest to the prefill kernel.  In the prefill kernel a
     one-query sequence would fill only one row of each ``BLOCK_M``-row tile, wasting over 99% of
     its tensor-core work over the whole context (the H200 profile of a 256 x 512 prompt burst: 10.8%
-    of GPU time in prefill attention, most of it on the decode rows of mixed steps).
+    of GPU time in prefill attention, most of it on the decode rows of mixed steps).  `dense`: the
+    step's fresh chunks, listed last, which cuDNN computes from `fresh_kv` (the step's new K/V).
     """
     with _on_device(query):
         batch = seq_lens.shape[0]
@@ -55,34 +97,34 @@ def paged_attention(
             return paged_attention_decode(
                 query, kv_cache, block_tables, seq_lens, scale, max_seq_len, out=out, kv_scale=kv_scale
             )
-        if not 0 < num_decodes < batch:
-            return paged_attention_prefill(
+        paged_end = batch - (dense.num_seqs if dense is not None else 0)
+        if dense is not None:
+            if fresh_kv is None or kv_scale is not None:
+                raise ValueError("dense (fresh) chunks need the step's K/V (fresh_kv) and a 16-bit cache")
+            if paged_end == 0:  # a step of fresh chunks only: the dense kernel's output may be used as it is
+                return dense_prefill(query, *fresh_kv, dense, scale, out, DENSE_LENGTH_QUANTUM)
+        if out is None:
+            out = torch.empty_like(query)
+        d = num_decodes  # rows 0..d-1 are the decodes' queries; the slices below keep aligned bases
+        if d:
+            paged_attention_decode(
+                query[:d], kv_cache, block_tables[:d], seq_lens[:d], scale, max_seq_len, out=out[:d], kv_scale=kv_scale
+            )
+        if d < paged_end:
+            paged_attention_prefill(
                 query,
                 kv_cache,
                 block_tables,
                 seq_lens,
                 query_start_loc,
                 scale,
-                max_query_len,
+                dense.paged_max_query_len if dense is not None else max_query_len,
                 out=out,
+                first_seq=d,
+                num_seqs=paged_end - d,
                 kv_scale=kv_scale,
             )
-        if out is None:
-            out = torch.empty_like(query)
-        d = num_decodes  # rows 0..d-1 are the decodes' queries; the slices below keep aligned bases
-        paged_attention_decode(
-            query[:d], kv_cache, block_tables[:d], seq_lens[:d], scale, max_seq_len, out=out[:d], kv_scale=kv_scale
-        )
-        paged_attention_prefill(
-            query,
-            kv_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale,
-            max_query_len,
-            out=out,
-            first_seq=d,
-            kv_scale=kv_scale,
-        )
+        if dense is not None:
+            assert fresh_kv is not None
+            dense_prefill(query, *fresh_kv, dense, scale, out, DENSE_LENGTH_QUANTUM)
         return out

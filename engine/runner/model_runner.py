@@ -34,6 +34,7 @@ from engine.runner.sampler import (
     SamplingBatch,
     sample_on_device,
 )
+from kernels.dense_prefill import DenseChunks, runs_of
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions turned into full-vocabulary logprobs at a time (memory)
 
@@ -134,6 +135,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
+        model_dtype = dtype
         self.kv_dtype = dtype = kv_dtype or dtype  # the cache's dtype: the model's, or float8_e4m3fn
         shape = kv_cache_shape(model, num_blocks, block_size, device)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
@@ -147,9 +149,16 @@ class ModelRunner:
         )
         backend = kernels.attention_backend(device)
         self.backend = backend
-        for m in model.modules():
-            if isinstance(m, PagedAttention):
-                m.backend = backend
+        layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+        for m in layers:
+            m.backend = backend
+        # Fresh prompt chunks at least this long attend over the step's own K/V on a dense kernel (None:
+        # the backend has none for this model, every chunk reads the paged cache).
+        dense_probe = getattr(backend, "dense_prefill_min_tokens", None)
+        self.dense_min_tokens: int | None = None
+        if dense_probe is not None and layers:
+            a = layers[0]
+            self.dense_min_tokens = dense_probe(model_dtype, dtype, a.num_heads, a.num_kv_heads, a.head_dim, device)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.graphs: DecodeGraphs | None = None
@@ -258,8 +267,19 @@ class ModelRunner:
         decode = len(ones) == len(seqs)
         num_decodes = 0
         order = list(range(len(seqs)))
-        if ones and not decode:  # a mixed step: its one-token sequences first (see AttentionMetadata)
-            order = ones + [i for i, s in enumerate(seqs) if s.num_tokens != 1]
+        fresh: list[int] = []
+        if not decode:
+            # One-token sequences first (a mixed step's decodes), then chunks that read cached context, then
+            # fresh chunks long enough for the dense kernel, shortest first so equal lengths share a call
+            # (see AttentionMetadata).
+            least = self.dense_min_tokens
+            if least is not None:
+                fresh = sorted(
+                    (i for i, s in enumerate(seqs) if s.start == 0 and s.num_tokens >= max(least, 2)),
+                    key=lambda i: seqs[i].num_tokens,
+                )
+            chosen = set(fresh)
+            order = ones + [i for i, s in enumerate(seqs) if s.num_tokens != 1 and i not in chosen] + fresh
             num_decodes = len(ones)
         graph_size = self.graphs.size_for(len(seqs)) if decode and self.graphs is not None else None
         pending_rows: list[int] = []
@@ -307,6 +327,14 @@ class ModelRunner:
             pos_a = np.concatenate(pos_parts)
             slot_a = np.concatenate(slot_parts)
             qsl_a = np.asarray(qsl, dtype=np.int32)
+        dense = None
+        if fresh:
+            paged = order[num_decodes : len(order) - len(fresh)]
+            dense = DenseChunks(
+                runs_of([seqs[i].num_tokens for i in fresh], qsl[len(order) - len(fresh)]),
+                len(fresh),
+                max((seqs[i].num_tokens for i in paged), default=0),
+            )
         rows: list[int] = []
         sampled: list[str] = []
         sampled_out: list[int] = []
@@ -349,6 +377,7 @@ class ModelRunner:
             max_query_len=max(s.num_tokens for s in seqs),
             max_seq_len=max(seq_lens),
             num_decodes=num_decodes,
+            dense=dense,
         )
         return StepInputs(
             input_ids=self._to_device(ids_a, st and st.input_ids),

@@ -16,6 +16,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from kernels.dense_prefill import DenseChunks
+
 
 @dataclass
 class AttentionMetadata:
@@ -30,6 +32,9 @@ class AttentionMetadata:
     # Mixed steps list their one-token (decode) sequences first: how many (the GPU backend runs
     # them on the decode kernel and the rest on the prefill kernel).
     num_decodes: int = 0
+    # Fresh prompt chunks (no context before them) listed last, which the backend computes from the
+    # step's own K/V instead of the paged cache (kernels/dense_prefill.py); None: every chunk is paged.
+    dense: DenseChunks | None = None
 
 
 class PagedAttention(nn.Module):
@@ -68,6 +73,21 @@ class PagedAttention(nn.Module):
             self.kv_amax = torch.maximum(self.kv_amax, seen)
         kv_scale = self.kv_scale if kv_cache.dtype == torch.float8_e4m3fn else None
         backend.write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
+        if meta.dense is not None:
+            return backend.paged_attention(
+                q,
+                kv_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                self.scale,
+                meta.max_query_len,
+                meta.max_seq_len,
+                num_decodes=meta.num_decodes,
+                kv_scale=kv_scale,
+                dense=meta.dense,
+                fresh_kv=(k, v),
+            )
         return backend.paged_attention(
             q,
             kv_cache,

@@ -1,0 +1,238 @@
+"""Where each engine step's time goes, host and device, by kind of step (GPU).
+
+    python -m benchmarks.step_phases [--workload long-tailed|uniform] [--num-prompts N] [--out DIR]
+
+Runs the throughput benchmark's workload (Llama-3-8B shape, random bf16 weights) through the offline API
+once for warm-up and once measured, with the engine's own methods wrapped (nothing in the engine changes):
+
+- host milliseconds per step in `schedule` (the scheduler's plan), `launch` (inputs, the forward's
+  kernel launches or graph replay, sampling: everything queued on the device), `wait` (blocking on a step's
+  sampled tokens) and `update` (the scheduler taking them);
+- device milliseconds per step: CUDA events recorded on the stream just before and just after the launch,
+  i.e. from the step's first queued kernel to its last.  When the host queues kernels more slowly than the
+  GPU runs them, this is the launch's host time, not the kernels' time.
+
+Steps are grouped as `decode` (one token per sequence: a CUDA graph replay), `mixed` (decodes batched with
+prefill chunks: eager) and `prefill` (chunks only: eager).  The device's idle time between steps is the
+wall time less the sum of the steps' device spans.  JSON: `<out>/step-phases-<gpu>-<workload>-<date>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime as dt
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.memory import LLAMA3_8B, model_dir
+from benchmarks.throughput import RESULTS, long_tailed_workload, params_for, prompts_for
+from engine import LLM
+from engine.runner import sampler as sampler_mod
+
+
+def _kind(plan) -> str:
+    ones = sum(1 for s in plan.seqs if s.num_tokens == 1)
+    if ones == len(plan.seqs):
+        return "decode"
+    return "mixed" if ones else "prefill"
+
+
+class PhaseRecorder:
+    """Wraps the engine core's scheduler and runner to time each step's phases (host) and span (device)."""
+
+    def __init__(self, llm: LLM, profile_mixed: int = 0) -> None:
+        core = llm.llm_engine.core
+        self.profiler = cProfile.Profile() if profile_mixed else None
+        self.profile_left = profile_mixed
+        self.steps: list[dict[str, Any]] = []
+        self.waits: list[float] = []
+        self.updates: list[float] = []
+        sched, runner = core.scheduler, core.runner
+        schedule, launch, update = sched.schedule, runner.launch, sched.update
+        pending: dict[str, float] = {}
+
+        def timed_schedule():
+            t = time.perf_counter()
+            plan = schedule()
+            pending["schedule"] = time.perf_counter() - t
+            return plan
+
+        def timed_launch(plan, previous=None):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            profiled = self.profiler is not None and self.profile_left > 0 and _kind(plan) == "mixed"
+            t = time.perf_counter()
+            start.record()
+            if profiled:
+                self.profile_left -= 1
+                sample = self.profiler.runcall(launch, plan, previous)
+            else:
+                sample = launch(plan, previous)
+            end.record()
+            host = time.perf_counter() - t
+            self.steps.append(
+                dict(
+                    kind=_kind(plan) if plan.seqs else "empty",
+                    seqs=len(plan.seqs),
+                    tokens=sum(s.num_tokens for s in plan.seqs),
+                    schedule_ms=1e3 * pending.pop("schedule", 0.0),
+                    launch_ms=1e3 * host,
+                    events=(start, end),
+                )
+            )
+            return sample
+
+        def timed_update(*a, **k):
+            t = time.perf_counter()
+            out = update(*a, **k)
+            self.updates.append(time.perf_counter() - t)
+            return out
+
+        to_host = sampler_mod.DeviceSample.to_host
+
+        def timed_to_host(sample_self):
+            t = time.perf_counter()
+            out = to_host(sample_self)
+            self.waits.append(time.perf_counter() - t)
+            return out
+
+        sched.schedule, runner.launch, sched.update = timed_schedule, timed_launch, timed_update
+        sampler_mod.DeviceSample.to_host = timed_to_host  # type: ignore[method-assign]
+        self._restore = lambda: setattr(sampler_mod.DeviceSample, "to_host", to_host)
+
+    def close(self) -> None:
+        self._restore()
+
+    def profile_text(self, top: int = 30) -> str:
+        """The profiled mixed launches' functions by cumulative time (cProfile)."""
+        if self.profiler is None:
+            return ""
+        buf = io.StringIO()
+        pstats.Stats(self.profiler, stream=buf).sort_stats("cumulative").print_stats(top)
+        return buf.getvalue()
+
+    def summary(self, wall_s: float) -> dict[str, Any]:
+        torch.cuda.synchronize()
+        by_kind: dict[str, list[dict]] = defaultdict(list)
+        for s in self.steps:
+            start, end = s.pop("events")
+            s["device_ms"] = start.elapsed_time(end)
+            by_kind[s["kind"]].append(s)
+        kinds = {}
+        for kind, rows in sorted(by_kind.items()):
+            agg: dict[str, Any] = dict(steps=len(rows))
+            for key in ("seqs", "tokens", "schedule_ms", "launch_ms", "device_ms"):
+                vals = [r[key] for r in rows]
+                agg[key] = dict(
+                    median=round(statistics.median(vals), 3),
+                    mean=round(statistics.fmean(vals), 3),
+                    total=round(sum(vals), 1),
+                )
+            # a step whose device span is within 10 % of its launch's host time was paced by the host
+            agg["host_paced_fraction"] = round(sum(r["device_ms"] < 1.1 * r["launch_ms"] for r in rows) / len(rows), 3)
+            kinds[kind] = agg
+        device_ms = sum(s["device_ms"] for s in self.steps)
+        return dict(
+            wall_s=round(wall_s, 3),
+            steps=len(self.steps),
+            device_span_s=round(device_ms / 1e3, 3),
+            idle_between_steps_fraction=round(max(0.0, 1 - device_ms / 1e3 / wall_s), 4),
+            host_s=dict(
+                schedule=round(sum(s["schedule_ms"] for s in self.steps) / 1e3, 3),
+                launch=round(sum(s["launch_ms"] for s in self.steps) / 1e3, 3),
+                wait=round(sum(self.waits), 3),
+                update=round(sum(self.updates), 3),
+            ),
+            by_kind=kinds,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=("uniform", "long-tailed"), default="long-tailed")
+    p.add_argument("--num-prompts", type=int, help="default: 1,000 long-tailed, 256 uniform")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--no-dense", action="store_true", help="every prefill chunk on the paged kernel (A/B)")
+    p.add_argument("--profile-mixed", type=int, default=0, help="cProfile the launches of this many mixed steps")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.step_phases needs a CUDA GPU", file=sys.stderr)
+        return 2
+    vocab = LLAMA3_8B["vocab_size"]
+    if args.workload == "long-tailed":
+        work = long_tailed_workload(args.num_prompts or 1000, vocab, 0, 200, 200, 2048, 1024)
+        max_len = 3072
+    else:
+        work = [(p, 256) for p in prompts_for(args.num_prompts or 256, 512, vocab, seed=0)]
+        max_len = 768
+    llm = LLM(
+        model_dir(quick=False),
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_len,
+        max_num_on_the_fly_batches=2,
+        swap_space=0,
+        load_format="dummy",
+    )
+    if args.no_dense:
+        llm.llm_engine.core.runner.dense_min_tokens = None
+    llm.generate([{"prompt_token_ids": q} for q, _ in work[:32]], params_for(work[:32]), use_tqdm=False)
+    recorder = PhaseRecorder(llm, args.profile_mixed)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": q} for q, _ in work], params_for(work), use_tqdm=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    after = torch.cuda.memory_stats()
+    recorder.close()
+    # the caching allocator during the measured run: a retry is a cudaMalloc that failed and was retried after
+    # freeing every cached block (which synchronises the device); device allocs/frees are cudaMalloc/cudaFree
+    allocator = {
+        k: after.get(k, 0) - before.get(k, 0)
+        for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+    }
+    free, total = torch.cuda.mem_get_info()
+    allocator.update(reserved_bytes=torch.cuda.memory_reserved(), device_free_bytes=free, device_total_bytes=total)
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    name = torch.cuda.get_device_name()
+    result = dict(
+        gpu=name,
+        date=dt.date.today().isoformat(),
+        command="python -m benchmarks.step_phases " + " ".join(sys.argv[1:] if argv is None else argv),
+        workload=args.workload,
+        num_prompts=len(work),
+        generated_tokens=generated,
+        tok_s=round(generated / wall, 1),
+        dense_prefill_min_tokens=llm.llm_engine.core.runner.dense_min_tokens,
+        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        allocator=allocator,
+        **recorder.summary(wall),
+    )
+    slug = name.lower().replace("nvidia ", "").replace(" ", "-").split("-80gb")[0]
+    args.out.mkdir(parents=True, exist_ok=True)
+    variant = "-no-dense" if args.no_dense else ""
+    path = args.out / f"step-phases-{slug}-{args.workload}{variant}-{result['date']}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "by_kind"}, indent=2))
+    for kind, agg in result["by_kind"].items():
+        print(kind, {k: (v["median"], v["total"]) if isinstance(v, dict) else v for k, v in agg.items()})
+    print(recorder.profile_text())
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

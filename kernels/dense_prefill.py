@@ -1,0 +1,165 @@
+"""Fresh prompt chunks through a dense causal attention kernel, over the K/V the step just computed.
+
+A chunk that starts at position 0 (no earlier chunk, no prefix-cache hit) attends only to itself, and
+its keys and values were produced by this very step's projection: they sit contiguously in the
+layer's output, so the block tables are not needed to read them.  Such chunks run on torch's fused
+SDPA, which on Hopper means cuDNN's attention: 0.087 ms against the paged Triton kernel's 0.121 ms for
+a 2,048-token chunk of the Llama-3-8B shape on an H100 (1.38x; 1.63x at 4 x 2,048;
+benchmarks/results/kernels-h100-2026-11-24.json).  torch's FlashAttention-2 backend was slower than the
+Triton kernel there (0.167 ms), so on CUDA only cuDNN is used, and only where a probe at start-up shows
+that it takes the engine's tensor layout and matches the math backend; otherwise the paged kernel keeps
+every chunk.  On the CPU the fused kernel is the CPU backend's own choice, and taking the fresh K/V
+saves gathering the chunk back out of the cache.
+
+Chunks with cached context before them stay on the paged kernels, which beat cuDNN there (cuDNN needs a
+dense lower-right bias for them).  An fp8 cache never takes this path: the paged kernels read the
+quantized values, and the fresh ones would give slightly different (unquantized) attention than the
+CPU reference computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+log = structlog.get_logger("pagekeeper.kernels")
+
+
+@dataclass(frozen=True)
+class DenseRun:
+    """`num_seqs` consecutive sequences of `q_len` tokens each, whose query rows start at `row`."""
+
+    row: int
+    num_seqs: int
+    q_len: int
+
+
+@dataclass(frozen=True)
+class DenseChunks:
+    """The fresh chunks of a step.  The runner lists them after every other sequence, grouped by length
+    (one fused call per group), so that the paged kernels cover a contiguous range of sequences."""
+
+    runs: tuple[DenseRun, ...]
+    num_seqs: int  # the step's last `num_seqs` sequences are these
+    paged_max_query_len: int  # the longest chunk among the other (paged) sequences: the paged grid
+
+
+def runs_of(lengths: list[int], first_row: int) -> tuple[DenseRun, ...]:
+    """Consecutive equal lengths as one run each (the caller sorts them, so equal lengths are adjacent)."""
+    runs: list[DenseRun] = []
+    row = first_row
+    for n in lengths:
+        last = runs[-1] if runs else None
+        if last is not None and last.q_len == n:
+            runs[-1] = DenseRun(last.row, last.num_seqs + 1, n)
+        else:
+            runs.append(DenseRun(row, 1, n))
+        row += n
+    return tuple(runs)
+
+
+def padded_length(length: int, quantum: int) -> int:
+    """`length` rounded up to a multiple of `quantum` (1: unchanged)."""
+    return -(-length // quantum) * quantum
+
+
+def dense_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dense: DenseChunks,
+    scale: float,
+    out: torch.Tensor | None,
+    quantum: int = 1,
+) -> torch.Tensor:
+    """Causal attention of each fresh chunk over itself, in its rows of `out` ``[T, Hq, D]`` (returned).
+    `key`/`value` ``[T, Hkv, D]`` are the step's new K/V (the rows the cache write just stored).
+
+    `quantum`: each run's length is padded up to a multiple of it (keys and queries past the chunk's end, in
+    a zeroed staging copy), so that a dense kernel that plans per shape (cuDNN builds an execution plan for
+    every new sequence length, milliseconds each) sees a bounded set of shapes whatever the prompt lengths.
+    Causality makes this exact: every real query sits before every padding key.  With `out` None and one
+    unpadded run covering every row, the kernel's own output is returned as it is (no copy)."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    whole = (
+        len(dense.runs) == 1 and dense.runs[0].row == 0 and dense.runs[0].num_seqs * dense.runs[0].q_len == len(query)
+    )
+    with _backend(query.device):
+        for run in dense.runs:
+            n, length = run.num_seqs, run.q_len
+            padded = padded_length(length, quantum)
+            rows = slice(run.row, run.row + n * length)
+            q, k, v = (t[rows].unflatten(0, (n, length)) for t in (query, key, value))  # [n, L, H, D]
+            if padded != length:
+                q, k, v = (_padded(t, padded) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=heads != kv_heads,
+            ).transpose(1, 2)  # [n, L, H, D]
+            if out is None and whole and padded == length:
+                return o.reshape(len(query), heads, query.shape[2])
+            if out is None:
+                out = torch.empty_like(query)
+            out[rows].unflatten(0, (n, length)).copy_(o[:, :length])
+    assert out is not None
+    return out
+
+
+def _padded(t: torch.Tensor, length: int) -> torch.Tensor:
+    staged = t.new_zeros((t.shape[0], length, *t.shape[2:]))
+    staged[:, : t.shape[1]] = t
+    return staged
+
+
+def _backend(device: torch.device) -> contextlib.AbstractContextManager:
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
+
+
+@functools.lru_cache(maxsize=None)
+def cudnn_refusal(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, device: str) -> str | None:
+    """Why cuDNN's attention cannot serve fresh chunks of this shape here (None: it can).
+
+    Runs it once on the engine's layout (q, k, v as strided views of one fused projection output) and
+    compares with torch's math backend, so that a cuDNN that refuses, or silently mishandles, the
+    strides or the grouped heads leaves the chunks on the paged kernel instead of failing mid-serving."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        t = 80
+        g = torch.Generator(device=device).manual_seed(0)
+        fused = torch.randn(t, (num_heads + 2 * num_kv_heads) * head_dim, generator=g, device=device).to(dtype)
+        q, k, v = fused.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        q = q.view(t, num_heads, head_dim)
+        k, v = k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
+        dense = DenseChunks(runs_of([32, 48], 0), 2, 0)
+        out = dense_prefill(q, k, v, dense, head_dim**-0.5, None, quantum=64)
+        expected = torch.empty_like(q)
+        with sdpa_kernel([SDPBackend.MATH]):
+            for run in dense.runs:
+                rows = slice(run.row, run.row + run.q_len)
+                qq, kk, vv = (x[rows].float().transpose(0, 1)[None] for x in (q, k, v))
+                kk, vv = (x.repeat_interleave(num_heads // num_kv_heads, 1) for x in (kk, vv))
+                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=head_dim**-0.5)
+                expected[rows] = o[0].transpose(0, 1).to(dtype)
+        err = float((out.float() - expected.float()).norm() / expected.float().norm())
+        if not err < 2e-2:
+            return f"cuDNN attention differs from the math backend by {err:.2e}"
+    except Exception as e:  # noqa: BLE001 - any refusal (no cuDNN, unsupported dtype/head dim/strides)
+        return (str(e).splitlines() or [type(e).__name__])[0][:200]
+    return None
+
+
+__all__ = ["DenseRun", "DenseChunks", "runs_of", "padded_length", "dense_prefill", "cudnn_refusal"]
