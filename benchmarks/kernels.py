@@ -464,9 +464,9 @@ def prefill_tile_choice() -> list[dict]:
 
 
 def dense_threshold() -> list[dict]:
-    """Fresh chunks of 64-1,024 tokens: the paged kernel against the dense path (the engine's entry point with
-    the chunk listed as dense), device time and eager time (which carries each path's host cost), to place
-    `DENSE_PREFILL_MIN_TOKENS`."""
+    """Fresh chunks from `DENSE_PREFILL_MIN_TOKENS`: the paged kernel against the dense path (the engine's entry
+    point with the chunk listed as dense, padded to its length bucket), device time and eager time (which
+    carries each path's host cost).  1,100 tokens pads to 1,536: the bucket's worst cost."""
     from kernels import paged_attention as pa
     from kernels import triton_backend
     from kernels.dense_prefill import DenseChunks, runs_of
@@ -476,7 +476,7 @@ def dense_threshold() -> list[dict]:
     if triton_backend.dense_prefill_min_tokens(DTYPE, DTYPE, HQ, HKV, D, torch.device(DEVICE)) is None:
         return rows
     for batch in (1, 4):
-        for chunk in (64, 128, 256, 512, 1024):
+        for chunk in (1024, 1100, 1536, 2048):
             cache, tables, query, seq_lens, qsl, k, v = paged_setup(batch, chunk, 16, q_len=chunk)
             q_eng, k_eng, v_eng = _engine_layout(query, k, v, batch, chunk)
             dense = DenseChunks(runs_of([chunk] * batch, 0), batch, 0)
@@ -500,6 +500,34 @@ def dense_threshold() -> list[dict]:
             print("dense threshold", row, flush=True)
             rows.append(row)
             cache = k = v = q_eng = k_eng = v_eng = None
+    return rows
+
+
+def cudnn_plan_cost() -> list[dict]:
+    """cuDNN's attention builds an execution plan the first time it sees a shape: the wall time of that first
+    call (synchronised) against the same call once planned, for shapes no earlier row used."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    for batch, length in ((1, 1280), (1, 1536), (2, 1536), (1, 1792), (1, 3072), (3, 1280)):
+        q = torch.randn(batch, HQ, length, D, device=DEVICE, dtype=DTYPE)
+        k = torch.randn(batch, HKV, length, D, device=DEVICE, dtype=DTYPE)
+        v = torch.randn_like(k)
+
+        def call():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        first = (time.perf_counter() - t) * 1e3
+        row = dict(
+            batch=batch, length=length, first_call_ms=round(first, 3), planned_eager_ms=round(_bench_eager(call), 5)
+        )
+        print("cudnn plan", row, flush=True)
+        rows.append(row)
     return rows
 
 
@@ -613,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         result["prefill_tile_choice"] = prefill_tile_choice()
         result["dense_threshold"] = dense_threshold()
+        result["cudnn_plan_cost"] = cudnn_plan_cost()
 
     key = next((r for r in result["decode"] if (r["batch"], r["context"], r["block_size"]) == (64, 4096, 16)), None)
     fresh = [r for r in result["prefill"] if r["chunk"] == r["context"]]

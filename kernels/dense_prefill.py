@@ -63,9 +63,21 @@ def runs_of(lengths: list[int], first_row: int) -> tuple[DenseRun, ...]:
     return tuple(runs)
 
 
-def padded_length(length: int, quantum: int) -> int:
-    """`length` rounded up to a multiple of `quantum` (1: unchanged)."""
-    return -(-length // quantum) * quantum
+def bucket_length(length: int, least: int) -> int:
+    """The smallest of least x 2^k and 1.5 x least x 2^k that holds `length`: lengths grow by at most 1.5x, and
+    the lengths up to n tokens fall in about 2 log2(n / least) buckets."""
+    size = least
+    while True:
+        if length <= size:
+            return size
+        if length <= size * 3 // 2:
+            return size * 3 // 2
+        size *= 2
+
+
+def batch_pieces(num_seqs: int) -> list[int]:
+    """`num_seqs` as powers of two, largest first (3 -> [2, 1]): the batch sizes a dense call may take."""
+    return [1 << b for b in range(num_seqs.bit_length() - 1, -1, -1) if num_seqs >> b & 1]
 
 
 def dense_prefill(
@@ -75,43 +87,79 @@ def dense_prefill(
     dense: DenseChunks,
     scale: float,
     out: torch.Tensor | None,
-    quantum: int = 1,
+    bucket: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each fresh chunk over itself, in its rows of `out` ``[T, Hq, D]`` (returned).
     `key`/`value` ``[T, Hkv, D]`` are the step's new K/V (the rows the cache write just stored).
 
-    `quantum`: each run's length is padded up to a multiple of it (keys and queries past the chunk's end, in
-    a zeroed staging copy), so that a dense kernel that plans per shape (cuDNN builds an execution plan for
-    every new sequence length, milliseconds each) sees a bounded set of shapes whatever the prompt lengths.
-    Causality makes this exact: every real query sits before every padding key.  With `out` None and one
-    unpadded run covering every row, the kernel's own output is returned as it is (no copy)."""
+    `bucket` > 0: each call's length is padded up to `bucket_length(length, bucket)` (keys and queries past the
+    chunk's end, in a zeroed staging copy) and its batch is a power of two, so that a dense kernel that plans
+    per shape (cuDNN builds an execution plan for every new shape: 46-80 ms each on an H100) sees a small,
+    fixed set of shapes whatever the prompt lengths (`dense_shapes`).  Causality makes the padding exact:
+    every real query sits before every padding key.  With `out` None and one unpadded call covering every
+    row, the kernel's own output is returned as it is (no copy)."""
     heads, kv_heads = query.shape[1], key.shape[1]
-    whole = (
-        len(dense.runs) == 1 and dense.runs[0].row == 0 and dense.runs[0].num_seqs * dense.runs[0].q_len == len(query)
-    )
     with _backend(query.device):
         for run in dense.runs:
-            n, length = run.num_seqs, run.q_len
-            padded = padded_length(length, quantum)
-            rows = slice(run.row, run.row + n * length)
-            q, k, v = (t[rows].unflatten(0, (n, length)) for t in (query, key, value))  # [n, L, H, D]
-            if padded != length:
-                q, k, v = (_padded(t, padded) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                is_causal=True,
-                scale=scale,
-                enable_gqa=heads != kv_heads,
-            ).transpose(1, 2)  # [n, L, H, D]
-            if out is None and whole and padded == length:
-                return o.reshape(len(query), heads, query.shape[2])
-            if out is None:
-                out = torch.empty_like(query)
-            out[rows].unflatten(0, (n, length)).copy_(o[:, :length])
+            length = run.q_len
+            padded = bucket_length(length, bucket) if bucket else length
+            first = 0
+            for n in batch_pieces(run.num_seqs) if bucket else [run.num_seqs]:
+                rows = slice(run.row + first * length, run.row + (first + n) * length)
+                first += n
+                q, k, v = (t[rows].unflatten(0, (n, length)) for t in (query, key, value))  # [n, L, H, D]
+                if padded != length:
+                    q, k, v = (_padded(t, padded) for t in (q, k, v))
+                o = _attend(q, k, v, scale, heads != kv_heads)
+                if out is None and padded == length and rows.start == 0 and rows.stop == len(query):
+                    return o.reshape(len(query), heads, query.shape[2])
+                if out is None:
+                    out = torch.empty_like(query)
+                out[rows].unflatten(0, (n, length)).copy_(o[:, :length])
     assert out is not None
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
+    """Causal SDPA over ``[n, L, H, D]`` views; ``[n, L, Hq, D]`` out."""
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=gqa
+    )
+    return o.transpose(1, 2)
+
+
+def dense_shapes(bucket: int, max_tokens: int) -> list[tuple[int, int]]:
+    """Every (batch, padded length) a step of at most `max_tokens` tokens can hand the dense kernel."""
+    shapes = []
+    length = bucket_length(bucket, bucket)
+    while True:
+        batch = 1
+        while batch == 1 or batch * length <= max_tokens:
+            shapes.append((batch, length))
+            batch *= 2
+        if length >= max_tokens:
+            return shapes
+        length = bucket_length(length + 1, bucket)
+
+
+def warm(
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    bucket: int,
+    max_tokens: int,
+) -> int:
+    """Run every shape of `dense_shapes` once, so that the kernel's per-shape planning happens at start-up and
+    never in a step; returns how many shapes."""
+    shapes = dense_shapes(bucket, max_tokens)
+    with _backend(device):
+        for batch, length in shapes:
+            q = torch.zeros(batch, length, num_heads, head_dim, dtype=dtype, device=device)
+            kv = torch.zeros(batch, length, num_kv_heads, head_dim, dtype=dtype, device=device)
+            _attend(q, kv, kv, head_dim**-0.5, num_heads != num_kv_heads)
+    return len(shapes)
 
 
 def _padded(t: torch.Tensor, length: int) -> torch.Tensor:
@@ -145,7 +193,7 @@ def cudnn_refusal(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_di
         q = q.view(t, num_heads, head_dim)
         k, v = k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
         dense = DenseChunks(runs_of([32, 48], 0), 2, 0)
-        out = dense_prefill(q, k, v, dense, head_dim**-0.5, None, quantum=64)
+        out = dense_prefill(q, k, v, dense, head_dim**-0.5, None, bucket=64)
         expected = torch.empty_like(q)
         with sdpa_kernel([SDPBackend.MATH]):
             for run in dense.runs:
@@ -162,4 +210,14 @@ def cudnn_refusal(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_di
     return None
 
 
-__all__ = ["DenseRun", "DenseChunks", "runs_of", "padded_length", "dense_prefill", "cudnn_refusal"]
+__all__ = [
+    "DenseRun",
+    "DenseChunks",
+    "runs_of",
+    "bucket_length",
+    "batch_pieces",
+    "dense_prefill",
+    "dense_shapes",
+    "warm",
+    "cudnn_refusal",
+]

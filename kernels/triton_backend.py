@@ -16,7 +16,7 @@ import structlog
 import torch
 
 from kernels.cache_ops import copy_blocks, gather_blocks, scatter_blocks, write_kv
-from kernels.dense_prefill import DenseChunks, cudnn_refusal, dense_prefill
+from kernels.dense_prefill import DenseChunks, cudnn_refusal, dense_prefill, warm
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 from kernels.reference import kv_cache_shape
 
@@ -24,6 +24,7 @@ __all__ = [
     "write_kv",
     "paged_attention",
     "dense_prefill_min_tokens",
+    "warm_dense_prefill",
     "copy_blocks",
     "gather_blocks",
     "scatter_blocks",
@@ -45,10 +46,11 @@ def _on_device(t: torch.Tensor):
 # 40-110 us of host time against the paged kernel's 10-20 us, which a step of 1,024 fresh tokens (about 0.7 ms
 # of GEMMs per layer) hides and a short chunk in a step of decodes may not.
 DENSE_PREFILL_MIN_TOKENS = 1024
-# cuDNN builds an execution plan for every new sequence length (a long-tailed run spent 1.5 ms per call on it,
-# 5,122 against 7,380 tok/s without the dense path: step-phases-h100-long-tailed*-2026-11-25.json), so chunk
-# lengths are padded up to a multiple of this: at most 29 lengths between 1,024 and 8,192 tokens.
-DENSE_LENGTH_QUANTUM = 256
+# cuDNN builds an execution plan for every new shape, 46-80 ms each on an H100 (kernels-h100-2026-11-25.json,
+# `cudnn_plan_cost`): with one shape per prompt length a long-tailed run lost 31 % of its throughput to it
+# (step-phases-h100-long-tailed*-2026-11-25.json).  So chunk lengths are padded up to the buckets of
+# `bucket_length(length, DENSE_PREFILL_MIN_TOKENS)` and batches split into powers of two, and every resulting
+# shape is planned at start-up (`warm_dense_prefill`: 16 shapes for a budget of 8,192 tokens).
 
 
 def dense_prefill_min_tokens(
@@ -64,6 +66,14 @@ def dense_prefill_min_tokens(
         log.info("dense_prefill_off", reason=why)
         return None
     return DENSE_PREFILL_MIN_TOKENS
+
+
+def warm_dense_prefill(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, max_tokens: int
+) -> int:
+    """Plan every shape a step of at most `max_tokens` tokens can give cuDNN; returns how many."""
+    with _on_device(torch.empty(0, device=device)):
+        return warm(dtype, num_heads, num_kv_heads, head_dim, device, DENSE_PREFILL_MIN_TOKENS, max_tokens)
 
 
 def paged_attention(
@@ -102,7 +112,7 @@ def paged_attention(
             if fresh_kv is None or kv_scale is not None:
                 raise ValueError("dense (fresh) chunks need the step's K/V (fresh_kv) and a 16-bit cache")
             if paged_end == 0:  # a step of fresh chunks only: the dense kernel's output may be used as it is
-                return dense_prefill(query, *fresh_kv, dense, scale, out, DENSE_LENGTH_QUANTUM)
+                return dense_prefill(query, *fresh_kv, dense, scale, out, DENSE_PREFILL_MIN_TOKENS)
         if out is None:
             out = torch.empty_like(query)
         d = num_decodes  # rows 0..d-1 are the decodes' queries; the slices below keep aligned bases
@@ -126,5 +136,5 @@ def paged_attention(
             )
         if dense is not None:
             assert fresh_kv is not None
-            dense_prefill(query, *fresh_kv, dense, scale, out, DENSE_LENGTH_QUANTUM)
+            dense_prefill(query, *fresh_kv, dense, scale, out, DENSE_PREFILL_MIN_TOKENS)
         return out

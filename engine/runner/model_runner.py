@@ -135,7 +135,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
-        model_dtype = dtype
+        self.model_dtype = model_dtype = dtype
         self.kv_dtype = dtype = kv_dtype or dtype  # the cache's dtype: the model's, or float8_e4m3fn
         shape = kv_cache_shape(model, num_blocks, block_size, device)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
@@ -221,6 +221,15 @@ class ModelRunner:
         if into is None:
             return host.to(self.device, non_blocking=True)
         return into[: len(array)].copy_(host, non_blocking=True)
+
+    def warm_dense_prefill(self, max_tokens: int) -> int:
+        """Have the dense kernel plan every shape a step of `max_tokens` can give it, now rather than in a
+        step (cuDNN plans per shape: tens of milliseconds each); returns how many shapes (0: no dense path)."""
+        warm = getattr(self.backend, "warm_dense_prefill", None)
+        if self.dense_min_tokens is None or warm is None:
+            return 0
+        a = next(m for m in self.model.modules() if isinstance(m, PagedAttention))
+        return warm(self.model_dtype, a.num_heads, a.num_kv_heads, a.head_dim, self.device, max_tokens)
 
     # -- CUDA graphs -----------------------------------------------------------------------------
 

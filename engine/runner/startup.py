@@ -7,6 +7,7 @@ the finished runner and the block counts the scheduler needs.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Protocol
@@ -123,6 +124,11 @@ def start_runner(
     capture_seconds = 0.0
     if device.type == "cuda" and not config.enforce_eager:
         capture_seconds = runner.capture_decode_graphs(config.max_num_seqs)
+    if device.type == "cuda":
+        started = time.monotonic()
+        shapes = runner.warm_dense_prefill(config.max_num_batched_tokens)
+        if shapes:
+            log.info("dense_prefill_planned", shapes=shapes, seconds=round(time.monotonic() - started, 3))
     return StartedRunner(runner, model, kv_plan, preemption_mode, num_cpu_blocks, capture_seconds)
 
 

@@ -16,7 +16,16 @@ pytest.importorskip("triton")
 
 from kernels import cpu_backend, triton_backend  # noqa: E402
 from kernels import paged_attention as pa  # noqa: E402
-from kernels.dense_prefill import DenseChunks, DenseRun, cudnn_refusal, dense_prefill, runs_of  # noqa: E402
+from kernels.dense_prefill import (  # noqa: E402
+    DenseChunks,
+    DenseRun,
+    batch_pieces,
+    bucket_length,
+    cudnn_refusal,
+    dense_prefill,
+    dense_shapes,
+    runs_of,
+)
 from tests.kernels.paged_cases import TOLERANCE, make_case, reference_fp64, rel_error  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -96,8 +105,29 @@ def test_the_cpu_backend_takes_the_same_dense_runs():
     assert err <= TOLERANCE[torch.float32]
 
 
-def test_padding_to_a_length_quantum_changes_nothing_and_a_whole_step_is_not_copied():
-    """Lengths padded up to a multiple of the quantum (the bound on cuDNN's plans) give the unpadded result;
+def test_buckets_bound_the_shapes():
+    assert [bucket_length(n, 1024) for n in (1, 1024, 1025, 1537, 3000, 3073, 8192)] == [
+        1024,
+        1024,
+        1536,
+        2048,
+        3072,
+        4096,
+        8192,
+    ]
+    assert batch_pieces(7) == [4, 2, 1] and batch_pieces(8) == [8]
+    shapes = dense_shapes(1024, 8192)
+    assert len(shapes) == 16 and (8, 1024) in shapes and (1, 8192) in shapes
+    # every call a step of at most 8,192 tokens can make is among them
+    for length in range(1024, 8193, 97):
+        for num in range(1, 8192 // length + 1):
+            for n in batch_pieces(num):
+                assert (n, bucket_length(length, 1024)) in shapes, (num, length)
+
+
+def test_padding_to_a_bucket_changes_nothing_and_a_whole_step_is_not_copied():
+    """Lengths padded up to their bucket and batches split into powers of two (the bound on cuDNN's plans) give
+    the unpadded result;
     a step that is one unpadded run returns the kernel's output without a copy into a new tensor."""
     g = torch.Generator().manual_seed(4)
     q, k, v = (
@@ -106,8 +136,8 @@ def test_padding_to_a_length_quantum_changes_nothing_and_a_whole_step_is_not_cop
         torch.randn(73, 2, 32, generator=g),
     )
     dense = DenseChunks(runs_of([10, 21, 21, 21], 0), 4, 0)
-    exact = dense_prefill(q, k, v, dense, 0.3, torch.empty_like(q), quantum=1)
-    padded = dense_prefill(q, k, v, dense, 0.3, None, quantum=16)
+    exact = dense_prefill(q, k, v, dense, 0.3, torch.empty_like(q))
+    padded = dense_prefill(q, k, v, dense, 0.3, None, bucket=8)  # 10 -> 12, 21 -> 24; 3 sequences -> 2 + 1
     torch.testing.assert_close(padded, exact, rtol=1e-5, atol=1e-5)
     whole = DenseChunks(runs_of([21, 21, 21], 0), 3, 0)
     rows = q[:63], k[:63], v[:63]
