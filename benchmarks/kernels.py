@@ -291,9 +291,9 @@ def prefill_row(batch: int, chunk: int, context: int, block_size: int) -> dict:
     cache, tables, query, seq_lens, qsl, k, v = paged_setup(batch, context, block_size, q_len=chunk)
     scale = D**-0.5
     q_eng, k_eng, v_eng = _engine_layout(query, k, v, batch, chunk)
-    least = triton_backend.dense_prefill_min_tokens(DTYPE, DTYPE, HQ, HKV, D, query.device)
+    takes = triton_backend.dense_prefill_lengths(DTYPE, DTYPE, HQ, HKV, D, query.device)
     dense = None
-    if chunk == context and least is not None and chunk >= least:
+    if chunk == context and takes is not None and takes(chunk):
         dense = DenseChunks(runs_of([chunk] * batch, 0), batch, 0)
 
     def paged():
@@ -464,19 +464,19 @@ def prefill_tile_choice() -> list[dict]:
 
 
 def dense_threshold() -> list[dict]:
-    """Fresh chunks from `DENSE_PREFILL_MIN_TOKENS`: the paged kernel against the dense path (the engine's entry
-    point with the chunk listed as dense, padded to its length bucket), device time and eager time (which
-    carries each path's host cost).  1,100 tokens pads to 1,536: the bucket's worst cost."""
+    """Fresh chunks of 512-3,072 tokens: the paged kernel against the dense path (the engine's entry point with
+    the chunk listed as dense, as the runner lists the planned lengths), device time and eager time (which
+    carries each path's host cost), to place `DENSE_PREFILL_MIN_TOKENS`."""
     from kernels import paged_attention as pa
     from kernels import triton_backend
     from kernels.dense_prefill import DenseChunks, runs_of
 
     rows = []
     scale = D**-0.5
-    if triton_backend.dense_prefill_min_tokens(DTYPE, DTYPE, HQ, HKV, D, torch.device(DEVICE)) is None:
+    if triton_backend.dense_prefill_lengths(DTYPE, DTYPE, HQ, HKV, D, torch.device(DEVICE)) is None:
         return rows
     for batch in (1, 4):
-        for chunk in (1024, 1100, 1536, 2048):
+        for chunk in (512, 1024, 1536, 2048, 3072):
             cache, tables, query, seq_lens, qsl, k, v = paged_setup(batch, chunk, 16, q_len=chunk)
             q_eng, k_eng, v_eng = _engine_layout(query, k, v, batch, chunk)
             dense = DenseChunks(runs_of([chunk] * batch, 0), batch, 0)

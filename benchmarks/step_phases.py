@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         load_format="dummy",
     )
     if args.no_dense:
-        llm.llm_engine.core.runner.dense_min_tokens = None
+        llm.llm_engine.core.runner.dense_lengths = None
     llm.generate([{"prompt_token_ids": q} for q, _ in work[:32]], params_for(work[:32]), use_tqdm=False)
     recorder = PhaseRecorder(llm, args.profile_mixed)
     torch.cuda.synchronize()
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         num_prompts=len(work),
         generated_tokens=generated,
         tok_s=round(generated / wall, 1),
-        dense_prefill_min_tokens=llm.llm_engine.core.runner.dense_min_tokens,
+        dense_prefill=llm.llm_engine.core.runner.dense_lengths is not None,
         alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         allocator=allocator,
         **recorder.summary(wall),

@@ -20,6 +20,7 @@ to the output (value scale) instead of to every cached element: exact, since sca
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ from kernels.reference import FP8, check_kv_scale, copy_blocks, gather_blocks, q
 __all__ = [
     "write_kv",
     "paged_attention",
-    "dense_prefill_min_tokens",
+    "dense_prefill_lengths",
     "copy_blocks",
     "gather_blocks",
     "scatter_blocks",
@@ -172,12 +173,16 @@ def paged_attention(
     return out
 
 
-def dense_prefill_min_tokens(
+def dense_prefill_lengths(
     dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
-) -> int | None:
-    """Fresh chunks of two tokens or more take the step's own K/V (one gather of the chunk less per layer);
-    None for an fp8 cache, whose attention reads the quantized values."""
-    return 2 if kv_dtype == dtype else None
+) -> Callable[[int], bool] | None:
+    """Every fresh chunk takes the step's own K/V (one gather of the chunk less per layer; torch's CPU attention
+    plans nothing per shape); None for an fp8 cache, whose attention reads the quantized values."""
+    return _any_length if kv_dtype == dtype else None
+
+
+def _any_length(length: int) -> bool:
+    return True
 
 
 def _decode(

@@ -8,7 +8,8 @@ a 2,048-token chunk of the Llama-3-8B shape on an H100 (1.38x; 1.63x at 4 x 2,04
 benchmarks/results/kernels-h100-2026-11-24.json).  torch's FlashAttention-2 backend was slower than the
 Triton kernel there (0.167 ms), so on CUDA only cuDNN is used, and only where a probe at start-up shows
 that it takes the engine's tensor layout and matches the math backend; otherwise the paged kernel keeps
-every chunk.  On the CPU the fused kernel is the CPU backend's own choice, and taking the fresh K/V
+every chunk.  cuDNN plans each new shape (46-80 ms), so on CUDA only the lengths whose shapes were planned at
+start-up take this path (kernels/triton_backend.py says which and why padding to them does not pay).  On the CPU the fused kernel is the CPU backend's own choice, and taking the fresh K/V
 saves gathering the chunk back out of the cache.
 
 Chunks with cached context before them stay on the paged kernels, which beat cuDNN there (cuDNN needs a
@@ -80,6 +81,11 @@ def batch_pieces(num_seqs: int) -> list[int]:
     return [1 << b for b in range(num_seqs.bit_length() - 1, -1, -1) if num_seqs >> b & 1]
 
 
+def is_planned_length(length: int, least: int) -> bool:
+    """Whether `length` is one of the bucket lengths (at least `least`) whose shapes are planned at start-up."""
+    return length >= least and bucket_length(length, least) == length
+
+
 def dense_prefill(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -87,35 +93,30 @@ def dense_prefill(
     dense: DenseChunks,
     scale: float,
     out: torch.Tensor | None,
-    bucket: int = 0,
+    pow2_batches: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each fresh chunk over itself, in its rows of `out` ``[T, Hq, D]`` (returned).
     `key`/`value` ``[T, Hkv, D]`` are the step's new K/V (the rows the cache write just stored).
 
-    `bucket` > 0: each call's length is padded up to `bucket_length(length, bucket)` (keys and queries past the
-    chunk's end, in a zeroed staging copy) and its batch is a power of two, so that a dense kernel that plans
-    per shape (cuDNN builds an execution plan for every new shape: 46-80 ms each on an H100) sees a small,
-    fixed set of shapes whatever the prompt lengths (`dense_shapes`).  Causality makes the padding exact:
-    every real query sits before every padding key.  With `out` None and one unpadded call covering every
-    row, the kernel's own output is returned as it is (no copy)."""
+    `pow2_batches`: each run is split into calls of power-of-two batch sizes (3 -> 2 + 1), so that a kernel
+    that plans per shape (cuDNN: 46-80 ms per new shape on an H100) sees only the shapes of `dense_shapes`
+    when the runner gives it planned lengths only.  With `out` None and one call covering every row, the
+    kernel's own output is returned as it is (no copy)."""
     heads, kv_heads = query.shape[1], key.shape[1]
     with _backend(query.device):
         for run in dense.runs:
             length = run.q_len
-            padded = bucket_length(length, bucket) if bucket else length
             first = 0
-            for n in batch_pieces(run.num_seqs) if bucket else [run.num_seqs]:
+            for n in batch_pieces(run.num_seqs) if pow2_batches else [run.num_seqs]:
                 rows = slice(run.row + first * length, run.row + (first + n) * length)
                 first += n
                 q, k, v = (t[rows].unflatten(0, (n, length)) for t in (query, key, value))  # [n, L, H, D]
-                if padded != length:
-                    q, k, v = (_padded(t, padded) for t in (q, k, v))
                 o = _attend(q, k, v, scale, heads != kv_heads)
-                if out is None and padded == length and rows.start == 0 and rows.stop == len(query):
+                if out is None and rows.start == 0 and rows.stop == len(query):
                     return o.reshape(len(query), heads, query.shape[2])
                 if out is None:
                     out = torch.empty_like(query)
-                out[rows].unflatten(0, (n, length)).copy_(o[:, :length])
+                out[rows].unflatten(0, (n, length)).copy_(o)
     assert out is not None
     return out
 
@@ -129,7 +130,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa
 
 
 def dense_shapes(bucket: int, max_tokens: int) -> list[tuple[int, int]]:
-    """Every (batch, padded length) a step of at most `max_tokens` tokens can hand the dense kernel."""
+    """Every (power-of-two batch, planned length) a step of at most `max_tokens` tokens can hand the dense kernel."""
     shapes = []
     length = bucket_length(bucket, bucket)
     while True:
@@ -162,12 +163,6 @@ def warm(
     return len(shapes)
 
 
-def _padded(t: torch.Tensor, length: int) -> torch.Tensor:
-    staged = t.new_zeros((t.shape[0], length, *t.shape[2:]))
-    staged[:, : t.shape[1]] = t
-    return staged
-
-
 def _backend(device: torch.device) -> contextlib.AbstractContextManager:
     if device.type != "cuda":
         return contextlib.nullcontext()
@@ -193,7 +188,7 @@ def cudnn_refusal(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_di
         q = q.view(t, num_heads, head_dim)
         k, v = k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
         dense = DenseChunks(runs_of([32, 48], 0), 2, 0)
-        out = dense_prefill(q, k, v, dense, head_dim**-0.5, None, bucket=64)
+        out = dense_prefill(q, k, v, dense, head_dim**-0.5, None, pow2_batches=True)
         expected = torch.empty_like(q)
         with sdpa_kernel([SDPBackend.MATH]):
             for run in dense.runs:
@@ -216,6 +211,7 @@ __all__ = [
     "runs_of",
     "bucket_length",
     "batch_pieces",
+    "is_planned_length",
     "dense_prefill",
     "dense_shapes",
     "warm",

@@ -11,19 +11,21 @@ everything else stays in tensors read by the kernels.
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 
 import structlog
 import torch
 
 from kernels.cache_ops import copy_blocks, gather_blocks, scatter_blocks, write_kv
-from kernels.dense_prefill import DenseChunks, cudnn_refusal, dense_prefill, warm
+from kernels.dense_prefill import DenseChunks, cudnn_refusal, dense_prefill, is_planned_length, warm
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 from kernels.reference import kv_cache_shape
 
 __all__ = [
     "write_kv",
     "paged_attention",
-    "dense_prefill_min_tokens",
+    "dense_prefill_lengths",
     "warm_dense_prefill",
     "copy_blocks",
     "gather_blocks",
@@ -41,31 +43,31 @@ def _on_device(t: torch.Tensor):
     return contextlib.nullcontext()
 
 
-# Fresh chunks shorter than this stay on the paged kernel.  H100, Llama-3-8B shape (kernels-h100-2026-11-25.json,
-# `dense_threshold`): cuDNN's device time wins from 512 tokens (batch 4: 0.044 vs 0.063 ms), but each call costs
-# 40-110 us of host time against the paged kernel's 10-20 us, which a step of 1,024 fresh tokens (about 0.7 ms
-# of GEMMs per layer) hides and a short chunk in a step of decodes may not.
+# Fresh chunks run on cuDNN only at the lengths whose shapes are planned at start-up: 1,024 x 2^k and
+# 1.5 x 1,024 x 2^k (`is_planned_length`).  H100, Llama-3-8B shape, 2026-11-25 (benchmarks/results/
+# kernels-h100-2026-11-25*.json):
+# - cuDNN builds an execution plan for every new shape, 46-80 ms each (`cudnn_plan_cost`); with one shape per
+#   prompt length a long-tailed run lost 31 % of its throughput to it (5,122 against 7,380 tok/s);
+# - padding a chunk up to a planned length costs more than cuDNN saves: 1,100 tokens padded to 1,536 took
+#   0.096 ms against the paged kernel's 0.063 (`dense_threshold` in the -padding file);
+# - at planned lengths cuDNN wins from 1,024 tokens (batch 4: 0.089 against 0.143 ms), where its 40-110 us of
+#   host time per call hides behind the step's GEMMs (about 0.7 ms per layer at 1,024 tokens).
 DENSE_PREFILL_MIN_TOKENS = 1024
-# cuDNN builds an execution plan for every new shape, 46-80 ms each on an H100 (kernels-h100-2026-11-25.json,
-# `cudnn_plan_cost`): with one shape per prompt length a long-tailed run lost 31 % of its throughput to it
-# (step-phases-h100-long-tailed*-2026-11-25.json).  So chunk lengths are padded up to the buckets of
-# `bucket_length(length, DENSE_PREFILL_MIN_TOKENS)` and batches split into powers of two, and every resulting
-# shape is planned at start-up (`warm_dense_prefill`: 16 shapes for a budget of 8,192 tokens).
 
 
-def dense_prefill_min_tokens(
+def dense_prefill_lengths(
     dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
-) -> int | None:
-    """The shortest fresh chunk (no context before it) that runs on cuDNN's attention over the step's own
-    K/V instead of the paged kernel (kernels/dense_prefill.py); None where cuDNN cannot take this model:
-    a float32 model, an fp8 cache, or a cuDNN that fails the start-up probe (logged once)."""
+) -> Callable[[int], bool] | None:
+    """Which fresh chunk lengths (no context before them) run on cuDNN's attention over the step's own K/V
+    instead of the paged kernel (kernels/dense_prefill.py); None where cuDNN cannot take this model: a float32
+    model, an fp8 cache, or a cuDNN that fails the start-up probe (logged once)."""
     if dtype not in (torch.float16, torch.bfloat16) or kv_dtype != dtype:
         return None
     why = cudnn_refusal(dtype, num_heads, num_kv_heads, head_dim, str(device))
     if why is not None:
         log.info("dense_prefill_off", reason=why)
         return None
-    return DENSE_PREFILL_MIN_TOKENS
+    return functools.partial(is_planned_length, least=DENSE_PREFILL_MIN_TOKENS)
 
 
 def warm_dense_prefill(
@@ -112,7 +114,7 @@ def paged_attention(
             if fresh_kv is None or kv_scale is not None:
                 raise ValueError("dense (fresh) chunks need the step's K/V (fresh_kv) and a 16-bit cache")
             if paged_end == 0:  # a step of fresh chunks only: the dense kernel's output may be used as it is
-                return dense_prefill(query, *fresh_kv, dense, scale, out, DENSE_PREFILL_MIN_TOKENS)
+                return dense_prefill(query, *fresh_kv, dense, scale, out, pow2_batches=True)
         if out is None:
             out = torch.empty_like(query)
         d = num_decodes  # rows 0..d-1 are the decodes' queries; the slices below keep aligned bases
@@ -136,5 +138,5 @@ def paged_attention(
             )
         if dense is not None:
             assert fresh_kv is not None
-            dense_prefill(query, *fresh_kv, dense, scale, out, DENSE_PREFILL_MIN_TOKENS)
+            dense_prefill(query, *fresh_kv, dense, scale, out, pow2_batches=True)
         return out

@@ -14,6 +14,7 @@ Decode-only steps replay a CUDA graph (engine/runner/cuda_graphs.py) unless `enf
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,13 +153,13 @@ class ModelRunner:
         layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         for m in layers:
             m.backend = backend
-        # Fresh prompt chunks at least this long attend over the step's own K/V on a dense kernel (None:
-        # the backend has none for this model, every chunk reads the paged cache).
-        dense_probe = getattr(backend, "dense_prefill_min_tokens", None)
-        self.dense_min_tokens: int | None = None
+        # Which fresh prompt chunk lengths attend over the step's own K/V on a dense kernel (None: the backend
+        # has none for this model, every chunk reads the paged cache).
+        dense_probe = getattr(backend, "dense_prefill_lengths", None)
+        self.dense_lengths: Callable[[int], bool] | None = None
         if dense_probe is not None and layers:
             a = layers[0]
-            self.dense_min_tokens = dense_probe(model_dtype, dtype, a.num_heads, a.num_kv_heads, a.head_dim, device)
+            self.dense_lengths = dense_probe(model_dtype, dtype, a.num_heads, a.num_kv_heads, a.head_dim, device)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.graphs: DecodeGraphs | None = None
@@ -226,7 +227,7 @@ class ModelRunner:
         """Have the dense kernel plan every shape a step of `max_tokens` can give it, now rather than in a
         step (cuDNN plans per shape: tens of milliseconds each); returns how many shapes (0: no dense path)."""
         warm = getattr(self.backend, "warm_dense_prefill", None)
-        if self.dense_min_tokens is None or warm is None:
+        if self.dense_lengths is None or warm is None:
             return 0
         a = next(m for m in self.model.modules() if isinstance(m, PagedAttention))
         return warm(self.model_dtype, a.num_heads, a.num_kv_heads, a.head_dim, self.device, max_tokens)
@@ -279,12 +280,12 @@ class ModelRunner:
         fresh: list[int] = []
         if not decode:
             # One-token sequences first (a mixed step's decodes), then chunks that read cached context, then
-            # fresh chunks long enough for the dense kernel, shortest first so equal lengths share a call
+            # fresh chunks of the lengths the dense kernel takes, shortest first so equal lengths share a call
             # (see AttentionMetadata).
-            least = self.dense_min_tokens
-            if least is not None:
+            takes = self.dense_lengths
+            if takes is not None:
                 fresh = sorted(
-                    (i for i, s in enumerate(seqs) if s.start == 0 and s.num_tokens >= max(least, 2)),
+                    (i for i, s in enumerate(seqs) if s.start == 0 and s.num_tokens > 1 and takes(s.num_tokens)),
                     key=lambda i: seqs[i].num_tokens,
                 )
             chosen = set(fresh)

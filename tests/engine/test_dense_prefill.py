@@ -67,7 +67,7 @@ def test_a_mixed_step_runs_fresh_chunks_last_and_gives_the_paged_paths_logits():
         assert dense.num_seqs == 3 and dense.paged_max_query_len == 4
         assert inputs.meta.query_start_loc.tolist() == [0, 1, 5, 12, 19, 31]
 
-        core.runner.dense_min_tokens = None  # the same step with every chunk read from the paged cache
+        core.runner.dense_lengths = None  # the same step with every chunk read from the paged cache
         replay = StepPlan(second.seqs)
         inputs, paged_logits = _step(llm, replay)
         assert inputs.meta.dense is None

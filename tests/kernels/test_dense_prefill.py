@@ -24,6 +24,7 @@ from kernels.dense_prefill import (  # noqa: E402
     cudnn_refusal,
     dense_prefill,
     dense_shapes,
+    is_planned_length,
     runs_of,
 )
 from tests.kernels.paged_cases import TOLERANCE, make_case, reference_fp64, rel_error  # noqa: E402
@@ -116,6 +117,7 @@ def test_buckets_bound_the_shapes():
         8192,
     ]
     assert batch_pieces(7) == [4, 2, 1] and batch_pieces(8) == [8]
+    assert [n for n in range(1, 9000) if is_planned_length(n, 1024)] == [1024, 1536, 2048, 3072, 4096, 6144, 8192]
     shapes = dense_shapes(1024, 8192)
     assert len(shapes) == 16 and (8, 1024) in shapes and (1, 8192) in shapes
     # every call a step of at most 8,192 tokens can make is among them
@@ -125,26 +127,22 @@ def test_buckets_bound_the_shapes():
                 assert (n, bucket_length(length, 1024)) in shapes, (num, length)
 
 
-def test_padding_to_a_bucket_changes_nothing_and_a_whole_step_is_not_copied():
-    """Lengths padded up to their bucket and batches split into powers of two (the bound on cuDNN's plans) give
-    the unpadded result;
-    a step that is one unpadded run returns the kernel's output without a copy into a new tensor."""
+def test_power_of_two_batches_change_nothing_and_a_whole_step_is_not_copied():
+    """Runs split into power-of-two batches (the bound on cuDNN's plans) give the unsplit result; a step that is one
+    call returns the kernel's output without a copy into a new tensor."""
     g = torch.Generator().manual_seed(4)
-    q, k, v = (
-        torch.randn(3 * 21 + 10, 8, 32, generator=g),
-        torch.randn(73, 2, 32, generator=g),
-        torch.randn(73, 2, 32, generator=g),
-    )
+    q = torch.randn(3 * 21 + 10, 8, 32, generator=g)
+    k, v = torch.randn(73, 2, 32, generator=g), torch.randn(73, 2, 32, generator=g)
     dense = DenseChunks(runs_of([10, 21, 21, 21], 0), 4, 0)
     exact = dense_prefill(q, k, v, dense, 0.3, torch.empty_like(q))
-    padded = dense_prefill(q, k, v, dense, 0.3, None, bucket=8)  # 10 -> 12, 21 -> 24; 3 sequences -> 2 + 1
-    torch.testing.assert_close(padded, exact, rtol=1e-5, atol=1e-5)
-    whole = DenseChunks(runs_of([21, 21, 21], 0), 3, 0)
-    rows = q[:63], k[:63], v[:63]
-    mine = dense_prefill(*rows, whole, 0.3, None)
-    into = dense_prefill(*rows, whole, 0.3, torch.empty_like(q[:63]))
+    split = dense_prefill(q, k, v, dense, 0.3, None, pow2_batches=True)  # 3 sequences of 21 -> 2 + 1
+    torch.testing.assert_close(split, exact, rtol=1e-5, atol=1e-5)
+    whole = DenseChunks(runs_of([21, 21], 0), 2, 0)
+    rows = q[:42], k[:42], v[:42]
+    mine = dense_prefill(*rows, whole, 0.3, None, pow2_batches=True)
+    into = dense_prefill(*rows, whole, 0.3, torch.empty_like(q[:42]))
     torch.testing.assert_close(mine, into, rtol=0, atol=0)
-    assert mine.shape == (63, 8, 32)
+    assert mine.shape == (42, 8, 32)
 
 
 def test_dense_chunks_without_their_kv_are_refused():
@@ -156,23 +154,22 @@ def test_dense_chunks_without_their_kv_are_refused():
 
 
 def test_no_dense_path_for_float32_or_an_fp8_cache():
-    assert (
-        triton_backend.dense_prefill_min_tokens(torch.float32, torch.float32, 32, 8, 128, torch.device("cpu")) is None
-    )
+    cpu = torch.device("cpu")
+    assert triton_backend.dense_prefill_lengths(torch.float32, torch.float32, 32, 8, 128, cpu) is None
     fp8 = torch.float8_e4m3fn
-    assert triton_backend.dense_prefill_min_tokens(torch.bfloat16, fp8, 32, 8, 128, torch.device("cpu")) is None
-    assert cpu_backend.dense_prefill_min_tokens(torch.bfloat16, fp8, 32, 8, 128, torch.device("cpu")) is None
+    assert triton_backend.dense_prefill_lengths(torch.bfloat16, fp8, 32, 8, 128, cpu) is None
+    assert cpu_backend.dense_prefill_lengths(torch.bfloat16, fp8, 32, 8, 128, cpu) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_fresh_chunks_on_cudnn_llama3_sizes(dtype):
-    """Decodes, a 2,048 chunk after 1,500 cached tokens, and fresh 1,100 (padded to 1,280) and 2,048 x 2 prompts;
+    """Decodes, a 2,048 chunk after 1,500 cached tokens, and fresh 1,536 and 2,048 x 2 prompts;
     then a step of the two 2,048-token prompts alone (the kernel's output returned without a copy)."""
     why = cudnn_refusal(dtype, 32, 8, 128, "cuda")
     print(f"cuDNN for fresh chunks: {'on' if why is None else 'off: ' + why}")
-    q_lens = [1, 1, 2048, 1100, 2048, 2048]
-    lens = [4000, 17, 3548, 1100, 2048, 2048]
+    q_lens = [1, 1, 2048, 1536, 2048, 2048]
+    lens = [4000, 17, 3548, 1536, 2048, 2048]
     case = make_case(
         num_heads=32,
         num_kv_heads=8,
@@ -185,12 +182,12 @@ def test_gpu_fresh_chunks_on_cudnn_llama3_sizes(dtype):
     )
     # fresh chunks shortest first, as the runner lists them
     dense = _dense_of(case, 3)
-    assert dense.runs == (DenseRun(2050, 1, 1100), DenseRun(3150, 2, 2048))
-    least = triton_backend.dense_prefill_min_tokens(dtype, dtype, 32, 8, 128, torch.device("cuda"))
+    assert dense.runs == (DenseRun(2050, 1, 1536), DenseRun(3586, 2, 2048))
+    takes = triton_backend.dense_prefill_lengths(dtype, dtype, 32, 8, 128, torch.device("cuda"))
     if why is not None:  # this GPU's cuDNN cannot take the layout: the engine keeps every chunk paged
-        assert least is None
+        assert takes is None
         return
-    assert least == triton_backend.DENSE_PREFILL_MIN_TOKENS
+    assert takes is not None and takes(1536) and takes(2048) and not takes(1100) and not takes(512)
     out = torch.full_like(case.query, float("nan"))
     triton_backend.paged_attention(*case.args(), out=out, num_decodes=2, dense=dense, fresh_kv=_fresh_kv(case))
     err = rel_error(out, reference_fp64(case))
