@@ -9,8 +9,9 @@ benchmarks/results/kernels-h100-2026-11-24.json).  torch's FlashAttention-2 back
 Triton kernel there (0.167 ms), so on CUDA only cuDNN is used, and only where a probe at start-up shows
 that it takes the engine's tensor layout and matches the math backend; otherwise the paged kernel keeps
 every chunk.  cuDNN plans each new shape (46-80 ms), so on CUDA only the lengths whose shapes were planned at
-start-up take this path (kernels/triton_backend.py says which and why padding to them does not pay).  On the CPU the fused kernel is the CPU backend's own choice, and taking the fresh K/V
-saves gathering the chunk back out of the cache.
+start-up take this path (kernels/triton_backend.py says which, and why padding to them does not pay).
+On the CPU the fused kernel is the CPU backend's own choice, and taking the fresh K/V saves gathering the
+chunk back out of the cache.
 
 Chunks with cached context before them stay on the paged kernels, which beat cuDNN there (cuDNN needs a
 dense lower-right bias for them).  An fp8 cache never takes this path: the paged kernels read the
