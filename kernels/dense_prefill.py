@@ -8,7 +8,7 @@ a 2,048-token chunk of the Llama-3-8B shape on an H100 (1.38x; 1.63x at 4 x 2,04
 benchmarks/results/kernels-h100-2026-11-24.json).  torch's FlashAttention-2 backend was slower than the
 Triton kernel there (0.167 ms), so on CUDA only cuDNN is used, and only where a probe at start-up shows
 that it takes the engine's tensor layout and matches the math backend; otherwise the paged kernel keeps
-every chunk.  cuDNN plans each new shape (46-80 ms), so on CUDA only the lengths whose shapes were planned at
+every chunk.  cuDNN plans each new shape (40-80 ms), so on CUDA only the lengths whose shapes were planned at
 start-up take this path (kernels/triton_backend.py says which, and why padding to them does not pay).
 On the CPU the fused kernel is the CPU backend's own choice, and taking the fresh K/V saves gathering the
 chunk back out of the cache.
@@ -100,7 +100,7 @@ def dense_prefill(
     `key`/`value` ``[T, Hkv, D]`` are the step's new K/V (the rows the cache write just stored).
 
     `pow2_batches`: each run is split into calls of power-of-two batch sizes (3 -> 2 + 1), so that a kernel
-    that plans per shape (cuDNN: 46-80 ms per new shape on an H100) sees only the shapes of `dense_shapes`
+    that plans per shape (cuDNN: 40-80 ms per new shape on an H100) sees only the shapes of `dense_shapes`
     when the runner gives it planned lengths only.  With `out` None and one call covering every row, the
     kernel's own output is returned as it is (no copy)."""
     heads, kv_heads = query.shape[1], key.shape[1]

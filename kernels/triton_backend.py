@@ -46,8 +46,9 @@ def _on_device(t: torch.Tensor):
 # Fresh chunks run on cuDNN only at the lengths whose shapes are planned at start-up: 1,024 x 2^k and
 # 1.5 x 1,024 x 2^k (`is_planned_length`).  H100, Llama-3-8B shape, 2026-11-25 (benchmarks/results/
 # kernels-h100-2026-11-25*.json):
-# - cuDNN builds an execution plan for every new shape, 46-80 ms each (`cudnn_plan_cost`); with one shape per
-#   prompt length a long-tailed run lost 31 % of its throughput to it (5,122 against 7,380 tok/s);
+# - cuDNN builds an execution plan for every new shape, 40-80 ms each (`cudnn_plan_cost`); with one shape per
+#   prompt length a long-tailed run of 500 requests lost 31 % of its throughput to it (5,122 against 7,380
+#   tok/s: step-phases-h100-long-tailed-unplanned-cudnn-2026-11-25.json, ...-500-no-dense-...);
 # - padding a chunk up to a planned length costs more than cuDNN saves: 1,100 tokens padded to 1,536 took
 #   0.096 ms against the paged kernel's 0.063 (`dense_threshold` in the -padding file);
 # - at planned lengths cuDNN wins from 1,024 tokens (batch 4: 0.089 against 0.143 ms), where its 40-110 us of
