@@ -73,21 +73,8 @@ class PagedAttention(nn.Module):
             self.kv_amax = torch.maximum(self.kv_amax, seen)
         kv_scale = self.kv_scale if kv_cache.dtype == torch.float8_e4m3fn else None
         backend.write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
-        if meta.dense is not None:
-            return backend.paged_attention(
-                q,
-                kv_cache,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.query_start_loc,
-                self.scale,
-                meta.max_query_len,
-                meta.max_seq_len,
-                num_decodes=meta.num_decodes,
-                kv_scale=kv_scale,
-                dense=meta.dense,
-                fresh_kv=(k, v),
-            )
+        # fresh chunks (listed last) attend over this step's own K/V on the backend's dense kernel
+        fresh = {} if meta.dense is None else {"dense": meta.dense, "fresh_kv": (k, v)}
         return backend.paged_attention(
             q,
             kv_cache,
@@ -99,4 +86,5 @@ class PagedAttention(nn.Module):
             meta.max_seq_len,
             num_decodes=meta.num_decodes,
             kv_scale=kv_scale,
+            **fresh,
         )
