@@ -25,11 +25,8 @@ import contextlib
 import functools
 from dataclasses import dataclass
 
-import structlog
 import torch
 import torch.nn.functional as F
-
-log = structlog.get_logger("pagekeeper.kernels")
 
 
 @dataclass(frozen=True)

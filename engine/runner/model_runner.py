@@ -157,9 +157,9 @@ class ModelRunner:
         # has none for this model, every chunk reads the paged cache).
         dense_probe = getattr(backend, "dense_prefill_lengths", None)
         self.dense_lengths: Callable[[int], bool] | None = None
-        if dense_probe is not None and layers:
-            a = layers[0]
-            self.dense_lengths = dense_probe(model_dtype, dtype, a.num_heads, a.num_kv_heads, a.head_dim, device)
+        self._attn_heads = (layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim) if layers else None
+        if dense_probe is not None and self._attn_heads is not None:
+            self.dense_lengths = dense_probe(model_dtype, dtype, *self._attn_heads, device)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.graphs: DecodeGraphs | None = None
@@ -227,10 +227,9 @@ class ModelRunner:
         """Have the dense kernel plan every shape a step of `max_tokens` can give it, now rather than in a
         step (cuDNN plans per shape: tens of milliseconds each); returns how many shapes (0: no dense path)."""
         warm = getattr(self.backend, "warm_dense_prefill", None)
-        if self.dense_lengths is None or warm is None:
+        if self.dense_lengths is None or warm is None or self._attn_heads is None:
             return 0
-        a = next(m for m in self.model.modules() if isinstance(m, PagedAttention))
-        return warm(self.model_dtype, a.num_heads, a.num_kv_heads, a.head_dim, self.device, max_tokens)
+        return warm(self.model_dtype, *self._attn_heads, self.device, max_tokens)
 
     # -- CUDA graphs -----------------------------------------------------------------------------
 
