@@ -62,7 +62,7 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # exact version; the base image's tag is the pin.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends tini ca-certificates \
+ && apt-get install -y --no-install-recommends tini ca-certificates g++ \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 pagekeeper \
  && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/pagekeeper pagekeeper \
@@ -84,6 +84,9 @@ COPY deploy/container/pagekeeper.toml /etc/pagekeeper/pagekeeper.toml
 ENV PAGEKEEPER_CONFIG=/etc/pagekeeper/pagekeeper.toml PAGEKEEPER_RUNTIME_DIR=/run/pagekeeper/runtime \
     XDG_CACHE_HOME=/var/cache/pagekeeper
 USER 10001:10001
+# The CPU attention extension, built for the build host's CPU (g++ stays in the image: a node whose CPU differs
+# builds its own copy into the cache at the first start, in seconds; kernels/cpu_ext.py says why -march=native).
+RUN python3 -m kernels.cpu_ext
 EXPOSE 8000 9400
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s \
   CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9400/livez', timeout=4)"]

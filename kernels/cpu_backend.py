@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ext
 from kernels.dense_prefill import DenseChunks, dense_prefill
 from kernels.reference import FP8, check_kv_scale, copy_blocks, gather_blocks, quantize_fp8, scatter_blocks
 
@@ -194,6 +195,9 @@ def _decode(
     out: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
 ) -> None:
+    if kv_scale is None and query.dtype == kv_cache.dtype and cpu_ext.available():
+        _decode_in_place(query, kv_cache, block_tables, seq_lens, scale, out)
+        return
     batch, heads, dim = query.shape
     block_size = kv_cache.shape[2]
     lens = seq_lens.tolist()
@@ -212,6 +216,29 @@ def _decode(
     if kv_scale is not None:
         o = o * _per_query_head(kv_scale[1], heads).to(o.dtype)
     out.copy_(o.view(batch, heads, dim))
+
+
+def _decode_in_place(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """The compiled kernel (kernels/cpu_ext.py): every block read where it lies, no gather."""
+    target = out if out.is_contiguous() else torch.empty_like(query)
+    cpu_ext.paged_decode(
+        target,
+        query.contiguous(),
+        kv_cache[0],
+        kv_cache[1],
+        block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(),
+        scale,
+    )
+    if target is not out:
+        out.copy_(target)
 
 
 def _prefill(

@@ -26,6 +26,12 @@ else
 fi
 echo "pagekeeper installed ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
 
+# The CPU attention extension (kernels/cpu_ext.py), built now for this host so that no engine start pays for it.
+# Serving without it falls back to torch's attention (slower decode) with a warning; the tests need it (below).
+if (( ! want_test )); then
+  "$PY" -m kernels.cpu_ext || echo "warning: the CPU attention extension was not built (see above); CPU decode uses torch's slower path" >&2
+fi
+
 # -- test tools (--test only; each step is skipped when already done) ---------------------------------------------
 # prometheus + promtool and amtool (Debian packages) for tests/alerts/; typescript + @grafana/schema (npm, pinned in
 # grafana/typecheck/package-lock.json) for the dashboard type check.
@@ -64,6 +70,9 @@ if (( want_test )); then
   command -v nsenter >/dev/null && command -v setpriv >/dev/null || apt_install util-linux
   # tini: the container image's entrypoint, which tests/k8s/ runs as the pod's command
   command -v tini >/dev/null || apt_install tini
+  # a C++ compiler for the CPU attention extension, which the tests require rather than skip
+  command -v g++ >/dev/null || apt_install g++
+  "$PY" -m kernels.cpu_ext
 
   # checkov (tests/k8s/test_security.py) in a venv of its own: it pins old versions of packages the engine shares
   # (networkx, packaging, boto3), which must not be downgraded in this environment.

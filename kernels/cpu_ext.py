@@ -1,0 +1,144 @@
+"""The CPU attention extension (kernels/csrc/): built for this host on first use, then loaded from a cache.
+
+Why compiled: decode attention on a CPU is bound by memory traffic, and torch offers no attention that reads a
+paged cache in place; the torch path copies every sequence's blocks once per layer first (kernels/cpu_backend.py).
+Why built here rather than shipped: ``-march=native`` vectorizes the kernel for the cores it runs on (AVX-512 on
+one machine, AVX2 on the next), and torch's own build machinery (``torch.utils.cpp_extension``, ninja) does the
+rest.  The build takes tens of seconds once per host, torch version and source; ``scripts/setup.sh`` runs it
+(``python3 -m kernels.cpu_ext``) so that no engine start pays for it.
+
+``PAGEKEEPER_CPU_KERNELS`` chooses:
+- ``auto`` (the default): build or load it; if that fails (no compiler, say), warn once with the reason and use
+  the torch path, which gives the same results more slowly;
+- ``off``: always the torch path (A/B runs, or a host where building is not wanted);
+- ``require``: fail with the reason instead of falling back (CI and benchmarks that must measure the kernel).
+
+The cache lives in ``$PAGEKEEPER_CACHE_DIR``, else ``$CACHE_DIRECTORY`` (systemd's ``CacheDirectory=``), else
+``$XDG_CACHE_HOME/pagekeeper``, else ``~/.cache/pagekeeper``; its folder name hashes the source, torch's version,
+the compiler flags and the host's CPU flags, so a change of any of them builds anew instead of loading a stale
+or foreign build.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger("pagekeeper.kernels")
+
+ENV = "PAGEKEEPER_CPU_KERNELS"
+MODES = ("auto", "off", "require")
+SOURCES = (Path(__file__).parent / "csrc" / "cpu_paged_decode.cpp",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17")
+
+
+class CpuKernelsUnavailable(RuntimeError):
+    """The extension could not be built or loaded, and PAGEKEEPER_CPU_KERNELS=require."""
+
+
+def mode() -> str:
+    """PAGEKEEPER_CPU_KERNELS, checked: a value we do not know is an error, never silently the default."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"{ENV}={value!r} is not one of {', '.join(MODES)}")
+    return value
+
+
+def cache_root() -> Path:
+    for var in ("PAGEKEEPER_CACHE_DIR", "CACHE_DIRECTORY"):
+        if os.environ.get(var):
+            return Path(os.environ[var].split(":")[0])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "pagekeeper"
+
+
+def _cpu_flags() -> str:
+    """The host's CPU feature flags: a build made with -march=native is only valid where these match."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_key() -> str:
+    digest = hashlib.sha256()
+    for src in SOURCES:
+        digest.update(src.read_bytes())
+    for part in (torch.__version__, sys.version, " ".join(CFLAGS), _cpu_flags()):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def _build_and_load() -> None:
+    from torch.utils import cpp_extension
+
+    key = build_key()
+    directory = cache_root() / "cpu-ext" / key
+    directory.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    cpp_extension.load(
+        name=f"pagekeeper_cpu_{key}",
+        sources=[str(s) for s in SOURCES],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
+    log.info("cpu_kernels_loaded", directory=str(directory), seconds=round(time.monotonic() - started, 2))
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None once the extension is loaded in this process; otherwise why not (the torch path is used)."""
+    chosen = mode()
+    if chosen == "off":
+        return f"{ENV}=off"
+    try:
+        _build_and_load()
+    except Exception as e:  # a missing compiler, an unwritable cache, a failed build: all mean the same here
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        reason = f"the CPU attention extension could not be built or loaded ({type(e).__name__}: {first_line})"
+        if chosen == "require":
+            raise CpuKernelsUnavailable(f"{reason}; {ENV}=require") from e
+        log.warning("cpu_kernels_unavailable", reason=reason, fallback="torch attention (slower decode)")
+        return reason
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def paged_decode(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> None:
+    """Decode attention of one query token per sequence over its blocks, read in place; writes `out`.
+    Shapes: query/out ``[B, Hq, D]``, cache halves ``[num_blocks, block_size, Hkv, D]``, block_tables ``[B, W]``
+    and seq_lens ``[B]`` int32.  Call only when `available()`."""
+    torch.ops.pagekeeper_cpu.paged_decode(out, query, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+if __name__ == "__main__":
+    # scripts/setup.sh: build now, so that no engine start pays for it; exit 1 with the reason if it fails
+    os.environ.setdefault(ENV, "require")
+    t = time.monotonic()
+    unavailable_reason()
+    print(f"CPU attention extension ready in {cache_root() / 'cpu-ext' / build_key()} ({time.monotonic() - t:.1f} s)")
