@@ -16,7 +16,7 @@ import structlog
 import torch
 from torch import nn
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
 from engine.distributed.group import SINGLE, TPGroup
 from engine.memory.budget import (
@@ -72,6 +72,8 @@ def start_runner(
     if device.type == "cuda":
         set_allocator_defaults()
         baseline = device_baseline(device)
+    else:
+        prepare_cpu_kernels()
     assert config.max_model_len is not None
     model = load_model(model_info, config.max_model_len, device, config.load_format, tp)
     kv_dtype = kv_cache_dtype(config, model_info.dtype)
@@ -130,6 +132,18 @@ def start_runner(
         if shapes:
             log.info("dense_prefill_planned", shapes=shapes, seconds=round(time.monotonic() - started, 3))
     return StartedRunner(runner, model, kv_plan, preemption_mode, num_cpu_blocks, capture_seconds)
+
+
+def prepare_cpu_kernels() -> None:
+    """Build or load the CPU attention extension now, at start-up, rather than inside the first step: a build's
+    seconds belong to start-up, and PAGEKEEPER_CPU_KERNELS=require (or a misspelt value) must stop the start with one
+    line, not fail a request later."""
+    from kernels import cpu_ext
+
+    try:
+        cpu_ext.unavailable_reason()
+    except (ValueError, cpu_ext.CpuKernelsUnavailable) as e:
+        raise ConfigError(str(e)) from e
 
 
 def weights_by_dtype(model: nn.Module) -> dict[str, int]:

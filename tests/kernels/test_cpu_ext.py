@@ -6,6 +6,8 @@ failed build falls back with its reason (auto) or fails (require)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -134,3 +136,59 @@ def test_the_build_key_follows_the_source_and_the_host(monkeypatch):
     key = cpu_ext.build_key()
     monkeypatch.setattr(cpu_ext, "_cpu_flags", lambda: "sse2")
     assert cpu_ext.build_key() != key
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ("sometimes", "PAGEKEEPER_CPU_KERNELS='sometimes' is not one of auto, off, require"),
+        ("require", "could not be built or loaded"),
+    ],
+)
+def test_the_server_refuses_to_start_on_a_bad_mode_or_a_required_kernel_it_cannot_build(value, expected, tmp_path):
+    """Checked at start-up with exit 2 and one line, before the model loads (not at the first decode).  The second
+    case points the cache at a file, so the build cannot write its folder."""
+    import subprocess
+    import sys
+
+    from tests.server.harness import REPO, free_port
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    env = {**os.environ, cpu_ext.ENV: value, "PAGEKEEPER_CACHE_DIR": str(blocker)}
+    r = subprocess.run(
+        [sys.executable, "-m", "engine.server", "--port", str(free_port())],
+        capture_output=True, text=True, timeout=120, cwd=str(REPO), env=env,
+    )  # fmt: skip
+    last = r.stderr.strip().splitlines()[-1]
+    print(last)
+    assert r.returncode == 2 and expected in last, r.stderr[-2000:]
+
+
+def test_off_serves_through_the_torch_path(tmp_path):
+    """PAGEKEEPER_CPU_KERNELS=off: an engine decodes without the extension and gives the same greedy tokens."""
+    import subprocess
+    import sys
+
+    from tests.server.harness import REPO
+
+    script = (
+        "from engine import LLM, SamplingParams\n"
+        "from kernels import cpu_ext\n"
+        "llm = LLM(dtype='float32', max_model_len=256)\n"
+        "out = llm.generate(['The quick brown fox', 'Hello'], SamplingParams(temperature=0, max_tokens=24))\n"
+        "print('KERNEL', cpu_ext.available())\n"
+        "print('TOKENS', [o.outputs[0].token_ids for o in out])\n"
+    )
+    runs = {}
+    for mode in ("off", "require"):
+        r = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=str(REPO),
+            env={**os.environ, cpu_ext.ENV: mode},
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        lines = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line.startswith(("KERNEL", "TOKENS")))
+        runs[mode] = lines
+    print({m: v["KERNEL"] for m, v in runs.items()})
+    assert runs["off"]["KERNEL"] == "False" and runs["require"]["KERNEL"] == "True"
+    assert runs["off"]["TOKENS"] == runs["require"]["TOKENS"]
