@@ -127,12 +127,13 @@ class EngineConfig:
             "or a directory holding the generation_config.json to use."
         ),
     )
-    max_num_on_the_fly_batches: int = field(
-        default=2,
+    max_num_on_the_fly_batches: int | None = field(
+        default=None,
         metadata=_flag(
             "Steps queued on the device at once: 1 is synchronous; 2 schedules and queues step k+1 "
             "before step k's tokens are read (async scheduling), then accepts and detokenizes step k "
-            "while the device computes k+1. Deeper is treated as 2."
+            "while the device computes k+1. Deeper is treated as 2. Default: 2 on a GPU; 1 on the CPU, "
+            "where the host computes each step itself, so a queued step only delays every token by one step."
         ),
     )
     tensor_parallel_size: int = field(
@@ -176,7 +177,8 @@ class EngineConfig:
         if not 0.0 < self.cpu_kv_cache_fraction < 1.0:
             raise ConfigError(f"--cpu-kv-cache-fraction must be in (0, 1), got {self.cpu_kv_cache_fraction}")
         _positive("--max-num-seqs", self.max_num_seqs)
-        _positive("--max-num-on-the-fly-batches", self.max_num_on_the_fly_batches)
+        if self.max_num_on_the_fly_batches is not None:
+            _positive("--max-num-on-the-fly-batches", self.max_num_on_the_fly_batches)
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
         if self.max_model_len is not None:
             _positive("--max-model-len", self.max_model_len)
@@ -220,6 +222,14 @@ class EngineConfig:
             )
         # Every scheduled sequence takes at least one token of the step's budget.
         self.max_num_seqs = min(self.max_num_seqs, self.max_num_batched_tokens)
+
+    def pipeline_depth(self, device_type: str) -> int:
+        """Steps in flight: --max-num-on-the-fly-batches capped at 2, or by device when left out.  Measured on a
+        2-core CPU (bf16 Llama, hidden 512, 8 layers), depth 1 against 2: serving TTFT 41 against 49 ms at 1 req/s
+        with the same TPOT, and the same offline throughput (1,290-1,324 against 1,271-1,320 tok/s)."""
+        if self.max_num_on_the_fly_batches is None:
+            return 2 if device_type == "cuda" else 1
+        return min(self.max_num_on_the_fly_batches, 2)
 
     def resolved_device(self) -> str:
         """'cuda' when asked for or when auto finds a GPU, else 'cpu'."""

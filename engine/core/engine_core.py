@@ -80,7 +80,7 @@ class EngineCore:
             self.eos_token_ids,
         )
         self.stats = StepStats()
-        self.pipeline_depth = min(config.max_num_on_the_fly_batches, 2)
+        self.pipeline_depth = config.pipeline_depth(self.device.type)
         self.step = self._step_pipelined if self.pipeline_depth == 2 else self._step_in_turn
         self._in_flight: _Launched | None = None  # queued on the device, tokens not yet read
         log.info(

@@ -216,7 +216,6 @@ def log_inapplicable_flags(engine_config: EngineConfig, device: str) -> None:
         "gpu_memory_utilization",
         "swap_space",
         "enforce_eager",
-        "max_num_on_the_fly_batches",
         "fragmentation_buffer_factor",
     ):
         if getattr(engine_config, name) != getattr(defaults, name):
@@ -234,6 +233,7 @@ def serve(
     from engine.metrics import EngineMetrics
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
+    from engine.server.engine_thread import EngineThread
     from engine.server.cpu_threads import (
         CpuThreadPlan,
         available_cores,
@@ -246,7 +246,13 @@ def serve(
 
     notifier = get_notifier()
     notifier.status(f"loading {engine_config.model_name()}")
-    engine = LLMEngine(engine_config)
+    threads = CpuThreadPlan(available_cores(), ())
+    if engine_config.resolved_device() == "cpu" and engine_config.tensor_parallel_size == 1:
+        threads = plan_cpu_threads(threads.compute_cores, server_config.cpu_reserved_cores)
+    # bound to its cores, then building the engine, then stepping it: one thread (engine/server/engine_thread.py)
+    engine_thread = EngineThread()
+    engine_thread.call(lambda: bind_compute_thread(threads))
+    engine = engine_thread.call(lambda: LLMEngine(engine_config))
     core = engine.core
     log_inapplicable_flags(engine_config, str(core.device))
     model_name = engine_config.model_name()
@@ -267,15 +273,8 @@ def serve(
         names=server_config.metrics_names,
         max_model_len=engine_config.max_model_len,
     )
-    threads = CpuThreadPlan(available_cores(), ())
-    if core.device.type == "cpu" and engine_config.tensor_parallel_size == 1:
-        threads = plan_cpu_threads(threads.compute_cores, server_config.cpu_reserved_cores)
     async_engine = AsyncEngine(
-        engine,
-        metrics,
-        server_config.health_stall_seconds,
-        server_config.max_waiting,
-        thread_init=lambda: bind_compute_thread(threads),
+        engine, metrics, server_config.health_stall_seconds, server_config.max_waiting, engine_thread
     )
     bind_serving_threads(threads)
     state = ServerState(

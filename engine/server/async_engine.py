@@ -16,6 +16,7 @@ import asyncio
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Union
 
@@ -25,6 +26,7 @@ from engine.llm_engine import LLMEngine, RequestRejected, ValidRequest
 from engine.metrics import EngineMetrics
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind
+from engine.server.engine_thread import EngineThread
 from engine.server.notify import get_notifier
 
 log = structlog.get_logger("pagekeeper.server")
@@ -162,10 +164,12 @@ class AsyncEngine:
         metrics: EngineMetrics,
         health_stall_seconds: float = 30.0,
         max_waiting: int | None = None,
-        thread_init: Callable[[], None] | None = None,
+        engine_thread: EngineThread | None = None,
     ) -> None:
         self.engine = engine
-        self._thread_init = thread_init  # run first on the step loop's thread (e.g. binding it to cores)
+        # the thread that built the engine runs its step loop (engine/server/engine_thread.py says why)
+        self._engine_thread = engine_thread or EngineThread()
+        self._loop: Future | None = None
         self.metrics = metrics
         self.health_stall_seconds = health_stall_seconds
         self.max_waiting = max_waiting
@@ -183,18 +187,21 @@ class AsyncEngine:
         self.loop_iterations = 0  # vllm:engine_steps_total: advances whenever the loop runs
         self._on_step: list[Callable[[], None]] = []  # e.g. the systemd watchdog ping
         self._on_loop: list[Callable[[], None]] = []  # run before each iteration (test hooks)
-        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        self._loop = self._engine_thread.submit(self._run)
 
     def stop(self) -> None:
         with self._wake:
             self._stop = True
             self._wake.notify()
-        self._thread.join(timeout=10)
+        if self._loop is not None:
+            try:
+                self._loop.result(timeout=10)
+            except Exception:  # noqa: BLE001 - a loop that died was already reported as stalled
+                pass
 
     def add_step_hook(self, hook: Callable[[], None]) -> None:
         """Run `hook` on the step-loop thread after every iteration (a hung loop stops calling it)."""
@@ -320,7 +327,7 @@ class AsyncEngine:
 
     def health(self) -> str:
         """'ok', 'draining' or 'stalled' (work is waiting and the loop has not advanced in time)."""
-        if not self._thread.is_alive():
+        if self._loop is None or not self._engine_thread.running(self._loop):
             return "stalled"
         if self.draining or self.handing_over:
             return "draining"
@@ -333,8 +340,6 @@ class AsyncEngine:
     # -- the step loop (its own thread) ---------------------------------------------------------
 
     def _run(self) -> None:
-        if self._thread_init is not None:
-            self._thread_init()
         while True:
             with self._wake:
                 if not self._inbox and not self.engine.has_unfinished_requests() and not self._stop:

@@ -194,3 +194,16 @@ def test_blocks_of_generated_tokens_join_the_prefix_cache_once_read():
         _all_free(llm)
     # 20 + 37 tokens, of which 56 have KV: 7 full blocks of 8 tokens
     assert hits[1] == hits[2] == 56
+
+
+def test_the_default_depth_follows_the_device():
+    """Left out, the depth is 1 on the CPU (the host computes each step: a queued step only delays tokens) and 2 on
+    a GPU; a value given is kept (capped at 2) on either."""
+    from engine.config import EngineConfig
+
+    assert EngineConfig().pipeline_depth("cpu") == 1
+    assert EngineConfig().pipeline_depth("cuda") == 2
+    assert EngineConfig(max_num_on_the_fly_batches=2).pipeline_depth("cpu") == 2
+    assert EngineConfig(max_num_on_the_fly_batches=5).pipeline_depth("cuda") == 2
+    assert EngineConfig(max_num_on_the_fly_batches=1).pipeline_depth("cuda") == 1
+    assert LLM(max_model_len=128, device="cpu").llm_engine.core.pipeline_depth == 1
