@@ -233,7 +233,6 @@ def serve(
     from engine.metrics import EngineMetrics
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
-    from engine.server.engine_thread import EngineThread
     from engine.server.cpu_threads import (
         CpuThreadPlan,
         available_cores,
@@ -241,6 +240,7 @@ def serve(
         bind_serving_threads,
         plan_cpu_threads,
     )
+    from engine.server.engine_thread import EngineThread
     from engine.server.state import ServerState
     from engine.server.stats_log import StatsLogger, interval_from_env
 
