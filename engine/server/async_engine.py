@@ -169,7 +169,7 @@ class AsyncEngine:
         self.engine = engine
         # the thread that built the engine runs its step loop (engine/server/engine_thread.py says why)
         self._engine_thread = engine_thread or EngineThread()
-        self._loop: Future | None = None
+        self._loop: Future[None] | None = None
         self.metrics = metrics
         self.health_stall_seconds = health_stall_seconds
         self.max_waiting = max_waiting
