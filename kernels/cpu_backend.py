@@ -9,6 +9,11 @@ project's 2-core test machine, one thread, bf16, 8 heads of 64 (decode, per laye
 632 us against 1,112 us for the previous block-wise decode path and 3,089 us for the reference; 64 of 200 tokens
 3.8 ms against 17.8 and 33.7 ms.
 
+Decode (one query token per sequence) runs the compiled kernel of kernels/cpu_ext.py when it is built: it reads each
+block where it lies instead of gathering the context first, 4-7x faster on bf16 caches on this project's 2-core
+test machine (256 sequences of 192 tokens, 8 heads of 64, per layer: 52 ms gathered, 7.4 ms in place).  The gather
+path below stays for fp8 caches, prefill chunks over a cached context, and hosts without the kernel.
+
 Block copies (forks, swap) move whole blocks and do not care about the layout; they are the reference's.  The
 reference stays the oracle: tests run both on the same keys and values, each in its own layout.
 
