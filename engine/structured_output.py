@@ -77,6 +77,10 @@ class GrammarMatcher:
         self.finished = bool(self._m.is_stopped())
 
 
+class GrammarUnavailable(ValueError):
+    """This model's tokenizer cannot take a grammar (the reason says what to change)."""
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer; thread-safe (admission runs on server threads)."""
 
@@ -95,12 +99,22 @@ class GrammarCompiler:
         return (self.vocab_size + 31) // 32
 
     def _llg_tokenizer(self) -> Any:
-        """Built on first use: a second or so for a 128k vocabulary, paid once."""
+        """Built on first use: a second or so for a 128k vocabulary, paid once.
+
+        The grammar engine ends a grammar on an EOS token its tokenizer knows: a checkpoint's EOS id past the
+        tokenizer's vocabulary (an embedding padded beyond it, say) is left out, and one with no EOS inside it is
+        refused per request with the reason, instead of failing inside llguidance."""
         if self._tokenizer is None:
             import llguidance.hf
 
-            eos = sorted(self.eos_ids) or None
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=eos)
+            known = sorted(i for i in self.eos_ids if i < len(self._hf))
+            if self.eos_ids and not known:
+                raise GrammarUnavailable(
+                    f"the model's EOS token ids {sorted(self.eos_ids)} all lie outside its tokenizer's "
+                    f"{len(self._hf)} tokens, so no grammar could end; fix eos_token_id in the checkpoint's "
+                    "config.json or generation_config.json"
+                )
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=known or None)
         return self._tokenizer
 
     def compile(self, params: StructuredOutputsParams) -> str:
@@ -110,7 +124,10 @@ class GrammarCompiler:
         fmt, text = params.source()
         key = (fmt, text)
         with self._lock:
-            tokenizer = self._llg_tokenizer()
+            try:
+                tokenizer = self._llg_tokenizer()
+            except GrammarUnavailable as e:
+                raise SamplingParamsError(params.param, f"{params.param}: structured outputs are unavailable: {e}")
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
