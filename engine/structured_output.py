@@ -127,7 +127,9 @@ class GrammarCompiler:
             try:
                 tokenizer = self._llg_tokenizer()
             except GrammarUnavailable as e:
-                raise SamplingParamsError(params.param, f"{params.param}: structured outputs are unavailable: {e}")
+                raise SamplingParamsError(
+                    params.param, f"{params.param}: structured outputs are unavailable: {e}"
+                ) from e
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
