@@ -86,9 +86,11 @@ def _build_and_load() -> None:
     key = build_key()
     directory = cache_root() / "cpu-ext" / key
     directory.mkdir(parents=True, exist_ok=True)
+    name = f"pagekeeper_cpu_{key}"
+    built_before = (directory / f"{name}.so").exists()
     started = time.monotonic()
     cpp_extension.load(
-        name=f"pagekeeper_cpu_{key}",
+        name=name,
         sources=[str(s) for s in SOURCES],
         extra_cflags=list(CFLAGS),
         extra_ldflags=["-fopenmp"],
@@ -96,7 +98,13 @@ def _build_and_load() -> None:
         is_python_module=False,
         verbose=False,
     )
-    log.info("cpu_kernels_loaded", directory=str(directory), seconds=round(time.monotonic() - started, 2))
+    # a build (seconds) is worth a line at start-up; loading a cached one is not: a start that then fails on a
+    # bad checkpoint must still print one line
+    (log.debug if built_before else log.info)(
+        "cpu_kernels_loaded" if built_before else "cpu_kernels_built",
+        directory=str(directory),
+        seconds=round(time.monotonic() - started, 2),
+    )
 
 
 @functools.cache
