@@ -25,6 +25,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -80,9 +81,21 @@ def build_key() -> str:
     return digest.hexdigest()[:16]
 
 
+def _ninja_on_path() -> None:
+    """torch's build runs `ninja` from PATH; the `ninja` package's binary is not on it when the environment's bin
+    directory is not (a venv's python started by its full path, as a systemd unit does)."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return  # the build then says that ninja is missing
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 def _build_and_load() -> None:
     from torch.utils import cpp_extension
 
+    _ninja_on_path()
     key = build_key()
     directory = cache_root() / "cpu-ext" / key
     directory.mkdir(parents=True, exist_ok=True)

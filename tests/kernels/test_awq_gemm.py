@@ -39,7 +39,7 @@ def _random_awq(k: int, n: int, group: int, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [32, 128])
 def test_gemm_equals_dequantize_then_matmul(dtype, group):
-    k, n = 256, 200  # n: 25 packed words, not a multiple of any tile
+    k, n = 256, 72  # n: 9 packed words, not a multiple of any tile (the interpreter pays for every tile)
     qweight, qzeros, scales = _random_awq(k, n, group, dtype, seed=group)
     w = qr.awq_dequantize(qweight, qzeros, scales, group).double()
     tol = 1e-5 if dtype == torch.float32 else 2e-3
