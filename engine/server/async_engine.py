@@ -149,6 +149,14 @@ def merge_deltas(outs: list[RequestOutput]) -> RequestOutput:
     )
 
 
+def _report_loop_end(loop: Future[None]) -> None:
+    """A step loop that raised is logged with its traceback (health then reads "stalled" and the supervisor or
+    systemd restarts the engine); one that was stopped returns quietly."""
+    error = loop.exception()
+    if error is not None:
+        log.error("step_loop_died", error=f"{type(error).__name__}: {error}", exc_info=error)
+
+
 @dataclass
 class DrainResult:
     drained: bool
@@ -192,6 +200,7 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = self._engine_thread.submit(self._run)
+        self._loop.add_done_callback(_report_loop_end)
 
     def stop(self) -> None:
         with self._wake:

@@ -55,3 +55,26 @@ def test_a_loop_still_running_does_not_hold_the_process_open() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "main done" in r.stdout, r.stderr
+
+
+def test_a_step_loop_that_raises_is_logged_and_reads_stalled(capfd: pytest.CaptureFixture[str]) -> None:
+    """Run on the engine thread, the loop's exception lands in a future: it must still reach the log with its
+    traceback, and health must read "stalled" (what the supervisor and systemd restart on)."""
+    import time
+
+    from engine import LLM
+    from engine.metrics import EngineMetrics
+    from engine.server.async_engine import AsyncEngine
+
+    llm = LLM(max_model_len=128)
+    engine = AsyncEngine(llm.llm_engine, EngineMetrics("t", {}, 0, names="vllm", max_model_len=128))
+    engine.add_loop_hook(lambda: [][1])  # an IndexError on the loop's first iteration
+    engine.start()
+    deadline = time.monotonic() + 10
+    while engine.health() != "stalled" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.health() == "stalled"
+    logged = capfd.readouterr()
+    line = next(x for x in (logged.out + logged.err).splitlines() if "step_loop_died" in x)
+    print(line[:200])
+    assert "IndexError" in line and "Traceback" in line
