@@ -296,7 +296,9 @@ class ProcessLauncher(Launcher):
 
     # -- starting ---------------------------------------------------------------------------------
 
-    def _spawn(self) -> EngineProcess:
+    def _spawn(self, beside: int | None = None) -> EngineProcess:
+        """`beside`: the pid of an engine this one runs next to until it leaves (an overlapping handover): the new
+        engine runs half the CPU threads meanwhile (engine/server/core_share.py)."""
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         self._serial += 1
         token = f"{os.getpid()}-{self._serial}"
@@ -314,6 +316,7 @@ class ProcessLauncher(Launcher):
             str(control_path),
             "--inflight-file",
             str(inflight_path),
+            *(("--share-cores-with", str(beside)) if beside is not None else ()),
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         with open_private(self.log_file) as logf:
@@ -357,7 +360,7 @@ class ProcessLauncher(Launcher):
     # -- retiring ---------------------------------------------------------------------------------
 
     @staticmethod
-    def retire(engine: EngineProcess, drain: bool, timeout: float) -> Retired:
+    def retire(engine: EngineProcess, drain: bool, timeout: float, successor_serving: bool = False) -> Retired:
         """Hand over (drain) or stop now; SIGKILL whatever is left after `timeout` (drain) or a few seconds.
 
         SIGCONT first: a stopped engine (SIGSTOP, a debugger) resumes and finishes what it holds.
@@ -369,7 +372,9 @@ class ProcessLauncher(Launcher):
         cmd = "drain_exit" if drain else "stop_now"
         aborted = 0
         try:
-            reply = engine.request(cmd, timeout=ENGINE_CONTROL_TIMEOUT_S, timeout_s=timeout)
+            reply = engine.request(
+                cmd, timeout=ENGINE_CONTROL_TIMEOUT_S, timeout_s=timeout, successor_serving=successor_serving
+            )
             aborted = 0 if drain else int(reply.get("in_flight") or 0)
         except (OSError, ValueError):
             os.kill(engine.pid, signal.SIGTERM if drain else signal.SIGINT)
@@ -399,7 +404,7 @@ class ProcessLauncher(Launcher):
             self.start()
             return Retired(lost, "engine_exited" if lost else "")
         if self.overlap:
-            new = self._spawn()
+            new = self._spawn(beside=old.pid)
             if not self._wait_serving(new, ready_timeout):
                 self.retire(new, drain=False, timeout=0)
                 code = new.returncode()
@@ -409,7 +414,7 @@ class ProcessLauncher(Launcher):
                 )
             self.engine = new
             self._record()
-            retired = self.retire(old, drain, timeout)
+            retired = self.retire(old, drain, timeout, successor_serving=True)
             retired.successor_serving = True
             return retired
         retired = self.retire(old, drain, timeout)

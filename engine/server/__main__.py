@@ -37,6 +37,7 @@ from engine.config_file import SECRET_ENV, engine_args, load_engine_section
 from engine.logs import configure_logging
 from engine.schema import validate_section
 from engine.server.control import ControlSocket
+from engine.server.core_share import CoreShare
 from engine.server.handover import RESTARTING_MESSAGE, HandoverDrain, HttpTracker, InflightFile
 from engine.server.limits import AcceptErrorsCondensed, BodyLimit, connection_limit, guarded_protocol
 from engine.server.notify import get_notifier
@@ -165,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="Publish the count of requests in flight in this file (opsctl sets it, to count what a crash cost).",
     )
     s.add_argument(
+        "--share-cores-with",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="Run half the model's CPU threads until process PID (the engine this one replaces) has exited "
+        "(opsctl sets it on an overlapping handover; engine/server/core_share.py says why).",
+    )
+    s.add_argument(
         "--config",
         default=None,
         help="Take flags from the [engine] section of this pagekeeper TOML file (the file opsctl "
@@ -229,6 +238,8 @@ def serve(
     inherited: bool = False,
     control: ControlSocket | None = None,
 ) -> int:
+    import torch
+
     from engine.llm_engine import LLMEngine
     from engine.metrics import EngineMetrics
     from engine.server.app import build_app
@@ -252,6 +263,9 @@ def serve(
     # bound to its cores, then building the engine, then stepping it: one thread (engine/server/engine_thread.py)
     engine_thread = EngineThread()
     engine_thread.call(lambda: bind_compute_thread(threads))
+    # Beside the engine it replaces, this one loads and serves on half the threads (engine/server/core_share.py).
+    core_share = CoreShare(engine_thread.call(torch.get_num_threads), server_config.share_cores_with)
+    engine_thread.call(core_share)
     engine = engine_thread.call(lambda: LLMEngine(engine_config))
     core = engine.core
     log_inapplicable_flags(engine_config, str(core.device))
@@ -315,7 +329,9 @@ def serve(
         handover=inherited,
         serving_status=f"serving {model_name} on {host}:{port}",
         control=control,
+        core_share=core_share,
     )
+    async_engine.add_loop_hook(core_share)
     # The watchdog is pinged from the step loop, and only while the HTTP loop is alive too.
     async_engine.add_step_hook(lambda: server.http_loop_alive(notifier.watchdog_interval) and notifier.watchdog())
     async_engine.start()
@@ -382,8 +398,10 @@ class DrainOnTermServer(uvicorn.Server):
         handover: bool = False,
         serving_status: str = "serving",
         control: ControlSocket | None = None,
+        core_share: CoreShare | None = None,
     ) -> None:
         super().__init__(config)
+        self.core_share = core_share
         self.async_engine = async_engine
         self.tracker = tracker
         self.drain_timeout = drain_timeout
@@ -396,10 +414,14 @@ class DrainOnTermServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         if control is not None:
             control.set_in_flight_reader(lambda: tracker.in_flight)
-            control.handlers["drain_exit"] = lambda req: self._request_stop(
-                "drain", float(req.get("timeout_s", drain_timeout))
-            )
+            control.handlers["drain_exit"] = self._drain_exit
             control.handlers["stop_now"] = lambda req: self._request_stop("now", 0.0)
+
+    def _drain_exit(self, req: dict) -> dict:
+        """The supervisor's handover: with a successor that serves already, keep half the threads while draining."""
+        if req.get("successor_serving") and self.core_share is not None:
+            self.core_share.yield_to_successor()
+        return self._request_stop("drain", float(req.get("timeout_s", self.drain_timeout)))
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()

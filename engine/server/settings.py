@@ -16,7 +16,7 @@ from pydantic import Field
 from engine.config import ConfigError
 
 # Flags opsctl sets for the engines it starts; not settings a config file may hold.
-INTERNAL_FIELDS = ("listen_fd", "control_socket", "inflight_file", "config")
+INTERNAL_FIELDS = ("listen_fd", "control_socket", "inflight_file", "share_cores_with", "config")
 
 
 @dataclass
@@ -46,6 +46,7 @@ class ServerConfig:
     listen_fd: int | None = None
     control_socket: str | None = None
     inflight_file: str | None = None
+    share_cores_with: Annotated[int, Field(ge=1)] | None = None  # the engine a handover runs beside
     config: str | None = None
 
 

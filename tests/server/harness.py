@@ -78,9 +78,11 @@ def start_server(
     wait: bool = True,
     pass_fds: tuple[int, ...] = (),
     preexec_fn=None,
+    name: str = "server",
 ) -> ServerProcess:  # type: ignore[no-untyped-def]
+    """`name`: the log's, for servers that share a port (a handover)."""
     port = port or free_port()
-    log_path = tmp_path / f"server-{port}.log"
+    log_path = tmp_path / f"{name}-{port}.log"
     cmd = [sys.executable, "-m", "engine.server", "--port", str(port), *args]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "wb") as log:

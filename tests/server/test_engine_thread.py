@@ -74,7 +74,12 @@ def test_a_step_loop_that_raises_is_logged_and_reads_stalled(capfd: pytest.Captu
     while engine.health() != "stalled" and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine.health() == "stalled"
-    logged = capfd.readouterr()
-    line = next(x for x in (logged.out + logged.err).splitlines() if "step_loop_died" in x)
+    # The future reads done (health: stalled) a moment before its done-callback logs: read until the line lands.
+    seen = ""
+    while "step_loop_died" not in seen and time.monotonic() < deadline + 10:
+        logged = capfd.readouterr()
+        seen += logged.out + logged.err
+        time.sleep(0.05)
+    line = next(x for x in seen.splitlines() if "step_loop_died" in x)
     print(line[:200])
     assert "IndexError" in line and "Traceback" in line

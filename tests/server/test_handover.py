@@ -7,6 +7,7 @@ told to hand over: it stops accepting, answers what reaches it on open connectio
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -30,7 +31,7 @@ def _held_socket() -> socket.socket:
     return listener
 
 
-def _engine(launch, listener: socket.socket, tmp_path, name: str):  # type: ignore[no-untyped-def]
+def _engine(launch, listener: socket.socket, tmp_path, name: str, *flags: str):  # type: ignore[no-untyped-def]
     """An engine on the held socket, waited for through its own control socket (over TCP, /health may be
     answered by the other engine)."""
     ctl = tmp_path / f"{name}.sock"
@@ -42,9 +43,11 @@ def _engine(launch, listener: socket.socket, tmp_path, name: str):  # type: igno
         str(ctl),
         "--inflight-file",
         str(inflight),
+        *flags,
         port=listener.getsockname()[1],
         pass_fds=(listener.fileno(),),
         wait=False,
+        name=name,
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -58,19 +61,25 @@ def _engine(launch, listener: socket.socket, tmp_path, name: str):  # type: igno
     raise AssertionError(f"engine {name} not serving:\n{server.log()[-3000:]}")
 
 
+def _shared(log: str) -> list[dict]:
+    return [json.loads(line) for line in log.splitlines() if '"cpu_threads_shared"' in line]
+
+
 def test_handover_to_a_second_engine_loses_no_request(launch, tmp_path):
+    """As opsctl's overlapping restart runs it: the new engine beside the old one on half the CPU threads, the
+    old one on the other half while it drains, the new one on all of them once the old one has gone."""
     listener = _held_socket()
     try:
         old, old_ctl, old_inflight = _engine(launch, listener, tmp_path, "old")
         assert control.request(old_ctl, "state")["state"] == "serving"
         load = Load(old.url).start()
         time.sleep(2)
-        new, new_ctl, _ = _engine(launch, listener, tmp_path, "new")
+        new, new_ctl, _ = _engine(launch, listener, tmp_path, "new", "--share-cores-with", str(old.proc.pid))
         assert control.request(new_ctl, "state")["state"] == "serving"
         time.sleep(1)  # both engines accept
         with httpx.Client(base_url=old.url) as kept:
             assert kept.get("/v1/models").status_code == 200  # a kept-alive connection, to either engine
-            reply = control.request(old_ctl, "drain_exit", timeout_s=30)
+            reply = control.request(old_ctl, "drain_exit", timeout_s=30, successor_serving=True)
             assert reply["ok"] is True
             assert old.proc.wait(40) == 0
             time.sleep(2)
@@ -83,6 +92,18 @@ def test_handover_to_a_second_engine_loses_no_request(launch, tmp_path):
         assert "handover_finished" in old.log() and '"handed_over": true' in old.log()
         assert InflightFile.read(old_inflight) == (0, 0)
         assert new.proc.poll() is None
+        full = _shared(new.log())[0]["of"]
+        assert [(e["torch_threads"], e["reason"]) for e in _shared(new.log())] == [
+            (max(1, full // 2), "sharing with the engine being replaced"),
+            (full, f"engine {old.proc.pid} has exited"),
+        ]
+        assert [(e["torch_threads"], e["reason"]) for e in _shared(old.log())] == [
+            (max(1, full - full // 2), "handing over to a successor that serves")
+        ]
+        print(
+            f"model threads: the new engine {full // 2 or 1} beside the old one, then {full}; "
+            f"the old one {full - full // 2}"
+        )
     finally:
         listener.close()
 
