@@ -9,6 +9,8 @@ import torch
 
 from tests.checkpoints import make_checkpoint
 
+pytest_plugins = ["tests.memory_report"]  # the run's peak memory, and the tests that set it, in its summary
+
 
 def _skip_gpu_tests_without_cuda(items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
