@@ -27,7 +27,7 @@ from opsctl.config import PagekeeperConfig
 from opsctl.constants import EXIT_PERMANENT, EXIT_SETTLE_S, SUPERVISOR_LOG_NAME
 from opsctl.exporter import SupervisorMetrics
 from opsctl.exporter import serve as serve_metrics
-from opsctl.launcher import Launcher, RestartFailed
+from opsctl.launcher import Launcher, RestartFailed, Retired
 from opsctl.logrotate import rotate_if_large
 from opsctl.policy import Action, Observation, PolicyState, decide
 from opsctl.probes import EngineProbe, GpuProbe, GpuReading, ProcessProbe, ProcessReading
@@ -310,10 +310,11 @@ class Supervisor:
             self.exit_code = EXIT_PERMANENT
             self.stopping = True
 
-    def _count_lost(self, reason: str, count: int) -> None:
-        if count > 0:
-            self.metrics.lost.labels(reason).inc(count)
-            log.warning("requests_lost", reason=reason, count=count)
+    def _count_lost(self, retired: Retired) -> None:
+        for reason, count in retired.lost_by_reason.items():
+            if count > 0:
+                self.metrics.lost.labels(reason).inc(count)
+                log.warning("requests_lost", reason=reason, count=count)
 
     def _overlap(self) -> bool:
         return self.launcher.overlap
@@ -331,7 +332,7 @@ class Supervisor:
             raise
         finally:
             self.launcher.forget_exit()
-        self._count_lost(retired.reason, retired.lost)
+        self._count_lost(retired)
         now = time.monotonic()
         restarts = self.state.restarts + ((now,) if counts_as_crash else ())
         # Overlap: the new engine already serves (the launcher waited for it), so it is ready now.
@@ -398,7 +399,7 @@ class Supervisor:
         if cmd.name == "retire":  # a pod's preStop: hand the traffic over, stop the engine, stay until stopped
             self._set_busy(EngineState.STOPPING)
             retired = self.launcher.stop(drain=bool(cmd.args.get("drain", True)), timeout=timeout)
-            self._count_lost(retired.reason, retired.lost)
+            self._count_lost(retired)
             self.retired = True
             log.info("engine_retired", lost=retired.lost, detail="the supervisor stays until it is stopped")
             return {"ok": True, "lost": retired.lost}
@@ -406,7 +407,7 @@ class Supervisor:
             self._set_busy(EngineState.STOPPING)
             if cmd.args.get("engine", True):
                 retired = self.launcher.stop(drain=bool(cmd.args.get("drain", True)), timeout=timeout)
-                self._count_lost(retired.reason, retired.lost)
+                self._count_lost(retired)
             self.stopping = True
             return {"ok": True}
         return {"ok": False, "error": f"unknown command {cmd.name!r}"}

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -55,11 +55,22 @@ _LOG_TAIL_BYTES = 4096
 
 @dataclass
 class Retired:
-    """What retiring one engine cost: requests in flight that did not get their answer."""
+    """What retiring one engine cost: requests in flight that did not get their answer, by why.
 
-    lost: int = 0
-    reason: str = ""  # "engine_exited" | "no_drain" | "killed" when lost > 0
+    Reasons: `engine_exited` (the engine died before or while it was retired, e.g. killed while its successor
+    loaded or while it drained), `killed` (still in flight when the drain timeout ran out), `no_drain` (answered
+    a retryable 503 by a stop-now)."""
+
+    lost_by_reason: dict[str, int] = field(default_factory=dict)
     successor_serving: bool = False  # the new engine was already serving when the old one left (overlap)
+
+    @classmethod
+    def of(cls, **counts: int) -> Retired:
+        return cls({reason: n for reason, n in counts.items() if n > 0})
+
+    @property
+    def lost(self) -> int:
+        return sum(self.lost_by_reason.values())
 
 
 class Launcher(ABC):
@@ -148,6 +159,9 @@ class EngineProcess:
         self.inflight_path = inflight_path
         self.popen = popen
         self.create_time = create_time if create_time is not None else _create_time(pid)
+        # The counters as the engine left them, kept when its files are removed: whoever notices the exit first
+        # cleans up, and whoever retires it later must still read what it had in flight.
+        self._final_counts: tuple[int, int] | None = None
 
     @property
     def adopted(self) -> bool:
@@ -192,16 +206,21 @@ class EngineProcess:
         except (OSError, ValueError):
             return None
 
+    def _counts(self) -> tuple[int, int] | None:
+        return self._final_counts or InflightFile.read(self.inflight_path)
+
     def in_flight(self) -> int:
-        counts = InflightFile.read(self.inflight_path)
+        counts = self._counts()
         return max(0, counts[0]) if counts else 0
 
     def aborted(self) -> int:
         """Requests a stop-now answered with a retryable 503 (in flight then, or arriving after)."""
-        counts = InflightFile.read(self.inflight_path)
+        counts = self._counts()
         return max(0, counts[1]) if counts else 0
 
     def cleanup(self) -> None:
+        if self._final_counts is None and not self.alive():
+            self._final_counts = InflightFile.read(self.inflight_path)
         for path in (self.control_path, self.inflight_path):
             path.unlink(missing_ok=True)
 
@@ -366,8 +385,12 @@ class ProcessLauncher(Launcher):
         SIGCONT first: a stopped engine (SIGSTOP, a debugger) resumes and finishes what it holds.
         The control socket carries the timeout; signals are the fallback when it does not answer.
         """
-        if not engine.alive():
-            return Retired()
+        if not engine.alive():  # it died first (killed while its successor loaded, say): its requests are lost
+            lost = engine.in_flight()
+            if lost:
+                log.warning("engine_died_before_retiring", pid=engine.pid, in_flight=lost)
+            engine.cleanup()
+            return Retired.of(engine_exited=lost)
         engine.signal_group(signal.SIGCONT)
         cmd = "drain_exit" if drain else "stop_now"
         aborted = 0
@@ -381,14 +404,21 @@ class ProcessLauncher(Launcher):
         grace = timeout + 2.0 if drain else STOP_NOW_GRACE_S
         if engine.wait(grace):
             aborted = engine.aborted() or aborted  # the engine's own count includes late arrivals
-            result = Retired(aborted, "no_drain" if aborted else "")
+            # A request's count drops when its handler returns, so an engine that exits on its own leaves none in
+            # flight; one killed mid-drain (kill -9, the OOM killer) leaves those it was serving.  After a stop-now
+            # the count may still hold requests already answered 503 (counted above), so only a death counts there.
+            code = engine.returncode()
+            died = engine.in_flight() if drain or (code is not None and code != 0) else 0
+            if died:
+                log.warning("engine_died_while_retiring", pid=engine.pid, how=_describe(code), in_flight=died)
+            result = Retired.of(no_drain=aborted, engine_exited=died)
         else:
             aborted = engine.aborted() or aborted
             lost = engine.in_flight()
             log.warning("engine_kill", pid=engine.pid, after_s=round(grace, 1), in_flight=lost)
             engine.signal_group(signal.SIGKILL)
             engine.wait(10)
-            result = Retired(aborted + lost, "killed" if lost else ("no_drain" if aborted else ""))
+            result = Retired.of(no_drain=aborted, killed=lost)
         if engine.popen is not None:
             engine.popen.poll()
         engine.cleanup()
@@ -402,7 +432,7 @@ class ProcessLauncher(Launcher):
             lost = self._lost_at_exit
             self.forget_exit()
             self.start()
-            return Retired(lost, "engine_exited" if lost else "")
+            return Retired.of(engine_exited=lost)
         if self.overlap:
             new = self._spawn(beside=old.pid)
             if not self._wait_serving(new, ready_timeout):

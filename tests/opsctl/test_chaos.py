@@ -43,9 +43,12 @@ def _pid_gone(pid: int) -> bool:
 def test_no_request_fails_through_restarts_hangs_and_kills(deploy, record_property):
     d = deploy(
         engine={"max_num_seqs": 4, "drain_timeout": 60},
-        # backlog thresholds the steady load cannot reach (8 clients: waiting <= 4 = 1 x running) but a burst does
+        # Backlog thresholds the steady load cannot reach but a burst does.  8 clients and 4 running leave at most
+        # 4 waiting; at factor 1.0 a step that had just finished one (waiting 4 > 3 running) read as a backlog once
+        # a slow CPU (AVX2 only, both engines still running after the hang's restart) kept requests waiting over
+        # 1.5 s: a policy restart then overlapped the kill -9 phase.  Over 2 x running needs 5 waiting beside 2.
         supervisor={
-            "backlog_factor": 1.0,
+            "backlog_factor": 2.0,
             "backlog_wait_seconds": 1.5,
             "events_to_act": 2,
             "max_restarts": 10,

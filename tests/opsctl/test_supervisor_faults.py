@@ -11,10 +11,14 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import threading
 import time
 
 import httpx
 import pytest
+
+from tests.opsctl.load import Load
 
 pytestmark = pytest.mark.slow
 
@@ -271,3 +275,58 @@ def test_cli_restart_drain_resume_stop_and_logs(deploy):
     assert d.opsctl("stop").returncode == 0  # stopping what is stopped is done, like systemctl stop
     with pytest.raises(httpx.ConnectError):
         httpx.get(d.url + "/health", timeout=2)
+
+
+def test_an_engine_killed_while_its_successor_loads_has_its_requests_counted(deploy):
+    """kill -9 of the old engine during an overlapping restart (the OOM killer could): the restart completes on the
+    new engine, and the requests the old one had in flight are counted as lost, never reported as a clean handover."""
+    d = deploy(supervisor={"handover": "overlap", "backlog_factor": 1000.0})
+    old = _start(d)["engine"]["pid"]
+    load = Load(d.url).start()
+    restarted: dict[str, subprocess.CompletedProcess] = {}
+    try:
+        time.sleep(2)  # steady load first
+        restart = threading.Thread(target=lambda: restarted.update(r=d.opsctl("restart")), daemon=True)
+        restart.start()
+        deadline = time.monotonic() + 60
+        while not any(
+            e.get("event") == "engine_started" and e.get("pid") != old for e in _events(d.log("supervisor.log"))
+        ):
+            assert time.monotonic() < deadline, d.log("supervisor.log")[-3000:]
+            time.sleep(0.02)
+        kill_sent = time.monotonic()
+        os.kill(old, signal.SIGKILL)  # the successor is still loading its model
+        restart.join(180)
+        engine_dead = time.monotonic()  # an upper bound: the supervisor reaped it before the restart returned
+        time.sleep(2)
+    finally:
+        records = load.stop()
+    r = restarted["r"]
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = d.status()
+    assert st["engine"]["state"] == "serving" and st["engine"]["pid"] != old
+    assert [x["reason"] for x in st["restarts"]["recent"]] == ["manual"]  # one restart, not a second for the exit
+    metrics = d.supervisor_metrics()
+    lost = metrics.get("pagekeeper_supervisor_requests_lost_total{reason=engine_exited}", 0.0)
+    failed = [x for x in records if x.outcome != "ok"]
+    at_kill = [x for x in failed if x.start <= engine_dead and x.end >= kill_sent]
+    done_at_kill = [x for x in records if x.outcome == "ok" and kill_sent - 0.05 <= x.end <= kill_sent + 0.1]
+    print(
+        f"\nrequests: {len(records)}, ok {len(records) - len(failed)}, failed at the kill {len(at_kill)} "
+        f"({sorted({x.outcome for x in at_kill})}), completed within 0.05 s before it {len(done_at_kill)}; "
+        f"supervisor counted lost (engine_exited): {lost:.0f}"
+    )
+    assert failed == at_kill, [x for x in failed if x not in at_kill][:5]  # nothing failed but what was on it
+    assert all(x.outcome in ("reset", "truncated") for x in at_kill), at_kill
+    assert 1 <= lost <= len(at_kill) + len(done_at_kill), (lost, at_kill, done_at_kill)
+    assert "engine_died_before_retiring" in d.log("supervisor.log")
+
+
+def _events(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
