@@ -173,6 +173,10 @@ class Supervisor:
         if not alive:
             proc = ProcessReading(alive=False)
         reading = self.engine.read() if alive else None
+        if reading is not None and reading.health in ("timeout", "unreachable") and not self.launcher.alive():
+            # It exited while the probe waited (an engine that drained on SIGTERM stops accepting first, so the
+            # probe times out just before the exit): an exit, not a hang.
+            alive, reading, proc = False, None, ProcessReading(alive=False)
         m = reading.metrics if reading else {}
         obs = Observation(
             t=sent,

@@ -176,6 +176,17 @@ def is_idle(conn: Any) -> bool:
     return cycle is None or bool(getattr(cycle, "response_complete", False))
 
 
+def is_probe_connection(conn: Any) -> bool:
+    """Its last request was a probe (/health, /metrics): the supervisor's poll, a load balancer's check, a scrape.
+
+    A prober polls more often than IDLE_CLOSE_S (the supervisor every 0.5 s on one kept-alive connection), so its
+    connection is never idle long enough to be closed, and probes are not answered `Connection: close`: a drain that
+    waited for it held its engine for the whole drain timeout (60 s in a chaos run) with nothing in flight.  A probe
+    cut by the exit costs nothing; the prober asks again."""
+    scope = getattr(getattr(conn, "cycle", None), "scope", None) or {}
+    return scope.get("path") in _PROBE_PATHS
+
+
 class HandoverDrain:
     """Close this engine's connections one by one as they fall idle; done when none is left.
 
@@ -196,7 +207,7 @@ class HandoverDrain:
                 cycle.keep_alive = False  # close once this response is complete
 
     async def wait(self, timeout: float, busy: Callable[[], bool]) -> bool:
-        """True once no connection and no request (`busy()`) is left; False at the timeout."""
+        """True once no request (`busy()`) and no connection but probes' is left; False at the timeout."""
         start = time.monotonic()
         idle_since: dict[Any, tuple[float, Any]] = {}
         while True:
@@ -210,7 +221,8 @@ class HandoverDrain:
                     idle_since[conn] = (now, conn.cycle)
                 elif now - since >= IDLE_CLOSE_S and pending_bytes(getattr(conn, "transport", None)) == 0:
                     conn.shutdown()  # an idle keep-alive connection: closed cleanly, nothing lost
-            if not self.connections and not busy() and self.tracker.in_flight == 0:
+            clients = [c for c in self.connections if not is_probe_connection(c)]
+            if not clients and not busy() and self.tracker.in_flight == 0:
                 return True
             if now - start >= timeout:
                 log.warning(

@@ -16,6 +16,7 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 
 from tests.opsctl.load import Load
@@ -320,6 +321,58 @@ def test_an_engine_killed_while_its_successor_loads_has_its_requests_counted(dep
     assert all(x.outcome in ("reset", "truncated") for x in at_kill), at_kill
     assert 1 <= lost <= len(at_kill) + len(done_at_kill), (lost, at_kill, done_at_kill)
     assert "engine_died_before_retiring" in d.log("supervisor.log")
+
+
+def test_requests_still_in_flight_at_the_drain_timeout_are_killed_and_counted(deploy):
+    """README: `--drain-timeout` bounds the drain; whatever is still in flight then is killed and counted.  The old
+    engine's step loop is frozen (a debug hook), so what it holds cannot finish within a 1 s drain."""
+    d = deploy(engine={"enable_debug_hooks": True}, supervisor={"backlog_factor": 1000.0})
+    old = _start(d)["engine"]["pid"]
+    load = Load(d.url).start()
+    try:
+        time.sleep(2)  # steady load first
+        httpx.post(d.url + "/debug/freeze", params={"seconds": 60}, timeout=10).raise_for_status()
+        frozen_at = time.monotonic()
+        r = d.opsctl("restart", "--drain-timeout", "1")
+        restarted_at = time.monotonic()
+        time.sleep(2)
+    finally:
+        records = load.stop()
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = d.status()
+    assert st["engine"]["state"] == "serving" and st["engine"]["pid"] != old
+    metrics = d.supervisor_metrics()
+    killed = metrics.get("pagekeeper_supervisor_requests_lost_total{reason=killed}", 0.0)
+    failed = [x for x in records if x.outcome != "ok"]
+    on_old = [x for x in failed if x.start <= restarted_at and x.end >= frozen_at]
+    print(
+        f"\nrequests: {len(records)}, ok {len(records) - len(failed)}, failed {len(failed)} "
+        f"({sorted({x.outcome for x in failed})}); supervisor counted killed: {killed:.0f}; "
+        f"lost by reason: { {k: v for k, v in metrics.items() if 'requests_lost_total' in k} }"
+    )
+    assert failed == on_old, [x for x in failed if x not in on_old][:5]  # only what the frozen engine held
+    assert failed and killed == len(failed), (killed, failed)
+    assert "engine_kill" in d.log("supervisor.log")
+
+
+def test_sigterm_to_a_supervised_engine_drains_and_exits_without_waiting_for_the_probe_connection(deploy):
+    """SIGTERM from outside (an operator's kill): the engine finishes what it holds and exits at once, although the
+    supervisor's probe polls it every 0.5 s on one kept-alive connection (a drain that waited for that connection
+    to fall idle held the engine for its whole 60 s drain timeout), and the supervisor restarts it as an exit."""
+    d = deploy(supervisor={"backlog_factor": 1000.0})
+    old = _start(d)["engine"]["pid"]
+    sent = time.monotonic()
+    os.kill(old, signal.SIGTERM)
+    while psutil.pid_exists(old) and psutil.Process(old).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() - sent < 30, "the engine is still draining 30 s after SIGTERM with nothing in flight"
+        time.sleep(0.05)
+    exited_after = time.monotonic() - sent
+    st, _ = d.wait_for(
+        lambda s: s["engine"]["state"] == "serving" and s["engine"]["pid"] not in (None, old), 120, "a new engine"
+    )
+    print(f"\nengine exited {exited_after:.2f} s after SIGTERM; restarts: {st['restarts']['recent']}")
+    assert [x["reason"] for x in st["restarts"]["recent"]] == ["engine_exited"]
+    assert '"handed_over": true' in d.log("engine.log")
 
 
 def _events(text: str) -> list[dict]:
