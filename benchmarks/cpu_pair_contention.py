@@ -95,6 +95,18 @@ def run_together(args: argparse.Namespace, threads: list[int]) -> list[dict[str,
                 p.kill()
 
 
+def _thread_counts(text: str, sep: str) -> list[list[int]]:
+    """`2+2,2+1` -> [[2, 2], [2, 1]] (sep "+"); `2,1` -> [[2], [1]] (sep ""): a bad entry is an argparse error."""
+    try:
+        groups = [[int(n) for n in (item.split(sep) if sep else [item])] for item in text.split(",") if item]
+    except ValueError as e:
+        joined = f" joined by {sep}" if sep else ""
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated thread counts{joined}") from e
+    if any(n < 1 for g in groups for n in g):
+        raise argparse.ArgumentTypeError(f"{text!r}: thread counts must be at least 1")
+    return groups
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -109,8 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--pairs", default="2+2,2+1,1+1", help="thread counts of the two engines, comma-separated")
-    ap.add_argument("--alone", default="2,1", help="thread counts to time one engine alone")
+    ap.add_argument(
+        "--pairs",
+        default="2+2,2+1,1+1",
+        type=lambda t: _thread_counts(t, "+"),
+        help="thread counts of the two engines, comma-separated",
+    )
+    ap.add_argument(
+        "--alone", default="2,1", type=lambda t: _thread_counts(t, ""), help="thread counts to time one engine alone"
+    )
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 16 steps, pair 1+1, alone 1, no file")
@@ -121,15 +140,15 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.model, args.dtype, args.threads, args.batch, args.steps)
         return 0
     if args.quick:
-        args.steps, args.pairs, args.alone = 16, "1+1", "1"
+        args.steps, args.pairs, args.alone = 16, [[1, 1]], [[1]]
     rows: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
-        for n in [int(x) for x in args.alone.split(",") if x]:
+        for (n,) in args.alone:
             (one,) = run_together(args, [n])
             rows.append({"run": f"alone {n}", "repeat": repeat, "engines": [one]})
             print(f"alone, {n} thread(s): {one['ms_per_step']} ms/step", flush=True)
-        for pair in [p for p in args.pairs.split(",") if p]:
-            threads = [int(x) for x in pair.split("+")]
+        for threads in args.pairs:
+            pair = "+".join(map(str, threads))
             both = run_together(args, threads)
             rows.append({"run": f"pair {pair}", "repeat": repeat, "engines": both})
             shown = " / ".join(f"{e['ms_per_step']} ({e['threads']} thr)" for e in both)

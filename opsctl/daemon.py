@@ -315,10 +315,9 @@ class Supervisor:
             self.stopping = True
 
     def _count_lost(self, retired: Retired) -> None:
-        for reason, count in retired.lost_by_reason.items():
-            if count > 0:
-                self.metrics.lost.labels(reason).inc(count)
-                log.warning("requests_lost", reason=reason, count=count)
+        for reason, count in retired.lost_by_reason.items():  # only reasons that cost something (Retired.of)
+            self.metrics.lost.labels(reason).inc(count)
+            log.warning("requests_lost", reason=reason, count=count)
 
     def _overlap(self) -> bool:
         return self.launcher.overlap
