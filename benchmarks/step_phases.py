@@ -51,10 +51,13 @@ def _kind(plan) -> str:
 class PhaseRecorder:
     """Wraps the engine core's scheduler and runner to time each step's phases (host) and span (device)."""
 
-    def __init__(self, llm: LLM, profile_mixed: int = 0) -> None:
+    def __init__(self, llm: LLM, profile_mixed: int = 0, torch_profile_mixed: int = 0) -> None:
         core = llm.llm_engine.core
         self.profiler = cProfile.Profile() if profile_mixed else None
         self.profile_left = profile_mixed
+        self.torch_left = torch_profile_mixed
+        # torch profiler events of the profiled mixed launches: name -> [calls, self CPU us, self device us]
+        self.torch_events: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
         self.steps: list[dict[str, Any]] = []
         self.waits: list[float] = []
         self.updates: list[float] = []
@@ -76,6 +79,9 @@ class PhaseRecorder:
             if profiled:
                 self.profile_left -= 1
                 sample = self.profiler.runcall(launch, plan, previous)
+            elif self.torch_left > 0 and _kind(plan) == "mixed":
+                self.torch_left -= 1
+                sample = self._torch_profiled(launch, plan, previous)
             else:
                 sample = launch(plan, previous)
             end.record()
@@ -110,15 +116,39 @@ class PhaseRecorder:
         sampler_mod.DeviceSample.to_host = timed_to_host  # type: ignore[method-assign]
         self._restore = lambda: setattr(sampler_mod.DeviceSample, "to_host", to_host)
 
+    def _torch_profiled(self, launch, plan, previous):
+        """One launch under torch's profiler, its events summed into `torch_events` (host-side runtime calls
+        such as cudaMalloc or a synchronising copy show up by name, with the host time they took)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            sample = launch(plan, previous)
+            torch.cuda.synchronize()
+        for e in prof.key_averages():
+            row = self.torch_events[e.key]
+            row[0] += e.count
+            row[1] += e.self_cpu_time_total
+            row[2] += getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+        return sample
+
+    def torch_profile_rows(self, top: int = 40) -> list[dict[str, Any]]:
+        rows = sorted(self.torch_events.items(), key=lambda kv: -kv[1][1])[:top]
+        return [
+            dict(name=k, calls=int(c), self_cpu_ms=round(cpu / 1e3, 3), self_device_ms=round(d / 1e3, 3))
+            for k, (c, cpu, d) in rows
+        ]
+
     def close(self) -> None:
         self._restore()
 
-    def profile_text(self, top: int = 30) -> str:
-        """The profiled mixed launches' functions by cumulative time (cProfile)."""
+    def profile_text(self, top: int = 40) -> str:
+        """The profiled mixed launches' functions by cumulative time, then by own time (cProfile)."""
         if self.profiler is None:
             return ""
         buf = io.StringIO()
-        pstats.Stats(self.profiler, stream=buf).sort_stats("cumulative").print_stats(top)
+        stats = pstats.Stats(self.profiler, stream=buf)
+        stats.sort_stats("cumulative").print_stats(top)
+        stats.sort_stats("tottime").print_stats(top)
         return buf.getvalue()
 
     def summary(self, wall_s: float) -> dict[str, Any]:
@@ -164,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--no-dense", action="store_true", help="every prefill chunk on the paged kernel (A/B)")
     p.add_argument("--profile-mixed", type=int, default=0, help="cProfile the launches of this many mixed steps")
+    p.add_argument(
+        "--torch-profile-mixed", type=int, default=0, help="torch-profile this many mixed launches (host calls by name)"
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -189,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_dense:
         llm.llm_engine.core.runner.dense_lengths = None
     llm.generate([{"prompt_token_ids": q} for q, _ in work[:32]], params_for(work[:32]), use_tqdm=False)
-    recorder = PhaseRecorder(llm, args.profile_mixed)
+    recorder = PhaseRecorder(llm, args.profile_mixed, args.torch_profile_mixed)
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()
     t = time.perf_counter()
@@ -221,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         allocator=allocator,
         **recorder.summary(wall),
     )
+    if args.profile_mixed:
+        result["mixed_launch_profile"] = recorder.profile_text().splitlines()
+    if args.torch_profile_mixed:
+        result["mixed_launch_torch_profile"] = recorder.torch_profile_rows()
     slug = name.lower().replace("nvidia ", "").replace(" ", "-").split("-80gb")[0]
     args.out.mkdir(parents=True, exist_ok=True)
     variant = "-no-dense" if args.no_dense else ""
@@ -229,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in result.items() if k != "by_kind"}, indent=2))
     for kind, agg in result["by_kind"].items():
         print(kind, {k: (v["median"], v["total"]) if isinstance(v, dict) else v for k, v in agg.items()})
-    print(recorder.profile_text())
+    print("\n".join(result.get("mixed_launch_profile", [])))
+    for row in result.get("mixed_launch_torch_profile", []):
+        print(row)
     print(f"wrote {path}")
     return 0
 

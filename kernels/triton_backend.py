@@ -19,7 +19,7 @@ import torch
 
 from kernels.cache_ops import copy_blocks, gather_blocks, scatter_blocks, write_kv
 from kernels.dense_prefill import DenseChunks, cudnn_refusal, dense_prefill, is_planned_length, warm
-from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+from kernels.paged_attention import num_decode_splits, paged_attention_decode, paged_attention_prefill
 from kernels.reference import kv_cache_shape
 
 __all__ = [
@@ -120,8 +120,20 @@ def paged_attention(
             out = torch.empty_like(query)
         d = num_decodes  # rows 0..d-1 are the decodes' queries; the slices below keep aligned bases
         if d:
+            # An eager (mixed) step is paced by its host launches more often than not: the long-context split's
+            # second kernel (the combine) cost more there than it saved (H200, 2026-11-26, long-tailed
+            # step_phases: 8,409 / 8,951 tok/s with it against 9,443 / 9,802 without).
+            splits = num_decode_splits(d, kv_cache.shape[2], max_seq_len, query.device, split_long=False)
             paged_attention_decode(
-                query[:d], kv_cache, block_tables[:d], seq_lens[:d], scale, max_seq_len, out=out[:d], kv_scale=kv_scale
+                query[:d],
+                kv_cache,
+                block_tables[:d],
+                seq_lens[:d],
+                scale,
+                max_seq_len,
+                out=out[:d],
+                num_splits=splits,
+                kv_scale=kv_scale,
             )
         if d < paged_end:
             paged_attention_prefill(

@@ -28,6 +28,15 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def padded_size(n: int, sizes: list[int]) -> int:
+    """The smallest of `sizes` (sorted) that holds `n`; past the largest, the next multiple of 64; `n` itself
+    when there are no sizes."""
+    for size in sizes:
+        if size >= n:
+            return size
+    return -(-n // 64) * 64 if sizes else n
+
+
 @dataclass
 class DecodeGraph:
     size: int
@@ -45,10 +54,7 @@ class DecodeGraphs:
 
     def size_for(self, batch: int) -> int | None:
         """The smallest captured size that holds `batch`, or None (run eagerly)."""
-        for s in self.sizes:
-            if s >= batch:
-                return s
-        return None
+        return padded_size(batch, self.sizes) if self.sizes and batch <= self.sizes[-1] else None
 
     def capture(self, sizes: list[int], forward: Callable[[int], torch.Tensor]) -> None:
         """Capture `forward(size)` (which reads the static buffers) for every size, largest first."""

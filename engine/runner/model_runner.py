@@ -26,7 +26,8 @@ import kernels
 from engine.core.plan import SamplingSpec, StepPlan
 from engine.kv.kv_cache_manager import blocks_for_tokens
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
-from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.model.layers.linear import VocabEmbedding
+from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from engine.runner.logits_adjust import SequenceRows
 from engine.runner.sampler import (
     DevicePromptLogprobs,
@@ -47,7 +48,7 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_rows: torch.Tensor  # rows of the hidden states whose next token is sampled
+    logits_rows: torch.Tensor  # rows of the hidden states whose token is sampled (eager CUDA: padded, lm_head_rows)
     sampled: list[str]  # the sequences those rows belong to, in the plan's order
     sampled_out: list[int]  # how many output tokens each of them has before this step's sample
     graph_size: int | None = None  # a decode step padded to this captured batch size
@@ -166,6 +167,8 @@ class ModelRunner:
         self.static: StaticInputs | None = None
         self._seqs: dict[str, _SeqState] = {}
         self.rows = SequenceRows(vocab_size(model), device, max_num_seqs)  # penalties, logit_bias
+        # The row counts an eager step's LM head is given on CUDA (see lm_head_rows); empty elsewhere.
+        self.lm_head_sizes = capture_sizes(max_num_seqs) if device.type == "cuda" else []
         # False on tensor-parallel workers: nobody reads their samples on the host, so they skip the
         # copy to pinned memory and the logprobs (which draw no random numbers: the tokens are unchanged).
         self.reads_samples = True
@@ -230,6 +233,29 @@ class ModelRunner:
         if self.dense_lengths is None or warm is None or self._attn_heads is None:
             return 0
         return warm(self.model_dtype, *self._attn_heads, self.device, max_tokens)
+
+    def lm_head_rows(self, n: int) -> int:
+        """How many rows an eager step hands the LM head to sample `n`: on CUDA the smallest decode-graph size
+        that holds them (past the largest, the next multiple of 64), the extra rows repeating the last one.
+
+        cuBLAS waits for every kernel queued before it when it first meets a row count for the vocabulary-wide
+        GEMM (H200, 2026-11-26, benchmarks/launch_overhead.py: 10.26 ms with 10.37 ms queued, against 0.04 ms at
+        a row count seen before).  A mixed step samples a different number of rows nearly every time, so it
+        waited for the step before it and the two-deep pipeline ran one deep: 59 % of mixed steps were paced
+        by the host.  A few repeated rows cost microseconds of GEMM."""
+        return padded_size(n, self.lm_head_sizes)
+
+    def warm_lm_head(self) -> int:
+        """Meet every row count `lm_head_rows` gives, now rather than in a step; returns how many (0 off CUDA)."""
+        if not self.lm_head_sizes:
+            return 0
+        width = next(m.weight.shape[1] for m in self.model.modules() if isinstance(m, VocabEmbedding))
+        hidden = torch.zeros(max(self.lm_head_sizes), width, dtype=self.model_dtype, device=self.device)
+        with torch.inference_mode():
+            for size in self.lm_head_sizes:
+                self.model.compute_logits(hidden[:size])
+        torch.cuda.synchronize(self.device)
+        return len(self.lm_head_sizes)
 
     # -- CUDA graphs -----------------------------------------------------------------------------
 
@@ -388,11 +414,14 @@ class ModelRunner:
             num_decodes=num_decodes,
             dense=dense,
         )
+        head_rows = rows  # an eager step's LM head takes a row count it has met (lm_head_rows)
+        if graph_size is None and rows:
+            head_rows = rows + rows[-1:] * (self.lm_head_rows(len(rows)) - len(rows))
         return StepInputs(
             input_ids=self._to_device(ids_a, st and st.input_ids),
             positions=self._to_device(pos_a, st and st.positions),
             meta=meta,
-            logits_rows=self._to_device(np.asarray(rows, dtype=np.int64)),
+            logits_rows=self._to_device(np.asarray(head_rows, dtype=np.int64)),
             sampled=sampled,
             sampled_out=sampled_out,
             graph_size=graph_size,
@@ -439,7 +468,8 @@ class ModelRunner:
             logits = all_logits[inputs.logits_rows]
         else:
             assert hidden is not None
-            logits = self.model.compute_logits(hidden[inputs.logits_rows])
+            # the rows past the sampled ones repeat the last (lm_head_rows): cut off
+            logits = self.model.compute_logits(hidden[inputs.logits_rows])[: len(inputs.sampled)]
         batch = self._sampling_batch(inputs.sampled, inputs.sampled_out)
         if plan.token_masks is not None:
             batch.mask_rows = self._to_device(np.asarray(plan.mask_rows, dtype=np.int64))

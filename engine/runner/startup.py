@@ -131,6 +131,7 @@ def start_runner(
         shapes = runner.warm_dense_prefill(config.max_num_batched_tokens)
         if shapes:
             log.info("dense_prefill_planned", shapes=shapes, seconds=round(time.monotonic() - started, 3))
+        runner.warm_lm_head()
     return StartedRunner(runner, model, kv_plan, preemption_mode, num_cpu_blocks, capture_seconds)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.runner.cuda_graphs import capture_sizes
+from engine.runner.cuda_graphs import capture_sizes, padded_size
 
 
 def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
@@ -18,6 +18,17 @@ def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert capture_sizes(1) == [1]
     assert capture_sizes(1000)[-1] == 512
+
+
+def test_padded_sizes_are_the_captured_ones_then_multiples_of_64():
+    sizes = capture_sizes(256)
+    # every count up to 256 lands on a captured size, never below the count: the LM head of an eager step meets
+    # only the row counts the graphs (and warm_lm_head) met, so cuBLAS never waits on a new shape mid-serving
+    padded = {padded_size(n, sizes) for n in range(1, 257)}
+    assert padded == set(sizes)
+    assert all(padded_size(n, sizes) >= n for n in range(1, 600))
+    assert padded_size(257, sizes) == 320 and padded_size(321, sizes) == 384
+    assert padded_size(37, []) == 37  # off CUDA nothing is padded
 
 
 def _run(llm: LLM, prompts: list[list[int]], max_tokens: int = 20) -> list[list[int]]:

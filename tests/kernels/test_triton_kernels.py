@@ -90,6 +90,39 @@ def test_decode(block_size, num_heads, num_kv_heads, dtype, poisoned_scratch):
             assert [shape[:3] for shape in poisoned_scratch] == [(len(DECODE_LENS), num_heads, 3)] * 2
 
 
+def test_long_contexts_are_split_whatever_the_batch():
+    # a full batch of short contexts stays one program per (sequence, KV head)
+    assert pa.num_decode_splits(256, 8, 768, torch.device("cpu")) == 1
+    # contexts that may reach 3,072 tokens are split into ~512-token pieces even when the batch fills the GPU:
+    # its long-tailed sequences would otherwise hold the step (benchmarks/decode_long_tailed.py)
+    assert pa.num_decode_splits(256, 8, 3072, torch.device("cpu")) == 6
+    assert pa.num_decode_splits(80, 8, 3072, torch.device("cpu")) == 6
+    # a small batch keeps the split that fills the GPU when that is more
+    assert pa.num_decode_splits(1, 8, 8192, torch.device("cpu")) >= 8192 // pa.LONG_CONTEXT_SPLIT_TOKENS
+    assert pa.num_decode_splits(64, 8, 200_000, torch.device("cpu")) == pa.MAX_SPLITS
+
+
+def test_decode_of_long_tailed_contexts_with_the_chosen_splits():
+    # one long context among short ones, as a serving batch: the heuristic's split (3 pieces of the 1,600-token
+    # maximum) leaves the short sequences' later splits empty, and the combine must skip them
+    lens = [3, 40, 1600, 17, 520]
+    case = make_case(
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        q_lens=[1] * len(lens),
+        seq_lens=lens,
+        dtype=torch.float32,
+        device=DEVICE,
+        seed=7,
+    )
+    assert pa.num_decode_splits(len(lens), 2, case.max_seq_len, torch.device(DEVICE)) == 3
+    out = _poisoned(case)
+    triton_backend.paged_attention(*case.args(), out=out)
+    _check(out, case, "decode long-tailed")
+
+
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 96, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_head_dims(head_dim, dtype):

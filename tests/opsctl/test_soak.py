@@ -29,5 +29,6 @@ def test_ten_minutes_of_healthy_load_cause_no_policy_action(background_soak):
     assert result["seconds"] >= 600
     assert result["clients"] >= 8 and result["requests"] > 1000
     assert result["outcomes"] == {"ok": result["requests"]}
-    assert result["polls"] >= 550  # a 1 s poll (probes take time: a few polls fewer than seconds)
+    # a 1 s period whatever the probes took (opsctl.daemon.next_poll_at); counted from before the timed load began
+    assert result["polls"] >= 0.95 * result["seconds"]
     assert result["decisions"] == {} and result["restarts"] == 0, result

@@ -116,13 +116,18 @@ def test_idle_connections_cannot_exhaust_the_file_limit(launch):
     finally:
         for s in idle:
             s.close()
-    p99 = statistics.quantiles(latencies, n=100)[98]
+    p50 = statistics.median(latencies)
+    p99 = statistics.quantiles(latencies, n=100, method="inclusive")[98]  # exclusive extrapolated past the max
     log_bytes = server.log_path.stat().st_size
     print(
         f"1,100 idle connections, 20 s, file limit 1024: {len(codes)} requests, "
-        f"{sum(c == 200 for c in codes)} x 200, p99 {p99:.3f} s, max {max(latencies):.3f} s, log {log_bytes} bytes"
+        f"{sum(c == 200 for c in codes)} x 200, p50 {p50:.3f} s, p99 {p99:.3f} s, max {max(latencies):.3f} s, "
+        f"log {log_bytes} bytes"
     )
     assert all(c == 200 for c in codes), codes
-    assert p99 < 2.0
+    # A server whose descriptors ran out would not accept at all: each request would wait out its 30 s timeout.
+    # Served, a 4-token completion takes a fraction of a second; on a loaded 2-core CI machine (the soak runs
+    # beside this test) single requests took up to 2.7 s, so the bound on the worst is far from both.
+    assert p50 < 1.0 and max(latencies) < 10.0
     assert log_bytes < 2**20
     assert server.proc.poll() is None
