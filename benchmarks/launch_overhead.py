@@ -173,11 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    if not 0 < args.decodes < args.tokens:
+        p.error("--decodes must be between 1 and --tokens - 1")
     if not torch.cuda.is_available():
         print("benchmarks.launch_overhead needs a CUDA GPU", file=sys.stderr)
         return 2
-    if not 0 < args.decodes < args.tokens:
-        p.error("--decodes must be between 1 and --tokens - 1")
     import triton
 
     rows = measure(args.tokens, args.decodes, args.calls)
