@@ -329,7 +329,7 @@ _DRAIN_TIMEOUT = click.option(
     type=click.FloatRange(min=0),
     default=None,
     help="Seconds the old engine gets to finish in-flight requests (default "
-    "[supervisor] drain_timeout); then it is killed.",
+    "[supervisor] drain_timeout); what it still holds then is answered 503 (retryable) and counted.",
 )
 
 

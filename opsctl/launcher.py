@@ -58,8 +58,9 @@ class Retired:
     """What retiring one engine cost: requests in flight that did not get their answer, by why.
 
     Reasons: `engine_exited` (the engine died before or while it was retired, e.g. killed while its successor
-    loaded or while it drained), `killed` (still in flight when the drain timeout ran out), `no_drain` (answered
-    a retryable 503 by a stop-now)."""
+    loaded or while it drained), `killed` (still in flight when the drain timeout ran out: answered "restarting"
+    by the engine then, or taken by the SIGKILL that follows a drain it could not end), `no_drain` (answered a
+    retryable 503 by a stop-now)."""
 
     lost_by_reason: dict[str, int] = field(default_factory=dict)
     successor_serving: bool = False  # the new engine was already serving when the old one left (overlap)
@@ -401,7 +402,10 @@ class ProcessLauncher(Launcher):
             aborted = 0 if drain else int(reply.get("in_flight") or 0)
         except (OSError, ValueError):
             os.kill(engine.pid, signal.SIGTERM if drain else signal.SIGINT)
-        grace = timeout + 2.0 if drain else STOP_NOW_GRACE_S
+        # A drain that times out is followed by the engine answering what it still holds "restarting"; those
+        # answers are requests lost at the drain timeout, as are those a SIGKILL takes (`killed`).
+        late = "killed" if drain else "no_drain"
+        grace = timeout + STOP_NOW_GRACE_S + 2.0 if drain else STOP_NOW_GRACE_S
         if engine.wait(grace):
             aborted = engine.aborted() or aborted  # the engine's own count includes late arrivals
             # A request's count drops when its handler returns, so an engine that exits on its own leaves none in
@@ -411,14 +415,16 @@ class ProcessLauncher(Launcher):
             died = engine.in_flight() if drain or (code is not None and code != 0) else 0
             if died:
                 log.warning("engine_died_while_retiring", pid=engine.pid, how=_describe(code), in_flight=died)
-            result = Retired.of(no_drain=aborted, engine_exited=died)
+            result = Retired.of(engine_exited=died, **{late: aborted})
         else:
             aborted = engine.aborted() or aborted
             lost = engine.in_flight()
             log.warning("engine_kill", pid=engine.pid, after_s=round(grace, 1), in_flight=lost)
             engine.signal_group(signal.SIGKILL)
             engine.wait(10)
-            result = Retired.of(no_drain=aborted, killed=lost)
+            counts = {late: aborted}
+            counts["killed"] = counts.get("killed", 0) + lost
+            result = Retired.of(**counts)
         if engine.popen is not None:
             engine.popen.poll()
         engine.cleanup()

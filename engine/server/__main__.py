@@ -496,12 +496,16 @@ class DrainOnTermServer(uvicorn.Server):
             result = await self.async_engine.drain(timeout)
             self.exit_reason = "drained" if result.drained else "drain_timeout"
         if self._stopping == "drain":
+            if self.tracker.in_flight or self.async_engine.num_in_flight:
+                # The drain timed out with requests still running: answer them "restarting" (a retryable 503, or
+                # an error event mid-stream), counted where the supervisor reads them, rather than leave them to
+                # be cut without a word when the process exits.
+                aborted = await self._answer_restarting()
+                log.warning("drain_timeout_answered", aborted=aborted, unanswered=self.tracker.in_flight)
             self.should_exit = True
 
-    async def _stop_now(self) -> None:
-        get_notifier().stopping("stopping without draining")
-        if self.handover:
-            await self._stop_accepting("stop_now")
+    async def _answer_restarting(self) -> int:
+        """Fail every admitted request with "restarting" and let each handler write it; returns how many."""
         self.tracker.closing = True
         self.tracker.stopping = True  # requests that reach it from now on are answered "restarting" at once,
         # and it counts each one the abort below answers with a 503 or an error event
@@ -512,6 +516,13 @@ class DrainOnTermServer(uvicorn.Server):
         drain = HandoverDrain(self.server_state.connections, self.tracker)
         drain.begin()
         await drain.wait(STOP_NOW_GRACE_S, busy=lambda: self.async_engine.num_in_flight > 0)
+        return aborted
+
+    async def _stop_now(self) -> None:
+        get_notifier().stopping("stopping without draining")
+        if self.handover:
+            await self._stop_accepting("stop_now")
+        aborted = await self._answer_restarting()
         log.warning("stopped_now", aborted=aborted, unanswered=self.tracker.in_flight)
         self.exit_reason = "stopped_now"
         self.should_exit = True

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections import Counter
 
 import httpx
 import psutil
@@ -353,6 +354,62 @@ def test_requests_still_in_flight_at_the_drain_timeout_are_killed_and_counted(de
     assert failed == on_old, [x for x in failed if x not in on_old][:5]  # only what the frozen engine held
     assert failed and killed == len(failed), (killed, failed)
     assert "engine_kill" in d.log("supervisor.log")
+
+
+def test_requests_a_live_engine_holds_at_the_drain_timeout_are_answered_restarting_and_counted(deploy):
+    """The engine is well, but its requests outlast the drain timeout (long generations, a 0.5 s drain): what it
+    still holds then is answered "restarting" (a retryable 503, an error event mid-stream), never cut without a
+    word as the process exits, and the supervisor counts each one as lost at the drain timeout (`killed`)."""
+    d = deploy(supervisor={"backlog_factor": 1000.0})
+    old = _start(d)["engine"]["pid"]
+    stop = threading.Event()
+    outcomes: list[tuple[str, float, float]] = []
+    lock = threading.Lock()
+
+    def client(stream: bool) -> None:
+        body = {"model": MODEL, "prompt": "Errors should never", "max_tokens": 240, "ignore_eos": True}
+        with httpx.Client(base_url=d.url, timeout=120) as c:
+            while not stop.is_set():
+                start = time.monotonic()
+                try:
+                    outcome = (Load._stream if stream else _plain_long)(c, body | {"stream": stream})[0]
+                except httpx.HTTPError as e:
+                    outcome = type(e).__name__
+                with lock:
+                    outcomes.append((outcome, start, time.monotonic()))
+
+    threads = [threading.Thread(target=client, args=(i % 2 == 1,), daemon=True) for i in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        r = d.opsctl("restart", "--drain-timeout", "0.5")
+        time.sleep(1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(150)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert d.status()["engine"]["pid"] != old
+    metrics = d.supervisor_metrics()
+    lost = {k: v for k, v in metrics.items() if "requests_lost_total" in k}
+    failed = Counter(o for o, _, _ in outcomes if o != "ok")
+    print(
+        f"\nrequests: {len(outcomes)}, ok {sum(o == 'ok' for o, _, _ in outcomes)}, failed {dict(failed)}; lost: {lost}"
+    )
+    assert set(failed) <= {"http_503", "error_event"}, failed  # answered, never reset or truncated
+    assert sum(failed.values()) >= 1  # six 240-token generations outlast a 0.5 s drain
+    assert lost.get("pagekeeper_supervisor_requests_lost_total{reason=killed}") == sum(failed.values()), lost
+    assert "drain_timeout_answered" in d.log("engine.log")
+    assert "engine_kill" not in d.log("supervisor.log")  # it exited on its own, nothing was SIGKILLed
+
+
+def _plain_long(c: httpx.Client, body: dict) -> tuple[str, str]:
+    r = c.post("/v1/completions", json=body)
+    if r.status_code != 200:
+        return f"http_{r.status_code}", r.text[:200]
+    done = r.json()["usage"]["completion_tokens"] == body["max_tokens"]
+    return ("ok", "") if done else ("truncated", "")
 
 
 def test_sigterm_to_a_supervised_engine_drains_and_exits_without_waiting_for_the_probe_connection(deploy):
