@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.kernels import gpu_slug
 from benchmarks.throughput import RESULTS
 
 
@@ -193,9 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         calls=args.calls,
         per_call=rows,
     )
-    slug = name.lower().replace("nvidia ", "").replace(" ", "-").split("-80gb")[0]
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"launch-overhead-{slug}-{result['date']}.json"
+    path = args.out / f"launch-overhead-{gpu_slug(name)}-{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     print(f"wrote {path}")
