@@ -422,9 +422,7 @@ class ProcessLauncher(Launcher):
             log.warning("engine_kill", pid=engine.pid, after_s=round(grace, 1), in_flight=lost)
             engine.signal_group(signal.SIGKILL)
             engine.wait(10)
-            counts = {late: aborted}
-            counts["killed"] = counts.get("killed", 0) + lost
-            result = Retired.of(**counts)
+            result = Retired.of(killed=aborted + lost) if drain else Retired.of(no_drain=aborted, killed=lost)
         if engine.popen is not None:
             engine.popen.poll()
         engine.cleanup()
