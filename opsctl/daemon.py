@@ -186,10 +186,17 @@ class Supervisor:
         if not alive:
             proc = ProcessReading(alive=False)
         reading = self.engine.read() if alive else None
-        if reading is not None and reading.health in ("timeout", "unreachable") and not self.launcher.alive():
-            # It exited while the probe waited (an engine that drained on SIGTERM stops accepting first, so the
-            # probe times out just before the exit): an exit, not a hang.
-            alive, reading, proc = False, None, ProcessReading(alive=False)
+        if reading is not None and reading.health == "draining":
+            self.launcher.draining_on_its_own()  # remembers its deadline while it still says it
+        elif reading is not None and reading.health in ("timeout", "unreachable"):
+            if not self.launcher.alive():
+                # It exited while the probe waited (an engine that drained on SIGTERM stops accepting first, so the
+                # probe times out just before the exit): an exit, not a hang.
+                alive, reading, proc = False, None, ProcessReading(alive=False)
+            elif (why := self.launcher.draining_on_its_own()) is not None:
+                # Told to stop by someone else (an operator's SIGTERM): it stopped accepting and is finishing what
+                # it holds, within its own deadline.  Draining, not hung: its exit is restarted as an exit.
+                reading = replace(reading, health="draining", health_detail=why)
         m = reading.metrics if reading else {}
         obs = Observation(
             t=sent,

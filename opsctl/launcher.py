@@ -51,6 +51,9 @@ from opsctl.runtime import open_private, write_private
 log = structlog.get_logger("pagekeeper.supervisor")
 
 _LOG_TAIL_BYTES = 4096
+# How far past its own deadline an engine that says it is draining is still believed (a loaded host is late);
+# the retire path's SIGKILL allows the same.
+STOPPING_MARGIN_S = 2.0
 
 
 @dataclass
@@ -101,6 +104,11 @@ class Launcher(ABC):
     def log_path(self) -> Path | None: ...
     @abstractmethod
     def close(self) -> None: ...
+
+    def draining_on_its_own(self) -> str | None:
+        """Why an engine whose HTTP side is silent is still well: draining or stopping within its own deadline
+        (a SIGTERM from outside stops it accepting).  None: nothing says so, and silence may be a hang."""
+        return None
 
     def exit_summary(self) -> str | None:
         return self._last_exit
@@ -163,6 +171,7 @@ class EngineProcess:
         # The counters as the engine left them, kept when its files are removed: whoever notices the exit first
         # cleans up, and whoever retires it later must still read what it had in flight.
         self._final_counts: tuple[int, int] | None = None
+        self._stopping: tuple[str, float] | None = None  # (state, deadline) once it said it is stopping on its own
 
     @property
     def adopted(self) -> bool:
@@ -206,6 +215,26 @@ class EngineProcess:
             return str(self.request("state", timeout=1.0).get("state"))
         except (OSError, ValueError):
             return None
+
+    def stopping_within_deadline(self) -> str | None:
+        """ "draining" / "stopping" while the engine is stopping on its own and its deadline (plus the supervisor's
+        margin for a loaded host) has not passed; None when nothing says it is.
+
+        The deadline is remembered from the engine's last answer: it closes its control socket as it exits, and
+        the interpreter's teardown that follows (about 2 s with torch loaded, more on a busy host) is silent.
+        """
+        now = time.monotonic()
+        try:
+            reply = self.request("state", timeout=1.0)
+        except (OSError, ValueError):
+            reply = {}
+        state, left = reply.get("state"), reply.get("stop_left_s")
+        if state in ("draining", "stopping") and isinstance(left, (int, float)):
+            self._stopping = (str(state), now + float(left))
+        if self._stopping is None:
+            return None
+        state, deadline = self._stopping
+        return state if now < deadline + STOPPING_MARGIN_S else None
 
     def _counts(self) -> tuple[int, int] | None:
         return self._final_counts or InflightFile.read(self.inflight_path)
@@ -405,7 +434,7 @@ class ProcessLauncher(Launcher):
         # A drain that times out is followed by the engine answering what it still holds "restarting"; those
         # answers are requests lost at the drain timeout, as are those a SIGKILL takes (`killed`).
         late = "killed" if drain else "no_drain"
-        grace = timeout + STOP_NOW_GRACE_S + 2.0 if drain else STOP_NOW_GRACE_S
+        grace = timeout + STOP_NOW_GRACE_S + STOPPING_MARGIN_S if drain else STOP_NOW_GRACE_S
         if engine.wait(grace):
             aborted = engine.aborted() or aborted  # the engine's own count includes late arrivals
             # A request's count drops when its handler returns, so an engine that exits on its own leaves none in
@@ -467,6 +496,13 @@ class ProcessLauncher(Launcher):
 
     def pid(self) -> int | None:
         return self.engine.pid if self.engine is not None else None
+
+    def draining_on_its_own(self) -> str | None:
+        engine = self.engine
+        state = engine.stopping_within_deadline() if engine is not None and engine.alive() else None
+        if state is None:
+            return None
+        return f"{state} on its own (told by a signal, not by this supervisor): it stopped accepting"
 
     def alive(self) -> bool:
         if self.engine is None:

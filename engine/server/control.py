@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,6 +34,9 @@ class ControlSocket:
         self.path = Path(path)
         self.listen_sock = listen_sock
         self.state = "loading"
+        # When a drain (or stop) must be over, on time.monotonic(): a supervisor that finds the HTTP side silent
+        # reads it to tell an engine draining on its own (a SIGTERM from outside) from one that hangs.
+        self.stop_deadline: float | None = None
         self.handlers: dict[str, Handler] = {}  # filled in once the server exists
         self._in_flight: Callable[[], int] = lambda: 0
         self.path.unlink(missing_ok=True)
@@ -85,6 +89,8 @@ class ControlSocket:
             log.info("control_request", command=cmd, peer_pid=pid, peer_uid=uid, peer=_process_name(pid))
         if cmd == "state":
             reply = {"ok": True, "pid": os.getpid(), "state": self.state, "in_flight": self._in_flight()}
+            if self.stop_deadline is not None:
+                reply["stop_left_s"] = round(self.stop_deadline - time.monotonic(), 3)
         elif cmd == "listen_fd":
             socket.send_fds(conn, [b'{"ok": true}\n'], [self.listen_sock.fileno()])
             log.info("listening_socket_handed_over")

@@ -1,0 +1,55 @@
+"""How long the supervisor believes an engine that says it is stopping on its own (an operator's SIGTERM).
+
+The engine's real control socket answers here; the engine process around it is left out, so that the deadline can be
+moved in milliseconds.  tests/opsctl/test_supervisor_faults.py covers the same with real engines and a supervisor.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+from engine.server.control import ControlSocket
+from opsctl import launcher
+from opsctl.launcher import EngineProcess
+
+
+@pytest.fixture
+def channel(tmp_path):
+    listen = socket.socket()
+    cs = ControlSocket(tmp_path / "eng.sock", listen)
+    yield cs, EngineProcess(os.getpid(), tmp_path / "eng.sock", tmp_path / "eng.inflight", popen=None)
+    cs.close()
+    listen.close()
+
+
+def test_serving_or_loading_is_not_stopping(channel):
+    cs, engine = channel
+    for state in ("loading", "serving"):
+        cs.state = state
+        assert engine.stopping_within_deadline() is None
+
+
+def test_stopping_is_believed_until_its_deadline_and_margin_even_after_the_socket_is_gone(channel, monkeypatch):
+    monkeypatch.setattr(launcher, "STOPPING_MARGIN_S", 0.3)
+    cs, engine = channel
+    cs.state, cs.stop_deadline = "draining", time.monotonic() + 0.3
+    assert engine.stopping_within_deadline() == "draining"
+    cs.close()  # an exiting engine closes it before the interpreter's silent teardown
+    assert engine.stopping_within_deadline() == "draining"  # remembered
+    time.sleep(0.45)
+    assert engine.stopping_within_deadline() == "draining"  # past the deadline, within the margin
+    time.sleep(0.3)
+    assert engine.stopping_within_deadline() is None  # past both: a silent engine may be hung again
+
+
+def test_a_later_answer_moves_the_deadline(channel, monkeypatch):
+    monkeypatch.setattr(launcher, "STOPPING_MARGIN_S", 0.0)
+    cs, engine = channel
+    cs.state, cs.stop_deadline = "draining", time.monotonic() - 1.0
+    assert engine.stopping_within_deadline() is None  # it overran its own drain deadline
+    cs.state, cs.stop_deadline = "stopping", time.monotonic() + 5.0  # then a stop-now: a new deadline
+    assert engine.stopping_within_deadline() == "stopping"
