@@ -499,10 +499,12 @@ class DrainOnTermServer(uvicorn.Server):
             result = await self.async_engine.drain(timeout)
             self.exit_reason = "drained" if result.drained else "drain_timeout"
         if self._stopping == "drain":
-            if self.tracker.in_flight or self.async_engine.num_in_flight:
-                # The drain timed out with requests still running: answer them "restarting" (a retryable 503, or
-                # an error event mid-stream), counted where the supervisor reads them, rather than leave them to
-                # be cut without a word when the process exits.
+            if self.exit_reason == "drain_timeout":
+                # Requests still running are answered "restarting" (a retryable 503, or an error event mid-stream),
+                # counted where the supervisor reads them, rather than cut without a word when the process exits.
+                # With none running, kept-alive client connections may still be open: they too are closed only once
+                # idle, a request sent on one meanwhile answered "restarting".  uvicorn's own shutdown closes them at
+                # once, and resets a request its client sends at that moment (a CI run lost two requests so).
                 aborted = await self._answer_restarting()
                 log.warning("drain_timeout_answered", aborted=aborted, unanswered=self.tracker.in_flight)
             self.should_exit = True

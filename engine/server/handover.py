@@ -190,9 +190,9 @@ def is_probe_connection(conn: Any) -> bool:
 class HandoverDrain:
     """Close this engine's connections one by one as they fall idle; done when none is left.
 
-    Connections busy when it starts finish their response and close (keep-alive off); requests that
-    arrive on idle ones are served with `Connection: close`; a connection idle since the start for
-    IDLE_CLOSE_S is closed.
+    Connections whose response has not started when it starts close after it (`Connection: close`); streams
+    already under way end and fall idle; requests that arrive on idle ones are served with `Connection: close`;
+    a connection idle for IDLE_CLOSE_S is closed.
     """
 
     def __init__(self, connections: set[Any], tracker: HttpTracker) -> None:
@@ -203,8 +203,13 @@ class HandoverDrain:
         self.tracker.closing = True
         for conn in list(self.connections):
             cycle = getattr(conn, "cycle", None)
-            if cycle is not None and not is_idle(conn):
-                cycle.keep_alive = False  # close once this response is complete
+            if cycle is not None and not is_idle(conn) and not getattr(cycle, "response_started", True):
+                # Its response will say `Connection: close` (the tracker adds it), so its client will not reuse it.
+                cycle.keep_alive = False
+            # A response already under way (a stream) has sent its headers without `Connection: close`: closed the
+            # moment it ends, its client may send the next request into the closing socket and read a reset (CI
+            # lost two requests so).  Left open, it falls idle and is closed as below, or its next request is
+            # answered with `Connection: close`.
 
     async def wait(self, timeout: float, busy: Callable[[], bool]) -> bool:
         """True once no request (`busy()`) and no connection but probes' is left; False at the timeout."""
