@@ -1,0 +1,170 @@
+"""Where an engine server's start-up and exit go: seconds per phase, from a fresh process, as opsctl starts one.
+
+    python -m benchmarks.startup_phases [--repeats 3] [--teardown both|skip|interpreter] [--out benchmarks/results]
+
+Every engine start pays these phases: tests start hundreds (the suite's length follows them), and a restart's
+outage on a GPU is the old engine's exit plus the new one's start-up.  Each repeat runs `python -m engine.server`'s
+own `main()` in a fresh interpreter with timing hooks around its phases (importing torch, the server's modules,
+`inspect_model`: the checkpoint's config through transformers, `load_tokenizer`, then building the engine until the
+server listens), sends it SIGTERM once it serves, and times SIGTERM to the `stopped` log line (the drain, nothing in
+flight) and that line to the process's exit.  `--teardown interpreter` ends the child with `sys.exit` (the
+interpreter's module teardown, what the engine did before it exited without it); `skip` the way the engine does now
+(`engine.server.__main__.exit_without_teardown`); `both` alternates them.  The embedded default model, on the CPU.
+
+The JSON result goes to `<out>/startup-phases-<YYYY-MM-DD>.json` with the CPU model, the core count, the package
+versions and the command line; the last line printed is the same JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.cpu_pair_contention import cpu_model
+
+_CHILD = r"""
+import json, os, sys, time
+t0 = time.time()
+marks = {}
+import torch
+marks["import_torch"] = time.time() - t0
+import engine.server.__main__ as server_main
+import engine.model.loader as loader
+marks["import_engine_server"] = time.time() - t0 - marks["import_torch"]
+for name in ("inspect_model", "load_tokenizer"):
+    def timed(*a, _f=getattr(loader, name), _n=name, **k):
+        t = time.time()
+        try:
+            return _f(*a, **k)
+        finally:
+            marks[_n] = time.time() - t
+    setattr(loader, name, timed)
+startup = server_main.DrainOnTermServer.startup
+async def announce(self, sockets=None):
+    await startup(self, sockets)
+    marks["to_serving"] = time.time() - t0
+    print("STARTUP " + json.dumps(marks), flush=True)
+server_main.DrainOnTermServer.startup = announce
+code = server_main.main(["--port", sys.argv[1]])
+if sys.argv[2] == "skip":
+    server_main.exit_without_teardown(code)
+sys.exit(code)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def one_run(teardown: str) -> dict[str, Any]:
+    """Start, serve, SIGTERM, exit: the phases of one engine process, in seconds."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    started = time.time()
+    p = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(_free_port()), teardown],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    assert p.stdout is not None
+    row: dict[str, Any] = {"teardown": teardown}
+    try:
+        for line in p.stdout:
+            if line.startswith("STARTUP "):
+                row.update({k: round(v, 3) for k, v in json.loads(line[8:]).items()})
+                break
+        else:
+            raise RuntimeError(f"the engine exited before serving (exit code {p.wait()})")
+        row["spawn_to_serving"] = round(time.time() - started, 3)
+        row["build_engine_and_listen"] = round(
+            row["to_serving"]
+            - row["import_torch"]
+            - row["import_engine_server"]
+            - row["inspect_model"]
+            - row["load_tokenizer"],
+            3,
+        )
+        sent = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        stopped = None
+        for line in p.stdout:
+            if stopped is None and '"event": "stopped"' in line:
+                stopped = time.monotonic()
+        p.wait(60)
+        ended = time.monotonic()
+        if stopped is None:
+            raise RuntimeError("the engine exited without its `stopped` line")
+        row["sigterm_to_stopped"] = round(stopped - sent, 3)
+        row["stopped_to_exit"] = round(ended - stopped, 3)
+        row["exit_code"] = p.returncode
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return row
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": sys.version.split()[0]}
+    for pkg in ("torch", "transformers", "tokenizers", "uvicorn"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "absent"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--teardown", choices=("both", "skip", "interpreter"), default="both")
+    ap.add_argument("--out", default="benchmarks/results", help="directory for the JSON result ('' = print only)")
+    args = ap.parse_args(argv)
+    modes = ["skip", "interpreter"] if args.teardown == "both" else [args.teardown]
+    rows = [one_run(mode) for _ in range(args.repeats) for mode in modes]  # alternating, one machine
+    medians: dict[str, dict[str, float]] = {}
+    for mode in modes:
+        mine = [r for r in rows if r["teardown"] == mode]
+        keys = [k for k, v in mine[0].items() if isinstance(v, float)]
+        medians[mode] = {k: round(statistics.median(r[k] for r in mine), 3) for k in keys}
+    result = {
+        "benchmark": "startup_phases",
+        "date": _dt.date.today().isoformat(),
+        "command": "python -m benchmarks.startup_phases " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "versions": _versions(),
+        "model": "embedded default",
+        "medians": medians,
+        "rows": rows,
+    }
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"startup-phases-{result['date']}.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+    for mode, m in medians.items():
+        print(f"{mode:>11}: " + ", ".join(f"{k} {v:.2f} s" for k, v in m.items()), file=sys.stderr)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The start-up phases benchmark runs end to end: a real engine process per repeat, timed from spawn to serving and
+from SIGTERM to exit, with and without the interpreter's teardown."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.server.harness import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_one_repeat_of_each_exit_times_every_phase() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.startup_phases", "--repeats", "1", "--out", ""],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    print(r.stderr)
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = {row["teardown"]: row for row in result["rows"]}
+    assert set(rows) == {"skip", "interpreter"}
+    phases = ("import_torch", "import_engine_server", "inspect_model", "load_tokenizer", "build_engine_and_listen")
+    for row in rows.values():
+        assert row["exit_code"] == 0
+        assert all(row[k] >= 0 for k in phases) and row["to_serving"] >= sum(row[k] for k in phases) - 0.05
+        assert row["spawn_to_serving"] >= row["to_serving"]
+    # The engine leaves without the interpreter's teardown: its exit is the faster of the two.
+    assert rows["skip"]["stopped_to_exit"] < rows["interpreter"]["stopped_to_exit"]
