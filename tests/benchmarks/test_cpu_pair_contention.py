@@ -4,24 +4,16 @@ each timing its own decode (--quick: one thread each, 16 steps), and one alone."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.server.harness import REPO
+from tests.benchmarks import run_benchmark
 
 pytestmark = pytest.mark.slow
 
 
 def test_quick_run_times_two_engines_together_and_one_alone() -> None:
-    r = subprocess.run(
-        [sys.executable, "-m", "benchmarks.cpu_pair_contention", "--quick"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
+    r = run_benchmark("cpu_pair_contention", "--quick")
     assert r.returncode == 0, r.stderr[-2000:]
     print(r.stdout)
     result = json.loads(r.stdout.strip().splitlines()[-1])

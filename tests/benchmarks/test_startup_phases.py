@@ -4,24 +4,16 @@ from SIGTERM to exit, with and without the interpreter's teardown."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.server.harness import REPO
+from tests.benchmarks import run_benchmark
 
 pytestmark = pytest.mark.slow
 
 
 def test_one_repeat_of_each_exit_times_every_phase() -> None:
-    r = subprocess.run(
-        [sys.executable, "-m", "benchmarks.startup_phases", "--repeats", "1", "--out", ""],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-    )
+    r = run_benchmark("startup_phases", "--repeats", "1", "--out", "")
     assert r.returncode == 0, r.stderr[-2000:]
     print(r.stderr)
     result = json.loads(r.stdout.strip().splitlines()[-1])
