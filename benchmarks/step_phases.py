@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,14 @@ class PhaseRecorder:
             self.waits.append(time.perf_counter() - t)
             return out
 
+        # Triton kernel variants first met during the run (each is compiled, or loaded from the disk cache, inside
+        # a step): the step it happened in and the variant.
+        self.triton_variants: list[dict[str, Any]] = []
+        self._unhook = _hook_triton_variants(
+            lambda name, variant: self.triton_variants.append(
+                dict(step=len(self.steps), kernel=name, variant=variant[:400])
+            )
+        )
         sched.schedule, runner.launch, sched.update = timed_schedule, timed_launch, timed_update
         sampler_mod.DeviceSample.to_host = timed_to_host  # type: ignore[method-assign]
         self._restore = lambda: setattr(sampler_mod.DeviceSample, "to_host", to_host)
@@ -140,6 +149,7 @@ class PhaseRecorder:
 
     def close(self) -> None:
         self._restore()
+        self._unhook()
 
     def profile_text(self, top: int = 40) -> str:
         """The profiled mixed launches' functions by cumulative time, then by own time (cProfile)."""
@@ -172,6 +182,12 @@ class PhaseRecorder:
             agg["host_paced_fraction"] = round(sum(r["device_ms"] < 1.1 * r["launch_ms"] for r in rows) / len(rows), 3)
             kinds[kind] = agg
         device_ms = sum(s["device_ms"] for s in self.steps)
+        # every step with prompt tokens, in order: where a mean far above the median comes from
+        prompt_steps = [
+            [i, s["kind"], s["seqs"], s["tokens"], round(s["launch_ms"], 2), round(s["device_ms"], 2)]
+            for i, s in enumerate(self.steps)
+            if s["kind"] in ("mixed", "prefill")
+        ]
         return dict(
             wall_s=round(wall_s, 3),
             steps=len(self.steps),
@@ -184,7 +200,32 @@ class PhaseRecorder:
                 update=round(sum(self.updates), 3),
             ),
             by_kind=kinds,
+            triton_variants_met=self.triton_variants,
+            prompt_steps=dict(columns=["step", "kind", "seqs", "tokens", "launch_ms", "device_ms"], rows=prompt_steps),
         )
+
+
+def _hook_triton_variants(record: Callable[[str, str], None]) -> Callable[[], None]:
+    """Call `record(kernel, variant)` whenever a Triton kernel meets a specialisation it has not run in this
+    process (Triton's JIT cache hook: triton.knobs from 3.4, JITFunction.cache_hook before); returns the undo."""
+
+    def hook(*args: Any, **kw: Any) -> None:
+        fn = kw.get("fn")
+        record(getattr(fn, "name", "?"), str(kw.get("repr", "")))
+        return None  # a true value would tell Triton to skip the compilation
+
+    try:
+        from triton import knobs
+
+        previous = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = hook
+        return lambda: setattr(knobs.runtime, "jit_cache_hook", previous)
+    except (ImportError, AttributeError):
+        from triton.runtime.jit import JITFunction
+
+        previous = getattr(JITFunction, "cache_hook", None)
+        JITFunction.cache_hook = hook  # type: ignore[attr-defined]
+        return lambda: setattr(JITFunction, "cache_hook", previous)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,7 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     variant = "-no-dense" if args.no_dense else ""
     path = args.out / f"step-phases-{slug}-{args.workload}{variant}-{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "by_kind"}, indent=2))
+    long = ("by_kind", "prompt_steps", "triton_variants_met", "mixed_launch_torch_profile")
+    print(json.dumps({k: v for k, v in result.items() if k not in long}, indent=2))
+    for v in result.get("triton_variants_met", []):
+        print(f"triton variant met in step {v['step']}: {v['kernel']}")
     for kind, agg in result["by_kind"].items():
         print(kind, {k: (v["median"], v["total"]) if isinstance(v, dict) else v for k, v in agg.items()})
     print("\n".join(result.get("mixed_launch_profile", [])))

@@ -43,6 +43,7 @@ from engine.memory.budget import KVPlan
 from engine.model.loader import ModelInfo
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.model_runner import ModelRunner
+from engine.runner.piecewise import PiecewiseForward
 from engine.runner.sampler import DeviceSample
 from engine.runner.startup import StartedRunner, start_runner
 
@@ -120,6 +121,10 @@ class TensorParallelRunner:
     @property
     def graphs(self) -> DecodeGraphs | None:
         return self.local.graphs
+
+    @property
+    def pieces(self) -> PiecewiseForward | None:
+        return self.local.pieces
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:

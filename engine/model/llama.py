@@ -89,9 +89,8 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, s.head_dim, s.head_dim**-0.5)
         self._split = (q.size, kv.size, kv.size)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def project_qkv(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, Hq, D]``, k and v ``[T, Hk, D]``, rotated: everything before the attention itself."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self._split, dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -100,8 +99,16 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return q, k, v
+
+    def project_out(self, o: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.project_qkv(positions, x)
+        return self.project_out(self.attn(q, k, v, kv_cache, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -133,9 +140,17 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the residual add is fused into
         the next norm, so each layer hands both on."""
+        q, k, v, residual = self.before_attention(positions, x, residual)
+        return self.after_attention(self.self_attn.attn(q, k, v, kv_cache, meta), residual)
+
+    def before_attention(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm.add_norm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
-        x, residual = self.post_attention_layernorm.add_norm(x, residual)
+        return (*self.self_attn.project_qkv(positions, x), residual)
+
+    def after_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.post_attention_layernorm.add_norm(self.self_attn.project_out(o), residual)
         return self.mlp(x), residual
 
 
@@ -192,6 +207,27 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, cache in zip(self.model.layers, kv_caches):
             x, residual = layer(positions, x, residual, cache, meta)
+        return self.model.norm.add_norm(x, residual)[0]
+
+    # The forward in pieces, split at each attention (engine/runner/piecewise.py captures what lies between
+    # two attentions as one CUDA graph per token count; `forward` above is the same sequence in one call).
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def before_attention(
+        self, layer: int, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v, residual) of layer `layer`, from the previous layer's output and residual (None: the first)."""
+        return self.model.layers[layer].before_attention(positions, x, residual)
+
+    def attention(self, layer: int) -> PagedAttention:
+        return self.model.layers[layer].self_attn.attn
+
+    def after_attention(self, layer: int, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layer output, residual) from the attention's output ``[T, Hq, D]``."""
+        return self.model.layers[layer].after_attention(o, residual)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.model.norm.add_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

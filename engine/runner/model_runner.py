@@ -29,6 +29,7 @@ from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.model.layers.linear import VocabEmbedding
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from engine.runner.logits_adjust import SequenceRows
+from engine.runner.piecewise import PieceGraphs, PiecewiseForward, supports_pieces
 from engine.runner.sampler import (
     DevicePromptLogprobs,
     DeviceSample,
@@ -52,6 +53,8 @@ class StepInputs:
     sampled: list[str]  # the sequences those rows belong to, in the plan's order
     sampled_out: list[int]  # how many output tokens each of them has before this step's sample
     graph_size: int | None = None  # a decode step padded to this captured batch size
+    piece_rows: int | None = None  # a step with prompt tokens padded to this bucket of the piecewise graphs
+    num_tokens: int = 0  # the step's real input rows (the padding follows them)
     # Input rows whose token is still on the device (async scheduling), and the row of the previous
     # step's samples that holds each.
     pending_rows: list[int] | None = None
@@ -165,6 +168,9 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.graphs: DecodeGraphs | None = None
         self.static: StaticInputs | None = None
+        # Steps with prompt tokens, up to a bucket's token count: the model's forward in pieces over fixed
+        # buffers (engine/runner/piecewise.py), graphs on CUDA; None: such steps run the plain forward.
+        self.pieces: PiecewiseForward | None = None
         self._seqs: dict[str, _SeqState] = {}
         self.rows = SequenceRows(vocab_size(model), device, max_num_seqs)  # penalties, logit_bias
         # The row counts an eager step's LM head is given on CUDA (see lm_head_rows); empty elsewhere.
@@ -184,6 +190,7 @@ class ModelRunner:
 
         self.graphs = None
         self.static = None
+        self.pieces = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -292,6 +299,22 @@ class ModelRunner:
         self.graphs = graphs
         return time.monotonic() - started
 
+    def capture_piece_graphs(self, max_tokens: int, only_largest: bool = False) -> float:
+        """Capture the piecewise graphs of steps with prompt tokens (engine/runner/piecewise.py) up to
+        `max_tokens` tokens, in the decode graphs' pool when there is one; returns the seconds it took (0: the
+        model offers no split)."""
+        assert self.device.type == "cuda"
+        if not supports_pieces(self.model):
+            return 0.0
+        pieces = PieceGraphs(self.model, self.kv_caches, max_tokens, self.model_dtype, self.device)
+        seconds = pieces.capture(self.graphs.pool if self.graphs is not None else None, only_largest)
+        self.pieces = pieces
+        return seconds
+
+    def use_pieces_eagerly(self, max_tokens: int) -> None:
+        """Run steps with prompt tokens through the pieces without graphs (the CPU tests of the split)."""
+        self.pieces = PiecewiseForward(self.model, self.kv_caches, max_tokens, self.model_dtype, self.device)
+
     # -- a step ----------------------------------------------------------------------------------
 
     def prepare(self, plan: StepPlan) -> StepInputs:
@@ -391,22 +414,35 @@ class ModelRunner:
         lens_a = np.asarray(seq_lens, dtype=np.int32)
         width = max(len(t) for t in block_tables)
         n = len(seqs)
+        num_tokens = len(ids_a)
         st = None
+        # Where the ids, positions and slots go: the fixed buffers a graph reads, or new tensors (None).
+        into: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] = (None, None, None)
+        piece_rows = None
         if graph_size is not None:
             st = self.static
             assert st is not None
             pad = graph_size - n  # padding rows: no context, no KV write, output unused
-            ids_a = np.concatenate([ids_a, np.zeros(pad, np.int64)])
-            pos_a = np.concatenate([pos_a, np.zeros(pad, np.int64)])
-            slot_a = np.concatenate([slot_a, np.full(pad, -1, np.int64)])
             lens_a = np.concatenate([lens_a, np.zeros(pad, np.int32)])
             width = st.block_tables.shape[1]
             n = graph_size
+            into = (st.input_ids, st.positions, st.slot_mapping)
+        elif self.pieces is not None:
+            piece_rows = self.pieces.bucket_for(num_tokens)
+            if piece_rows is not None:
+                pad = piece_rows - num_tokens  # padding rows: no KV write; the attention skips them
+                buf = self.pieces.buf
+                into = (buf.input_ids, buf.positions, buf.slot_mapping)
+        if into[0] is not None:
+            ids_a = np.concatenate([ids_a, np.zeros(pad, np.int64)])
+            pos_a = np.concatenate([pos_a, np.zeros(pad, np.int64)])
+            slot_a = np.concatenate([slot_a, np.full(pad, -1, np.int64)])
         tables = np.zeros((n, width), dtype=np.int32)
         for i, t in enumerate(block_tables):
             tables[i, : len(t)] = t
+        ids_into, pos_into, slots_into = into
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slot_a, st and st.slot_mapping),
+            slot_mapping=self._to_device(slot_a, slots_into),
             query_start_loc=self._to_device(qsl_a, None) if st is None else st.query_start_loc[: n + 1],
             seq_lens=self._to_device(lens_a, st and st.seq_lens),
             block_tables=self._to_device(tables, st and st.block_tables),
@@ -419,13 +455,15 @@ class ModelRunner:
         if graph_size is None and rows:
             head_rows = rows + rows[-1:] * (self.lm_head_rows(len(rows)) - len(rows))
         return StepInputs(
-            input_ids=self._to_device(ids_a, st and st.input_ids),
-            positions=self._to_device(pos_a, st and st.positions),
+            input_ids=self._to_device(ids_a, ids_into),
+            positions=self._to_device(pos_a, pos_into),
             meta=meta,
             logits_rows=self._to_device(np.asarray(head_rows, dtype=np.int64)),
             sampled=sampled,
             sampled_out=sampled_out,
             graph_size=graph_size,
+            piece_rows=piece_rows,
+            num_tokens=num_tokens,
             pending_rows=pending_rows or None,
             pending_sources=pending_sources or None,
             prompt_logprobs=jobs or None,
@@ -459,6 +497,9 @@ class ModelRunner:
         if inputs.graph_size is not None:
             assert self.graphs is not None
             all_logits = self.graphs.replay(inputs.graph_size)
+        elif inputs.piece_rows is not None:
+            assert self.pieces is not None
+            hidden = self.pieces.forward(inputs.piece_rows, inputs.num_tokens, inputs.meta)
         else:
             hidden = self.forward_hidden(inputs)
         # Every rank scores the prompt (the logits' all-gather is a collective), only rank 0 reads it.

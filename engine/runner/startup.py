@@ -32,6 +32,7 @@ from engine.model.loader import ModelInfo, load_model
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.kv_scales import calibrate_kv_scales, kv_cache_dtype
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
+from engine.runner.piecewise import PiecewiseForward
 from engine.runner.sampler import DeviceSample, sample_on_device
 
 log = structlog.get_logger("pagekeeper.engine")
@@ -42,6 +43,9 @@ class StepRunner(Protocol):
 
     @property
     def graphs(self) -> DecodeGraphs | None: ...
+
+    @property
+    def pieces(self) -> PiecewiseForward | None: ...
 
     def launch(self, plan: StepPlan, previous: DeviceSample | None = None) -> DeviceSample | None: ...
 
@@ -126,13 +130,63 @@ def start_runner(
     capture_seconds = 0.0
     if device.type == "cuda" and not config.enforce_eager:
         capture_seconds = runner.capture_decode_graphs(config.max_num_seqs)
+        assert config.max_num_batched_tokens is not None
+        capture_seconds += runner.capture_piece_graphs(config.max_num_batched_tokens)
     if device.type == "cuda":
         started = time.monotonic()
         shapes = runner.warm_dense_prefill(config.max_num_batched_tokens)
         if shapes:
             log.info("dense_prefill_planned", shapes=shapes, seconds=round(time.monotonic() - started, 3))
         runner.warm_lm_head()
+        started = time.monotonic()
+        steps = warm_mixed_steps(runner, config)
+        log.info("mixed_steps_warmed", steps=steps, seconds=round(time.monotonic() - started, 3))
     return StartedRunner(runner, model, kv_plan, preemption_mode, num_cpu_blocks, capture_seconds)
+
+
+def warm_mixed_steps(runner: ModelRunner, config: EngineConfig) -> int:
+    """Run the shapes of mixed steps (decodes batched with chunks that extend a cached context) once, now.
+
+    Neither the profiled step (fresh prompts only) nor the decode graphs launch the attention kernels as a mixed
+    step does, and the first launch of a kernel variant compiles it: on an H100 with an empty Triton cache the
+    first mixed steps of a long-tailed run stalled 1.1 s (decode kernel, step 2) and 1.4 s (prefill kernel's
+    small-grid tiles, step 15), and a few hundred ms with a warm one (benchmarks/step_phases.py records the
+    variants met during a run).  Two steps cover them: few decodes (split contexts) with one short chunk (the
+    small grid), and many decodes (no split) with chunks whose 128-row tiles fill the GPU; each runs through
+    the path real steps take (piecewise graphs or eager).  The KV they write lands in blocks no request holds
+    yet, and is overwritten before any request reads it.  Returns the number of steps run."""
+    assert config.max_num_batched_tokens is not None and config.max_model_len is not None
+    bs, budget, longest = config.block_size, config.max_num_batched_tokens, config.max_model_len
+    # (decodes, their context, chunks, the chunks' context): a long decode context splits (few decodes), a batch
+    # of decodes that fills the GPU does not; 3 x 300 rows of 128-row tiles fill it, one 40-row chunk does not
+    many, chunk_context = min(config.max_num_seqs - 3, 96), min(4 * bs, longest // 4)
+    chunk = min(300, longest - chunk_context, (budget - many) // 3)  # as long as the limits allow, up to 300
+    shapes = [
+        (2, min(1024, longest - 1), [min(40, budget // 4)], chunk_context),
+        (many, chunk_context, [chunk] * 3, chunk_context),
+    ]
+    steps = 0
+    greedy = SamplingSpec(temperature=0.0)
+    for num_decodes, decode_context, chunks, chunk_context in shapes:
+        chunks = [c for c in chunks if 0 < c and chunk_context + c <= longest]
+        lengths = [(decode_context, 1)] * num_decodes + [(chunk_context, c) for c in chunks]
+        need = sum(-(-(start + n) // bs) for start, n in lengths)
+        if num_decodes < 1 or not chunks or num_decodes + sum(chunks) > budget or need > runner.num_blocks:
+            continue
+        plan = StepPlan(num_batched_tokens=num_decodes + sum(chunks))
+        next_block = 0
+        for i, (start, n) in enumerate(lengths):
+            blocks = -(-(start + n) // bs)
+            sid = f"warm-{steps}-{i}"
+            plan.new_seqs.append(NewSeq(sid, greedy))
+            table = list(range(next_block, next_block + blocks))
+            ids = [(7 * j + i) % 97 for j in range(n)]
+            plan.seqs.append(SeqStep(sid, start, n, ids, table_blocks=table, sample_ids=[sid]))
+            next_block += blocks
+        runner.execute(plan)
+        runner.update_state(StepPlan(finished=[s.seq_id for s in plan.seqs]))
+        steps += 1
+    return steps
 
 
 def prepare_cpu_kernels() -> None:
@@ -217,10 +271,18 @@ def sample_worst_case(runner: ModelRunner, num_seqs: int, vocab: int, dtype: tor
     sample_on_device(logits, batch, runner.generator).to_host()
 
 
+def _capture_largest_graphs(runner: ModelRunner, max_num_seqs: int, max_tokens: int) -> None:
+    runner.capture_decode_graphs(max_num_seqs, only_largest=True)
+    runner.capture_piece_graphs(max_tokens, only_largest=True)
+
+
 def graph_pool_bytes(config: EngineConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> int:
-    """Memory the decode graphs keep: the largest one captured once over a throwaway cache of one
-    sequence (the pool's size does not depend on the cache's; the others reuse its blocks)."""
-    assert config.max_model_len is not None
+    """Memory the graphs keep: the largest decode graph and the largest bucket of the piecewise graphs
+    (engine/runner/piecewise.py) captured once in their shared pool over a throwaway cache of one sequence
+    (the pool's size does not depend on the cache's; the other graphs reuse its blocks), with the piecewise
+    graphs' fixed buffers."""
+    assert config.max_model_len is not None and config.max_num_batched_tokens is not None
+    max_tokens = config.max_num_batched_tokens
     blocks = -(-config.max_model_len // config.block_size)
     runner = ModelRunner(
         model,
@@ -232,7 +294,7 @@ def graph_pool_bytes(config: EngineConfig, model_info: ModelInfo, model: nn.Modu
         max_model_len=config.max_model_len,
         kv_dtype=kv_cache_dtype(config, model_info.dtype),
     )
-    used = profile_graph_memory(device, partial(runner.capture_decode_graphs, config.max_num_seqs, only_largest=True))
+    used = profile_graph_memory(device, partial(_capture_largest_graphs, runner, config.max_num_seqs, max_tokens))
     del runner
     torch.cuda.empty_cache()
     return used

@@ -47,6 +47,7 @@ def _set_backend(llm: LLM, backend) -> None:
         if isinstance(m, PagedAttention):
             m.backend = backend
     llm.llm_engine.core.runner.graphs = None  # captured graphs hold the Triton kernels: run eagerly
+    llm.llm_engine.core.runner.pieces = None
 
 
 @pytest.fixture(scope="module")

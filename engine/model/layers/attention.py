@@ -66,15 +66,41 @@ class PagedAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        self.write(k, v, kv_cache, meta.slot_mapping)
+        return self.attend(q, k, v, kv_cache, meta)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store this step's K/V in their slots (slot -1: a padding row, not stored).  Apart from `attend`
+        because a piecewise CUDA graph captures the write (its tensors keep their addresses) but not the
+        attention (its launch depends on the step's sequences)."""
         backend = self.backend
         assert backend is not None, "the model runner sets the attention backend before the first step"
         if self.kv_amax is not None:
             seen = torch.stack([k.abs().amax(dim=(0, 2)), v.abs().amax(dim=(0, 2))]).float()
             self.kv_amax = torch.maximum(self.kv_amax, seen)
-        kv_scale = self.kv_scale if kv_cache.dtype == torch.float8_e4m3fn else None
-        backend.write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
+        backend.write_kv(k, v, kv_cache, slot_mapping, self._kv_scale(kv_cache))
+
+    def _kv_scale(self, kv_cache: torch.Tensor) -> torch.Tensor | None:
+        return self.kv_scale if kv_cache.dtype == torch.float8_e4m3fn else None
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of `q` over the cache (`write` has stored this step's K/V); `out`: where to write it,
+        which the result may or may not be (a step of fresh chunks only may return the dense kernel's own)."""
+        backend = self.backend
+        assert backend is not None, "the model runner sets the attention backend before the first step"
+        kv_scale = self._kv_scale(kv_cache)
         # fresh chunks (listed last) attend over this step's own K/V on the backend's dense kernel
-        fresh = {} if meta.dense is None else {"dense": meta.dense, "fresh_kv": (k, v)}
+        extra: dict[str, object] = {} if meta.dense is None else {"dense": meta.dense, "fresh_kv": (k, v)}
+        if out is not None:
+            extra["out"] = out
         return backend.paged_attention(
             q,
             kv_cache,
@@ -86,5 +112,5 @@ class PagedAttention(nn.Module):
             meta.max_seq_len,
             num_decodes=meta.num_decodes,
             kv_scale=kv_scale,
-            **fresh,
+            **extra,
         )
