@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 from benchmarks.memory import LLAMA3_8B, model_dir
-from benchmarks.throughput import RESULTS, long_tailed_workload, params_for, prompts_for
+from benchmarks.step_roofline import ModelCost, StepShape, layer_sequential_seconds, step_work
+from benchmarks.throughput import RESULTS, copy_bandwidth, long_tailed_workload, matmul_rate, params_for, prompts_for
 from engine import LLM
 from engine.runner import sampler as sampler_mod
 
@@ -89,6 +90,9 @@ class PhaseRecorder:
             host = time.perf_counter() - t
             self.steps.append(
                 dict(
+                    shape=StepShape(
+                        tuple((s.start, s.num_tokens) for s in plan.seqs), sum(len(s.sample_ids) for s in plan.seqs)
+                    ),
                     kind=_kind(plan) if plan.seqs else "empty",
                     seqs=len(plan.seqs),
                     tokens=sum(s.num_tokens for s in plan.seqs),
@@ -161,17 +165,23 @@ class PhaseRecorder:
         stats.sort_stats("tottime").print_stats(top)
         return buf.getvalue()
 
-    def summary(self, wall_s: float) -> dict[str, Any]:
+    def summary(self, wall_s: float, ceilings: tuple[ModelCost, float, float]) -> dict[str, Any]:
+        """`ceilings`: the model's costs, the matmul FLOP/s and the copy bytes/s that bound each step
+        (benchmarks/step_roofline.py), so each kind of step says how close to its bound it ran."""
         torch.cuda.synchronize()
+        cost, matmul, copy = ceilings
         by_kind: dict[str, list[dict]] = defaultdict(list)
         for s in self.steps:
             start, end = s.pop("events")
             s["device_ms"] = start.elapsed_time(end)
+            work = step_work(s.pop("shape"), cost)
+            s["bound_ms"] = 1e3 * max(work["bytes"] / copy, work["flops"] / matmul)
+            s["sequential_ms"] = 1e3 * layer_sequential_seconds(work, cost, matmul, copy)
             by_kind[s["kind"]].append(s)
         kinds = {}
         for kind, rows in sorted(by_kind.items()):
             agg: dict[str, Any] = dict(steps=len(rows))
-            for key in ("seqs", "tokens", "schedule_ms", "launch_ms", "device_ms"):
+            for key in ("seqs", "tokens", "schedule_ms", "launch_ms", "device_ms", "bound_ms", "sequential_ms"):
                 vals = [r[key] for r in rows]
                 agg[key] = dict(
                     median=round(statistics.median(vals), 3),
@@ -180,11 +190,24 @@ class PhaseRecorder:
                 )
             # a step whose device span is within 10 % of its launch's host time was paced by the host
             agg["host_paced_fraction"] = round(sum(r["device_ms"] < 1.1 * r["launch_ms"] for r in rows) / len(rows), 3)
+            # the kind's steps at their schedule-aware bound over their device spans: where the time is lost
+            spent = max(1e-9, sum(r["device_ms"] for r in rows))
+            agg["bound_fraction"] = round(sum(r["bound_ms"] for r in rows) / spent, 4)
+            agg["layer_sequential_fraction"] = round(sum(r["sequential_ms"] for r in rows) / spent, 4)
             kinds[kind] = agg
         device_ms = sum(s["device_ms"] for s in self.steps)
         # every step with prompt tokens, in order: where a mean far above the median comes from
         prompt_steps = [
-            [i, s["kind"], s["seqs"], s["tokens"], round(s["launch_ms"], 2), round(s["device_ms"], 2)]
+            [
+                i,
+                s["kind"],
+                s["seqs"],
+                s["tokens"],
+                round(s["launch_ms"], 2),
+                round(s["device_ms"], 2),
+                round(s["bound_ms"], 2),
+                round(s["sequential_ms"], 2),
+            ]
             for i, s in enumerate(self.steps)
             if s["kind"] in ("mixed", "prefill")
         ]
@@ -201,7 +224,10 @@ class PhaseRecorder:
             ),
             by_kind=kinds,
             triton_variants_met=self.triton_variants,
-            prompt_steps=dict(columns=["step", "kind", "seqs", "tokens", "launch_ms", "device_ms"], rows=prompt_steps),
+            prompt_steps=dict(
+                columns=["step", "kind", "seqs", "tokens", "launch_ms", "device_ms", "bound_ms", "sequential_ms"],
+                rows=prompt_steps,
+            ),
         )
 
 
@@ -281,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     free, total = torch.cuda.mem_get_info()
     allocator.update(reserved_bytes=torch.cuda.memory_reserved(), device_free_bytes=free, device_total_bytes=total)
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    copy = copy_bandwidth(torch.device("cuda"), 2 << 30)
+    matmul = matmul_rate(torch.device("cuda"), 8192, torch.bfloat16)
     name = torch.cuda.get_device_name()
     result = dict(
         gpu=name,
@@ -293,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
         dense_prefill=llm.llm_engine.core.runner.dense_lengths is not None,
         alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         allocator=allocator,
-        **recorder.summary(wall),
+        copy_TBps=round(copy / 1e12, 3),
+        matmul_TFLOPs=round(matmul / 1e12, 1),
+        **recorder.summary(wall, (ModelCost.from_config(LLAMA3_8B, 2), matmul, copy)),
     )
     if args.profile_mixed:
         result["mixed_launch_profile"] = recorder.profile_text().splitlines()

@@ -74,11 +74,13 @@ class StepShape:
 def step_work(step: StepShape, cost: ModelCost) -> dict[str, float]:
     """FLOPs and bytes of one step, split into its prefill part (sequences computing more than one
     token) and its decode part (one token each)."""
-    prefill_flops = decode_flops = 0.0
+    prefill_flops = decode_flops = attention_flops = 0.0
     decode_kv = kv = 0.0
     has_decode = False
     for start, n in step.seqs:
-        flops = 2 * cost.linear_params * n + cost.attention_flops(start, n)
+        attention = cost.attention_flops(start, n)
+        attention_flops += attention
+        flops = 2 * cost.linear_params * n + attention
         touched = (start + n) * cost.kv_bytes_per_token  # the context read, the new tokens written
         kv += touched
         if n == 1:
@@ -91,20 +93,38 @@ def step_work(step: StepShape, cost: ModelCost) -> dict[str, float]:
     return {
         "flops": prefill_flops + decode_flops + head,
         "bytes": cost.weight_bytes + kv,
+        "attention_flops": attention_flops,
+        "kv_bytes": kv,
         "prefill_flops": prefill_flops + (0.0 if has_decode else head),
         "decode_bytes": (cost.weight_bytes + decode_kv) if has_decode else 0.0,
     }
 
 
+def layer_sequential_seconds(
+    work: dict[str, float], cost: ModelCost, matmul_flops: float, copy_bytes_per_s: float
+) -> float:
+    """A step's time when its projections and its attention each run at their own ceiling, one after the other,
+    as every layer does (the attention needs the projections' q/k/v, the next projection its output): the
+    projections at max(weight bytes, their FLOPs), the attention at max(KV bytes, its FLOPs).  The schedule-aware
+    bound takes the max over the whole step instead, as if the KV reads of the decodes could hide under the
+    projections' FLOPs; in a step where both are large (many decodes batched with a prompt chunk) the two differ
+    by up to 2x, so this one says how far the kernels are from their own limits."""
+    linear_flops = work["flops"] - work["attention_flops"]
+    projections = max(cost.weight_bytes / copy_bytes_per_s, linear_flops / matmul_flops)
+    attention = max(work["kv_bytes"] / copy_bytes_per_s, work["attention_flops"] / matmul_flops)
+    return projections + attention
+
+
 def bounds(steps: list[StepShape], cost: ModelCost, matmul_flops: float, copy_bytes_per_s: float) -> dict[str, Any]:
     """Seconds this exact schedule needs at the device's ceilings: per step max(bytes, FLOPs) time
     (schedule-aware), and prefill FLOPs + decode bytes over the whole run (additive)."""
-    aware = additive_prefill = additive_decode = 0.0
+    aware = additive_prefill = additive_decode = sequential = 0.0
     compute_bound = 0
     for step in steps:
         w = step_work(step, cost)
         t_bytes, t_flops = w["bytes"] / copy_bytes_per_s, w["flops"] / matmul_flops
         aware += max(t_bytes, t_flops)
+        sequential += layer_sequential_seconds(w, cost, matmul_flops, copy_bytes_per_s)
         compute_bound += t_flops > t_bytes
         additive_prefill += w["prefill_flops"] / matmul_flops
         additive_decode += w["decode_bytes"] / copy_bytes_per_s
@@ -116,6 +136,7 @@ def bounds(steps: list[StepShape], cost: ModelCost, matmul_flops: float, copy_by
         "additive_s": additive_prefill + additive_decode,
         "additive_prefill_s": additive_prefill,
         "additive_decode_s": additive_decode,
+        "layer_sequential_s": sequential,
     }
 
 

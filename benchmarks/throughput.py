@@ -563,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     result["step_bounds"] = {k: (round(v, 4) if k.endswith("_s") else v) for k, v in b.items()}
     result["schedule_aware_fraction"] = round(b["schedule_aware_s"] / elapsed, 4)
     result["additive_fraction"] = round(b["additive_s"] / elapsed, 4)
+    result["layer_sequential_fraction"] = round(b["layer_sequential_s"] / elapsed, 4)
     save()
     if args.structured_fraction:
         result["structured"] = structured_run(llm, work, args.structured_fraction, total_tokens / elapsed)
@@ -665,6 +666,7 @@ def _print_table(r: dict[str, Any]) -> None:
             "roofline_fraction",
             "schedule_aware_fraction",
             "additive_fraction",
+            "layer_sequential_fraction",
             "pagekeeper_on_hf_requests_tok_s",
             "speedup_vs_best_hf_static",
             "cold_start_s",

@@ -49,6 +49,25 @@ def test_a_decode_step_is_bandwidth_bound_and_a_long_prefill_is_compute_bound():
     assert m["schedule_aware_s"] <= m["additive_s"]
 
 
+def test_the_layer_sequential_bound_pays_projections_and_attention_one_after_the_other():
+    """Many decodes with a prompt chunk: the projections are compute-bound, the decodes' KV reads bandwidth-bound.
+    The schedule-aware bound takes the larger of the two for the whole step; the layer-sequential bound adds them,
+    as a layer runs them, so it lies between that max and the sum, and equals the aware bound on a pure decode."""
+    c = ModelCost.from_config(CFG, dtype_bytes=2)
+    mixed = StepShape(tuple([(3000, 1)] * 200 + [(0, 2000)]), samples=201)
+    w = step_work(mixed, c)
+    assert w["kv_bytes"] == sum(s + n for s, n in mixed.seqs) * c.kv_bytes_per_token
+    matmul, copy = 100e12, 1e12
+    b = bounds([mixed], c, matmul, copy)
+    projections = max(c.weight_bytes / copy, (w["flops"] - w["attention_flops"]) / matmul)
+    attention = max(w["kv_bytes"] / copy, w["attention_flops"] / matmul)
+    assert b["layer_sequential_s"] == pytest.approx(projections + attention)
+    assert b["schedule_aware_s"] < b["layer_sequential_s"] <= 2 * b["schedule_aware_s"]
+    decode = StepShape(((10, 1), (20, 1)), samples=2)
+    d = bounds([decode], c, matmul, copy)
+    assert d["layer_sequential_s"] == pytest.approx(d["schedule_aware_s"])
+
+
 def test_the_recorded_steps_are_the_work_the_engine_did():
     llm = LLM(block_size=8, max_num_batched_tokens=64, max_num_seqs=8)
     try:
