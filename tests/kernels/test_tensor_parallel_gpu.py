@@ -34,8 +34,8 @@ def _run(path, tp: int, eager: bool, prompts, params, sampled) -> tuple[list, li
         enforce_eager=eager,
         gpu_memory_utilization=0.3,
     )
-    if not eager:
-        assert llm.llm_engine.core.runner.graphs is not None
+    if not eager:  # decode graphs, and the piecewise graphs of steps with prompt tokens (all-reduces inside)
+        assert llm.llm_engine.core.runner.graphs is not None and llm.llm_engine.core.runner.pieces is not None
     assert len(llm.llm_engine.core.memory_plans) == tp
     g = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     s = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sampled)]
