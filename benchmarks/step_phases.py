@@ -174,9 +174,11 @@ class PhaseRecorder:
         for s in self.steps:
             start, end = s.pop("events")
             s["device_ms"] = start.elapsed_time(end)
-            work = step_work(s.pop("shape"), cost)
-            s["bound_ms"] = 1e3 * max(work["bytes"] / copy, work["flops"] / matmul)
-            s["sequential_ms"] = 1e3 * layer_sequential_seconds(work, cost, matmul, copy)
+            shape = s.pop("shape")
+            work = step_work(shape, cost)
+            # a step with no sequence (block moves only) runs no forward: nothing to bound
+            s["bound_ms"] = 1e3 * max(work["bytes"] / copy, work["flops"] / matmul) if shape.seqs else 0.0
+            s["sequential_ms"] = 1e3 * layer_sequential_seconds(work, cost, matmul, copy) if shape.seqs else 0.0
             by_kind[s["kind"]].append(s)
         kinds = {}
         for kind, rows in sorted(by_kind.items()):
