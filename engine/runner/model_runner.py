@@ -8,7 +8,8 @@ travel host -> device from pinned memory without blocking (a plain `torch.tensor
 would wait for every queued kernel), and `launch` returns the samples still on the device.  That is
 what lets the engine core queue step k+1 while the GPU computes step k (async scheduling): the
 tokens step k+1 takes from step k are copied into its inputs on the device, never via the host.
-Decode-only steps replay a CUDA graph (engine/runner/cuda_graphs.py) unless `enforce_eager`.
+Decode-only steps replay a CUDA graph (engine/runner/cuda_graphs.py) and steps with prompt tokens the piecewise
+graphs (engine/runner/piecewise.py), unless `enforce_eager`.
 """
 
 from __future__ import annotations
