@@ -23,7 +23,6 @@ from engine.logs import configure_logging
 from engine.memory.budget import KVPlan, ranks_table
 from engine.metrics import EngineSnapshot, GapHistogram
 from engine.model.loader import ModelInfo, check_tensor_parallel, inspect_model, load_tokenizer
-from engine.runner.piecewise import PieceGraphs
 from engine.runner.sampler import DeviceSample
 from engine.runner.startup import StepRunner
 
@@ -103,7 +102,7 @@ class EngineCore:
             prefix_caching=config.enable_prefix_caching,
             cuda_graphs=self.runner.graphs.sizes if self.runner.graphs else None,
             # token counts of the piecewise graphs that steps with prompt tokens replay (engine/runner/piecewise.py)
-            piece_graphs=self.runner.pieces.buckets if isinstance(self.runner.pieces, PieceGraphs) else None,
+            piece_graphs=self.runner.pieces.buckets if self.runner.pieces is not None else None,
             graph_capture_seconds=round(self.graph_capture_seconds, 3),
             pipeline_depth=self.pipeline_depth,
             load_seconds=round(time.monotonic() - started, 3),

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from engine.model.layers.attention import AttentionMetadata
+from engine.runner.cuda_graphs import padded_size
 
 # Token counts above this run eagerly: a step of 1,024 tokens keeps an 8B model's GPU busy ~20 ms, several
 # times its eager launch cost, so a graph would save little there and its padding would cost compute.
@@ -93,10 +94,7 @@ class PiecewiseForward:
 
     def bucket_for(self, num_tokens: int) -> int | None:
         """The smallest bucket that holds `num_tokens`, or None (more than the largest: run eagerly)."""
-        for size in self.buckets:
-            if size >= num_tokens:
-                return size
-        return None
+        return padded_size(num_tokens, self.buckets) if num_tokens <= self.max_tokens else None
 
     def piece(self, index: int, rows: int) -> None:
         """Piece `index` (0..num_layers) over the first `rows` rows of the buffers."""
@@ -141,16 +139,7 @@ class PiecewiseForward:
 class PieceGraphs(PiecewiseForward):
     """One CUDA graph per piece and bucket, all in one memory pool (the decode graphs' when given)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        kv_caches: list[torch.Tensor],
-        max_tokens: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        super().__init__(model, kv_caches, max_tokens, dtype, device)
-        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+    graphs: dict[int, list[torch.cuda.CUDAGraph]]  # by bucket, one per piece: set by `capture`
 
     def capture(self, pool: object | None = None, only_largest: bool = False) -> float:
         """Capture every bucket's pieces, largest first (start-up profiling: only the largest, whose blocks the
@@ -159,6 +148,7 @@ class PieceGraphs(PiecewiseForward):
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         buckets = self.buckets[-1:] if only_largest else self.buckets
         stream = torch.cuda.Stream()
+        self.graphs = {}
         with torch.inference_mode():
             for rows in sorted(buckets, reverse=True):
                 self.graphs[rows] = [self._capture(index, rows, pool, stream) for index in range(self.num_layers + 1)]

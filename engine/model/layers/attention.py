@@ -73,12 +73,14 @@ class PagedAttention(nn.Module):
         """Store this step's K/V in their slots (slot -1: a padding row, not stored).  Apart from `attend`
         because a piecewise CUDA graph captures the write (its tensors keep their addresses) but not the
         attention (its launch depends on the step's sequences)."""
-        backend = self.backend
-        assert backend is not None, "the model runner sets the attention backend before the first step"
         if self.kv_amax is not None:
             seen = torch.stack([k.abs().amax(dim=(0, 2)), v.abs().amax(dim=(0, 2))]).float()
             self.kv_amax = torch.maximum(self.kv_amax, seen)
-        backend.write_kv(k, v, kv_cache, slot_mapping, self._kv_scale(kv_cache))
+        self._backend().write_kv(k, v, kv_cache, slot_mapping, self._kv_scale(kv_cache))
+
+    def _backend(self) -> ModuleType:
+        assert self.backend is not None, "the model runner sets the attention backend before the first step"
+        return self.backend
 
     def _kv_scale(self, kv_cache: torch.Tensor) -> torch.Tensor | None:
         return self.kv_scale if kv_cache.dtype == torch.float8_e4m3fn else None
@@ -94,14 +96,12 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """Attention of `q` over the cache (`write` has stored this step's K/V); `out`: where to write it,
         which the result may or may not be (a step of fresh chunks only may return the dense kernel's own)."""
-        backend = self.backend
-        assert backend is not None, "the model runner sets the attention backend before the first step"
         kv_scale = self._kv_scale(kv_cache)
         # fresh chunks (listed last) attend over this step's own K/V on the backend's dense kernel
         extra: dict[str, object] = {} if meta.dense is None else {"dense": meta.dense, "fresh_kv": (k, v)}
         if out is not None:
             extra["out"] = out
-        return backend.paged_attention(
+        return self._backend().paged_attention(
             q,
             kv_cache,
             meta.block_tables,
