@@ -36,11 +36,13 @@ from typing import Any
 
 import torch
 
+from benchmarks import step_kernels
 from benchmarks.memory import LLAMA3_8B, model_dir
 from benchmarks.step_roofline import ModelCost, StepShape, layer_sequential_seconds, step_work
 from benchmarks.throughput import RESULTS, copy_bandwidth, long_tailed_workload, matmul_rate, params_for, prompts_for
 from engine import LLM
 from engine.runner import sampler as sampler_mod
+from engine.runner.piecewise import MAX_GRAPH_TOKENS
 
 
 def _kind(plan) -> str:
@@ -53,8 +55,16 @@ def _kind(plan) -> str:
 class PhaseRecorder:
     """Wraps the engine core's scheduler and runner to time each step's phases (host) and span (device)."""
 
-    def __init__(self, llm: LLM, profile_mixed: int = 0, torch_profile_mixed: int = 0) -> None:
+    def __init__(
+        self, llm: LLM, profile_mixed: int = 0, torch_profile_mixed: int = 0, kernel_profile: int = 0, every: int = 10
+    ) -> None:
         core = llm.llm_engine.core
+        # device kernels of sampled decode and mixed steps (benchmarks/step_kernels.py): every `every`-th step of
+        # each kind until `kernel_profile` of it are in
+        self.kernel_left = {"decode": kernel_profile, "mixed": kernel_profile}
+        self.kernel_every = max(1, every)
+        self.kind_count: dict[str, int] = defaultdict(int)
+        self.kernel_samples: list[dict[str, Any]] = []
         self.profiler = cProfile.Profile() if profile_mixed else None
         self.profile_left = profile_mixed
         self.torch_left = torch_profile_mixed
@@ -75,10 +85,16 @@ class PhaseRecorder:
 
         def timed_launch(plan, previous=None):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            profiled = self.profiler is not None and self.profile_left > 0 and _kind(plan) == "mixed"
+            kind = _kind(plan) if plan.seqs else "empty"
+            profiled = self.profiler is not None and self.profile_left > 0 and kind == "mixed"
+            self.kind_count[kind] += 1
+            kernels = self.kernel_left.get(kind, 0) > 0 and self.kind_count[kind] % self.kernel_every == 0
             t = time.perf_counter()
             start.record()
-            if profiled:
+            if kernels:
+                self.kernel_left[kind] -= 1
+                sample = self._kernel_profiled(launch, plan, previous, kind)
+            elif profiled:
                 self.profile_left -= 1
                 sample = self.profiler.runcall(launch, plan, previous)
             elif self.torch_left > 0 and _kind(plan) == "mixed":
@@ -93,7 +109,8 @@ class PhaseRecorder:
                     shape=StepShape(
                         tuple((s.start, s.num_tokens) for s in plan.seqs), sum(len(s.sample_ids) for s in plan.seqs)
                     ),
-                    kind=_kind(plan) if plan.seqs else "empty",
+                    kind=kind,
+                    sampled=kernels or profiled,
                     seqs=len(plan.seqs),
                     tokens=sum(s.num_tokens for s in plan.seqs),
                     schedule_ms=1e3 * pending.pop("schedule", 0.0),
@@ -144,6 +161,53 @@ class PhaseRecorder:
             row[2] += getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
         return sample
 
+    def _kernel_profiled(self, launch, plan, previous, kind: str):
+        """One launch with its device kernels traced (CUDA activity only, so the host's launches slow down as
+        little as the tracer allows); the step's span is its first kernel's start to its last one's end."""
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()  # the previous step's kernels stay out of the trace
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            sample = launch(plan, previous)
+            torch.cuda.synchronize()
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        if events:
+            first = min(e.time_range.start for e in events)
+            last = max(e.time_range.end for e in events)
+            self.kernel_samples.append(
+                dict(
+                    kind=kind,
+                    shape=StepShape(
+                        tuple((s.start, s.num_tokens) for s in plan.seqs), sum(len(s.sample_ids) for s in plan.seqs)
+                    ),
+                    span_ms=(last - first) / 1e3,
+                    kernels=[(e.name, e.time_range.elapsed_us() / 1e3) for e in events],
+                )
+            )
+        return sample
+
+    def kernel_summary(self, cost: ModelCost, matmul: float, copy: float) -> dict[str, Any]:
+        samples = []
+        for s in self.kernel_samples:
+            shape = s["shape"]
+            work = step_work(shape, cost)
+            # mixed steps past the largest piece-graph bucket run eagerly: their own kind here
+            big = s["kind"] == "mixed" and shape.tokens > MAX_GRAPH_TOKENS
+            samples.append(
+                dict(
+                    kind="mixed_eager" if big else s["kind"],
+                    span_ms=s["span_ms"],
+                    kernels=s["kernels"],
+                    tokens=shape.tokens,
+                    seqs=len(shape.seqs),
+                    linear_flops=work["flops"] - work["attention_flops"],
+                    weight_bytes=cost.weight_bytes,
+                    kv_bytes=work["kv_bytes"],
+                    bound_ms=1e3 * max(work["bytes"] / copy, work["flops"] / matmul),
+                )
+            )
+        return step_kernels.summarise(samples, matmul, copy)
+
     def torch_profile_rows(self, top: int = 40) -> list[dict[str, Any]]:
         rows = sorted(self.torch_events.items(), key=lambda kv: -kv[1][1])[:top]
         return [
@@ -171,6 +235,8 @@ class PhaseRecorder:
         torch.cuda.synchronize()
         cost, matmul, copy = ceilings
         by_kind: dict[str, list[dict]] = defaultdict(list)
+        # a sampled step ran under a profiler: its span holds the tracer's cost, so it stays out of the kinds' sums
+        self.steps = [s for s in self.steps if not s.pop("sampled")]
         for s in self.steps:
             start, end = s.pop("events")
             s["device_ms"] = start.elapsed_time(end)
@@ -266,6 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--torch-profile-mixed", type=int, default=0, help="torch-profile this many mixed launches (host calls by name)"
     )
+    p.add_argument(
+        "--kernel-profile",
+        type=int,
+        default=0,
+        help="trace the device kernels of this many decode and this many mixed steps (benchmarks/step_kernels.py)",
+    )
+    p.add_argument("--kernel-profile-every", type=int, default=10, help="trace every N-th step of each kind")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -291,7 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_dense:
         llm.llm_engine.core.runner.dense_lengths = None
     llm.generate([{"prompt_token_ids": q} for q, _ in work[:32]], params_for(work[:32]), use_tqdm=False)
-    recorder = PhaseRecorder(llm, args.profile_mixed, args.torch_profile_mixed)
+    recorder = PhaseRecorder(
+        llm, args.profile_mixed, args.torch_profile_mixed, args.kernel_profile, args.kernel_profile_every
+    )
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()
     t = time.perf_counter()
@@ -327,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         matmul_TFLOPs=round(matmul / 1e12, 1),
         **recorder.summary(wall, (ModelCost.from_config(LLAMA3_8B, 2), matmul, copy)),
     )
+    if args.kernel_profile:
+        result["kernels_by_kind"] = recorder.kernel_summary(ModelCost.from_config(LLAMA3_8B, 2), matmul, copy)
     if args.profile_mixed:
         result["mixed_launch_profile"] = recorder.profile_text().splitlines()
     if args.torch_profile_mixed:
@@ -336,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     variant = "-no-dense" if args.no_dense else ""
     path = args.out / f"step-phases-{slug}-{args.workload}{variant}-{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    long = ("by_kind", "prompt_steps", "triton_variants_met", "mixed_launch_torch_profile")
+    long = ("by_kind", "prompt_steps", "triton_variants_met", "mixed_launch_torch_profile", "kernels_by_kind")
     print(json.dumps({k: v for k, v in result.items() if k not in long}, indent=2))
     for v in result.get("triton_variants_met", []):
         print(f"triton variant met in step {v['step']}: {v['kernel']}")
@@ -345,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(result.get("mixed_launch_profile", [])))
     for row in result.get("mixed_launch_torch_profile", []):
         print(row)
+    for kind, agg in result.get("kernels_by_kind", {}).items():
+        print("kernels", kind, json.dumps(agg, indent=1))
     print(f"wrote {path}")
     return 0
 

@@ -120,10 +120,13 @@ def paged_attention(
             out = torch.empty_like(query)
         d = num_decodes  # rows 0..d-1 are the decodes' queries; the slices below keep aligned bases
         if d:
-            # An eager (mixed) step is paced by its host launches more often than not: the long-context split's
-            # second kernel (the combine) cost more there than it saved (H200, 2026-11-26, long-tailed
-            # step_phases: 8,409 / 8,951 tok/s with it against 9,443 / 9,802 without).
-            splits = num_decode_splits(d, kv_cache.shape[2], max_seq_len, query.device, split_long=False)
+            # Long contexts split as in a decode step.  While mixed steps ran eagerly they were paced by their host
+            # launches and the split's second kernel (the combine) cost more than it saved (H200, 2026-11-26,
+            # long-tailed step_phases: 8,409 / 8,951 tok/s with it against 9,443 / 9,802 without); with the
+            # piecewise graphs (engine/runner/piecewise.py) the host is ahead again, and the decodes' attention took
+            # 6.8 ms of a mixed step against 6.4 ms in a decode step of as many sequences, split
+            # (step-phases-h100-long-tailed-kernels-2026-11-26.json, `kernels_by_kind`).
+            splits = num_decode_splits(d, kv_cache.shape[2], max_seq_len, query.device)
             paged_attention_decode(
                 query[:d],
                 kv_cache,

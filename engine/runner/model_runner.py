@@ -25,6 +25,7 @@ from torch import nn
 
 import kernels
 from engine.core.plan import SamplingSpec, StepPlan
+from engine.distributed.group import SINGLE, TPGroup
 from engine.kv.kv_cache_manager import blocks_for_tokens
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.model.layers.linear import VocabEmbedding
@@ -300,15 +301,15 @@ class ModelRunner:
         self.graphs = graphs
         return time.monotonic() - started
 
-    def capture_piece_graphs(self, max_tokens: int, only_largest: bool = False) -> float:
+    def capture_piece_graphs(self, max_tokens: int, only_largest: bool = False, tp: TPGroup = SINGLE) -> float:
         """Capture the piecewise graphs of steps with prompt tokens (engine/runner/piecewise.py) up to
         `max_tokens` tokens, in the decode graphs' pool when there is one; returns the seconds it took (0: the
-        model offers no split)."""
+        model offers no split).  `tp`: the group whose ranks must choose the same buckets."""
         assert self.device.type == "cuda"
         if not supports_pieces(self.model):
             return 0.0
         pieces = PieceGraphs(self.model, self.kv_caches, max_tokens, self.model_dtype, self.device)
-        seconds = pieces.capture(self.graphs.pool if self.graphs is not None else None, only_largest)
+        seconds = pieces.capture(self.graphs.pool if self.graphs is not None else None, only_largest, tp)
         self.pieces = pieces
         return seconds
 

@@ -27,6 +27,7 @@ import time
 import torch
 from torch import nn
 
+from engine.distributed.group import SINGLE, TPGroup
 from engine.model.layers.attention import AttentionMetadata
 from engine.runner.cuda_graphs import padded_size
 
@@ -45,10 +46,53 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sorted({s for s in sizes if s < limit} | {limit})
 
 
+# Above this many tokens the projections are compute-bound, and the cost of a step's GEMMs jumps between neighbouring
+# token counts with cuBLAS's choice of tiles and how its tiles fill the GPU's waves.  H100, Llama-3-8B shape, one
+# layer's four projections x 32 (benchmarks/overlap_probe.py --gemm-only --m-step 32, 2026-11-26): 448 tokens took
+# 14.8 ms against 11.5 for 512, 832 took 21.3 against 17.6 for 800 and 20.3 for 864.  So the buckets above it are
+# chosen at start-up from every multiple of 32 by what a layer's piece costs there (`cheapest_buckets`); below it
+# the costs rise smoothly with the tokens and every multiple of 32 is a bucket.
+MEASURED_ABOVE = 256
+CANDIDATE_STEP = 32
+
+
+def candidate_buckets(max_tokens: int) -> list[int]:
+    """Every multiple of 32 up to the cap (`max_tokens` or MAX_GRAPH_TOKENS), and the cap itself."""
+    limit = max(1, min(max_tokens, MAX_GRAPH_TOKENS))
+    return sorted({s for s in range(CANDIDATE_STEP, limit, CANDIDATE_STEP)} | {limit})
+
+
+def cheapest_buckets(costs: dict[int, float]) -> list[int]:
+    """The token counts worth padding to: each one cheaper than every larger one.  A step then pads to the
+    smallest kept count that holds it, which is the cheapest of all the candidates that hold it (a dropped count
+    costs at least as much as a larger kept one).  The largest count is always kept."""
+    keep, best = [], float("inf")
+    for n in sorted(costs, reverse=True):
+        if costs[n] < best:
+            keep.append(n)
+            best = costs[n]
+    return sorted(keep)
+
+
 def supports_pieces(model: nn.Module) -> bool:
     """Whether the model offers its forward split at the attentions (the Llama family does, OPT does not)."""
     names = ("embed", "before_attention", "attention", "after_attention", "final_norm")
     return all(hasattr(model, name) for name in names)
+
+
+def fused_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """``[T, (Hq + 2 Hk) D]``: the one tensor that q ``[T, Hq, D]``, k and v ``[T, Hk, D]`` are consecutive views
+    of, row by row (the fused QKV projection's output), or None where they are not."""
+    t, d = q.shape[0], q.shape[2]
+    width = (q.shape[1] + k.shape[1] + v.shape[1]) * d
+    size = q.element_size()
+    for part in (q, k, v):
+        # a dimension of size 1 may have any stride
+        if part.stride()[1:] != (d, 1) or (t > 1 and part.stride(0) != width) or part.dtype != q.dtype:
+            return None
+    if k.data_ptr() != q.data_ptr() + q.shape[1] * d * size or v.data_ptr() != k.data_ptr() + k.shape[1] * d * size:
+        return None
+    return q.as_strided((t, width), (width, 1))
 
 
 class PieceBuffers:
@@ -65,9 +109,13 @@ class PieceBuffers:
         self.input_ids = buf(max_tokens, dtype=torch.int64)
         self.positions = buf(max_tokens, dtype=torch.int64)
         self.slot_mapping = buf(max_tokens, dtype=torch.int64).fill_(-1)  # -1: no KV written
-        self.q = buf(max_tokens, self.num_heads, self.head_dim)
-        self.k = buf(max_tokens, self.num_kv_heads, self.head_dim)
-        self.v = buf(max_tokens, self.num_kv_heads, self.head_dim)
+        # q, k and v are views of one [T, (Hq + 2 Hk) D] buffer laid out as the fused QKV projection's output, so
+        # that a piece whose q/k/v are views of that output (rotary works in place) copies them in one kernel
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        self.qkv = buf(max_tokens, (hq + 2 * hk) * d)
+        self.q = self.qkv[:, : hq * d].unflatten(1, (hq, d))
+        self.k = self.qkv[:, hq * d : (hq + hk) * d].unflatten(1, (hk, d))
+        self.v = self.qkv[:, (hq + hk) * d :].unflatten(1, (hk, d))
         self.attn_out = buf(max_tokens, self.num_heads, self.head_dim)
         self.x = buf(max_tokens, hidden)
         self.residual = buf(max_tokens, hidden)
@@ -109,9 +157,13 @@ class PiecewiseForward:
             return
         q, k, v, residual = m.before_attention(index, positions, x, residual)
         m.attention(index).write(k, v, self.kv_caches[index], b.slot_mapping[:rows])
-        b.q[:rows].copy_(q)
-        b.k[:rows].copy_(k)
-        b.v[:rows].copy_(v)
+        fused = fused_rows(q, k, v)
+        if fused is not None:
+            b.qkv[:rows].copy_(fused)
+        else:  # q/k norms (Qwen3) give q and k tensors of their own
+            b.q[:rows].copy_(q)
+            b.k[:rows].copy_(k)
+            b.v[:rows].copy_(v)
         b.residual[:rows].copy_(residual)
 
     def attend(self, layer: int, num_tokens: int, meta: AttentionMetadata) -> None:
@@ -140,13 +192,14 @@ class PieceGraphs(PiecewiseForward):
     """One CUDA graph per piece and bucket, all in one memory pool (the decode graphs' when given)."""
 
     graphs: dict[int, list[torch.cuda.CUDAGraph]]  # by bucket, one per piece: set by `capture`
+    costs: dict[int, float] | None = None  # ms of a layer's piece per measured candidate (None: not measured)
 
-    def capture(self, pool: object | None = None, only_largest: bool = False) -> float:
-        """Capture every bucket's pieces, largest first (start-up profiling: only the largest, whose blocks the
-        others reuse); returns the seconds it took."""
+    def capture(self, pool: object | None = None, only_largest: bool = False, tp: TPGroup = SINGLE) -> float:
+        """Capture every candidate's pieces, largest first, then keep the buckets `choose_buckets` picks
+        (start-up profiling: only the largest, whose blocks the others reuse); returns the seconds it took."""
         started = time.monotonic()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        buckets = self.buckets[-1:] if only_largest else self.buckets
+        buckets = self.buckets[-1:] if only_largest else candidate_buckets(self.max_tokens)
         stream = torch.cuda.Stream()
         self.graphs = {}
         with torch.inference_mode():
@@ -154,7 +207,55 @@ class PieceGraphs(PiecewiseForward):
                 self.graphs[rows] = [self._capture(index, rows, pool, stream) for index in range(self.num_layers + 1)]
         torch.cuda.synchronize()
         self.buckets = sorted(self.graphs)
+        if not only_largest:
+            self.choose_buckets(tp)
         return time.monotonic() - started
+
+    def choose_buckets(self, tp: TPGroup = SINGLE) -> list[int]:
+        """Keep every candidate up to MEASURED_ABOVE, and above it the cheapest (`cheapest_buckets`) by a layer's
+        piece replayed at each candidate; the other candidates' graphs are dropped.  Tensor-parallel ranks sum
+        their timings (an all-reduce), so that every rank pads a step to the same bucket, as the collectives
+        inside the graphs need."""
+        measured = [n for n in self.buckets if n > MEASURED_ABOVE]
+        if len(measured) > 1:
+            times = self.measure(measured)
+            if tp.is_parallel:
+                times = tp.all_reduce(times.to(self.buf.x.device)).cpu()
+            self.costs = dict(zip(measured, times.tolist()))
+            keep = [n for n in self.buckets if n <= MEASURED_ABOVE] + cheapest_buckets(self.costs)
+            self.graphs = {n: self.graphs[n] for n in keep}
+            self.buckets = keep
+        return self.buckets
+
+    @torch.inference_mode()
+    def measure(self, counts: list[int], repeats: int = 4, samples: int = 3) -> torch.Tensor:
+        """Milliseconds of one layer's piece graph (its output projection and MLP, the next layer's norm, QKV and
+        rotary) at each captured token count: the median of `samples` timings of `repeats` back-to-back replays.
+        A graph, because the same piece launched eagerly is paced by the host below ~1,000 tokens, which would
+        make every count cost the same.  On random activations (a GPU runs all-zero products faster than real
+        ones); the slots are all -1, so nothing is written to the cache."""
+        b = self.buf
+        index = 1 if self.num_layers > 1 else 0
+        b.attn_out.normal_()
+        b.residual.normal_()
+        b.input_ids.zero_()
+        times = []
+        for rows in counts:
+            graph = self.graphs[rows][index]
+            graph.replay()
+            runs = []
+            for _ in range(samples):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(repeats):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                runs.append(start.elapsed_time(end) / repeats)
+            times.append(sorted(runs)[len(runs) // 2])
+        b.attn_out.zero_()
+        b.residual.zero_()
+        return torch.tensor(times, dtype=torch.float64)
 
     def _capture(self, index: int, rows: int, pool: object, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
         # Warm-up outside the graph on a side stream (Triton compiles, cuBLAS picks its kernels), as

@@ -131,7 +131,14 @@ def start_runner(
     if device.type == "cuda" and not config.enforce_eager:
         capture_seconds = runner.capture_decode_graphs(config.max_num_seqs)
         assert config.max_num_batched_tokens is not None
-        capture_seconds += runner.capture_piece_graphs(config.max_num_batched_tokens)
+        capture_seconds += runner.capture_piece_graphs(config.max_num_batched_tokens, tp=tp)
+        if runner.pieces is not None and getattr(runner.pieces, "costs", None):
+            costs = runner.pieces.costs  # type: ignore[attr-defined]
+            log.info(
+                "piece_buckets_chosen",
+                buckets=runner.pieces.buckets,
+                layer_ms={n: round(t, 4) for n, t in costs.items()},
+            )
     if device.type == "cuda":
         started = time.monotonic()
         shapes = runner.warm_dense_prefill(config.max_num_batched_tokens)

@@ -16,7 +16,15 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
 from engine.runner.model_runner import ModelRunner
-from engine.runner.piecewise import MAX_GRAPH_TOKENS, PiecewiseForward, supports_pieces, token_buckets
+from engine.runner.piecewise import (
+    MAX_GRAPH_TOKENS,
+    PiecewiseForward,
+    candidate_buckets,
+    cheapest_buckets,
+    fused_rows,
+    supports_pieces,
+    token_buckets,
+)
 from tests.checkpoints import make_checkpoint
 
 
@@ -61,6 +69,40 @@ def _summary(outs) -> list:
             (prompt, [(c.token_ids, c.finish_reason, [sorted(e) for e in (c.logprobs or [])]) for c in o.outputs])
         )
     return rows
+
+
+def test_the_cheapest_buckets_drop_every_count_a_larger_one_beats():
+    # the H100's measured shape (benchmarks/results/overlap-probe-h100-gemm-2026-11-26.json): 448 dearer than 512
+    costs = {288: 8.5, 320: 7.9, 352: 8.9, 384: 9.2, 416: 11.4, 448: 14.8, 480: 11.6, 512: 11.5, 544: 13.7}
+    kept = cheapest_buckets(costs)
+    print("kept", kept)
+    assert kept == [320, 352, 384, 416, 512, 544]
+    # a step pads to the smallest kept count that holds it, which is the cheapest candidate that holds it
+    for tokens in range(257, 545):
+        pad = min(k for k in kept if k >= tokens)
+        assert costs[pad] == min(c for n, c in costs.items() if n >= tokens)
+    assert cheapest_buckets({512: 1.0}) == [512]
+    assert cheapest_buckets({300: 2.0, 400: 1.0}) == [400]  # the largest is always kept
+
+
+def test_candidate_buckets_are_the_multiples_of_32_up_to_the_cap():
+    assert candidate_buckets(100) == [32, 64, 96, 100]
+    assert candidate_buckets(8192)[-1] == MAX_GRAPH_TOKENS and len(candidate_buckets(8192)) == MAX_GRAPH_TOKENS // 32
+    assert candidate_buckets(1) == [1]
+
+
+def test_fused_rows_finds_the_qkv_projection_behind_its_views():
+    """One copy serves q, k and v when they are consecutive views of the fused projection's rows; q/k norms (Qwen3)
+    give tensors of their own, which need one copy each."""
+    t, hq, hk, d = 5, 4, 2, 8
+    qkv = torch.randn(t, (hq + 2 * hk) * d)
+    q, k, v = (x.reshape(t, -1, d) for x in qkv.split((hq * d, hk * d, hk * d), dim=-1))
+    assert fused_rows(q, k, v) is not None and torch.equal(fused_rows(q, k, v), qkv)
+    assert fused_rows(q.clone(), k, v) is None  # a normed q
+    assert fused_rows(q, v, k) is None  # out of order
+    one = qkv[:1]
+    q1, k1, v1 = (x.reshape(1, -1, d) for x in one.split((hq * d, hk * d, hk * d), dim=-1))
+    assert torch.equal(fused_rows(q1, k1, v1), one)
 
 
 def test_mixed_steps_through_the_pieces_give_the_plain_forwards_outputs():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.runner.piecewise import PieceGraphs
+from engine.runner.piecewise import MEASURED_ABOVE, PieceGraphs, candidate_buckets
 
 SETTINGS = {
     "budget-40": dict(block_size=16, max_num_batched_tokens=40, enable_prefix_caching=True),
@@ -74,7 +74,15 @@ def test_piece_graphs_give_the_eager_engines_tokens(arch, setting, checkpoint):
 
             runner.prepare = recording
             if not eager:
-                assert isinstance(runner.pieces, PieceGraphs) and runner.pieces.graphs
+                pieces = runner.pieces
+                assert isinstance(pieces, PieceGraphs) and pieces.graphs
+                assert sorted(pieces.graphs) == pieces.buckets
+                candidates = candidate_buckets(pieces.max_tokens)
+                assert set(pieces.buckets) <= set(candidates) and pieces.buckets[-1] == candidates[-1]
+                if pieces.max_tokens > MEASURED_ABOVE:  # the buckets above it were chosen by their measured costs
+                    assert pieces.costs and set(pieces.costs) == {n for n in candidates if n > MEASURED_ABOVE}
+                    assert all(n in pieces.buckets for n in candidates if n <= MEASURED_ABOVE)
+                    print(f"\n{arch} {setting}: buckets {pieces.buckets}")
             prompts, params = _workload(llm.llm_engine.core.model_info.hf_config.vocab_size)
             results[eager] = _run(llm, prompts, params)
             counts[eager] = steps
