@@ -190,7 +190,9 @@ class TensorParallelRunner:
                 conn.send_bytes(pickle.dumps(None))
             except (BrokenPipeError, OSError):
                 pass
-        self.local.release_graphs()
+        local = getattr(self, "local", None)  # None: rank 0's start-up failed, so close() runs from __init__
+        if local is not None:
+            local.release_graphs()
         # Every rank leaves the process group at the same time (NCCL's teardown waits for its peers);
         # a peer that is already gone must not hang the exit, so it is waited for only so long.
         leave = threading.Thread(target=_leave_group, daemon=True, name="tp-leave")

@@ -141,3 +141,22 @@ def test_tensor_parallel_matches_one_rank_and_transformers(models, name, tp):
     assert greedy_n == expected, f"--tensor-parallel-size {tp} differs from transformers"
     assert sampled_n == sampled_1, "seeded sampling differs between 1 and N ranks"
     assert preemptions > 0 and hits > 0 and ranks == tp
+
+
+def test_a_start_up_that_cannot_fit_says_why_and_stops_every_rank(tmp_path):
+    """Rank 0's start-up error reaches the caller as it is (the table of what took the memory, what to change), not
+    as a failure of the clean-up it triggers, and the workers are gone afterwards."""
+    import psutil
+
+    from engine.config import ConfigError
+
+    path = make_checkpoint("llama", tmp_path / "llama")
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    with pytest.raises(ConfigError, match="holds 0 blocks") as err:
+        LLM(str(path), tensor_parallel_size=2, max_model_len=128, block_size=BLOCK, kv_cache_memory_bytes=1)
+    print(str(err.value).splitlines()[0])
+    assert "Change:" in str(err.value)
+    left = [c for c in psutil.Process().children(recursive=True) if c.pid not in before and c.is_running()]
+    gone, alive = psutil.wait_procs(left, timeout=30)
+    print(f"worker processes left running after the error: {len(left)}, of which still alive after 30 s: {len(alive)}")
+    assert not alive
