@@ -56,10 +56,11 @@ def _time(fn, reps: int = 10) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m-step", type=int, default=0, help="the projections' curve every N tokens from 128 to 1,024")
-    p.add_argument("--tunable-op", action="store_true", help="GEMMs through torch.cuda.tunable (tuned on first use)")
     p.add_argument("--gemm-only", action="store_true", help="the projections' curve only")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    if args.m_step < 0 or args.m_step > 896:
+        p.error(f"--m-step must be between 0 (the default counts) and 896, not {args.m_step}")
     if not torch.cuda.is_available():
         print("benchmarks.overlap_probe needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -84,10 +85,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return run
 
-    if args.tunable_op:
-        torch.cuda.tunable.enable(True)
-        torch.cuda.tunable.tuning_enable(True)
-        torch.cuda.tunable.write_file_on_exit(False)
     rows = []
     ms_list = range(128, 1025, args.m_step) if args.m_step else (128, 256, 320, 384, 512, 576, 640, 768, 896, 1024)
     for m in ms_list:
@@ -171,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
         gpu=name,
         date=dt.date.today().isoformat(),
         command="python -m benchmarks.overlap_probe " + " ".join(sys.argv[1:] if argv is None else argv),
-        tunable_op=args.tunable_op,
         matmul_TFLOPs=round(matmul / 1e12, 1),
         copy_TBps=round(copy / 1e12, 3),
         projections_by_m=rows,
@@ -179,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     slug = name.lower().replace("nvidia ", "").replace(" ", "-").split("-80gb")[0]
     args.out.mkdir(parents=True, exist_ok=True)
-    variant = ("-gemm" if args.gemm_only else "") + ("-tunable-op" if args.tunable_op else "")
+    variant = "-gemm" if args.gemm_only else ""
     path = args.out / f"overlap-probe-{slug}{variant}-{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")

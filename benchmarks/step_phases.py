@@ -341,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel-profile-every", type=int, default=10, help="trace every N-th step of each kind")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    if args.kernel_profile < 0 or args.kernel_profile_every < 1:
+        p.error("--kernel-profile must be 0 or more and --kernel-profile-every 1 or more")
     if not torch.cuda.is_available():
         print("benchmarks.step_phases needs a CUDA GPU", file=sys.stderr)
         return 2

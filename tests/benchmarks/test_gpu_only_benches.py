@@ -1,6 +1,6 @@
-"""The GPU-only benchmarks (step_phases, launch_overhead, decode_long_tailed) on a machine without CUDA: one line
-saying so and exit 2, never a traceback; their bad arguments are refused the same way.  Their measurements run on
-the device (results under benchmarks/results/)."""
+"""The GPU-only benchmarks (step_phases, launch_overhead, decode_long_tailed, overlap_probe) on a machine without
+CUDA: one line saying so and exit 2, never a traceback; their bad arguments are refused the same way.  Their
+measurements run on the device (results under benchmarks/results/)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,19 @@ from benchmarks.decode_long_tailed import contexts
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
 
-MODULES = ["benchmarks.step_phases", "benchmarks.launch_overhead", "benchmarks.decode_long_tailed"]
-BAD_ARGS = [("benchmarks.launch_overhead", ["--decodes", "0"]), ("benchmarks.decode_long_tailed", ["--batches", "x"])]
+MODULES = [
+    "benchmarks.step_phases",
+    "benchmarks.launch_overhead",
+    "benchmarks.decode_long_tailed",
+    "benchmarks.overlap_probe",
+]
+BAD_ARGS = [
+    ("benchmarks.launch_overhead", ["--decodes", "0"]),
+    ("benchmarks.decode_long_tailed", ["--batches", "x"]),
+    ("benchmarks.overlap_probe", ["--m-step", "-32"]),
+    ("benchmarks.step_phases", ["--kernel-profile", "-1"]),
+    ("benchmarks.step_phases", ["--kernel-profile", "4", "--kernel-profile-every", "0"]),
+]
 
 
 @pytest.mark.parametrize("module", MODULES)
