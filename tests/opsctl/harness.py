@@ -138,6 +138,18 @@ class Deployment:
                     kill(pid, sig)
                 except (ProcessLookupError, PermissionError):
                     pass
+        # Any other process of this deployment (an engine a failed test left behind: status names only the current
+        # one) carries the private runtime dir on its command line (--control-socket, --runtime-dir).
+        import psutil
+
+        mine = str(self.runtime)
+        for proc in psutil.process_iter(["cmdline"]):
+            if proc.pid != os.getpid() and any(mine in arg for arg in proc.info["cmdline"] or ()):
+                try:
+                    proc.resume()
+                    proc.kill()
+                except psutil.Error:
+                    pass
 
 
 def deployment(

@@ -205,6 +205,12 @@ def _client_loop(url: str, stop: threading.Event, out: list) -> None:
         out.append((sent, time.monotonic() - sent, outcome))
 
 
+def _wait_for(condition, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def test_socket_activation_restart_refuses_and_fails_nothing(deploy, record_property):
     d = deploy()
     assert d.box.ctl("start", ENGINE).returncode == 0
@@ -215,12 +221,15 @@ def test_socket_activation_restart_refuses_and_fails_nothing(deploy, record_prop
     clients = [threading.Thread(target=_client_loop, args=(d.url, stop, results)) for _ in range(4)]
     for c in clients:
         c.start()
-    time.sleep(1.5)
+    # answers from the first engine before the restart, then from the new one after it: waited for, not slept on
+    # (a fixed 1.5 s saw no answer yet on a machine loaded by two test workers)
+    _wait_for(lambda: len(results) > 0, 120)
     before = len(results)
     t = time.monotonic()
     r = d.box.ctl("restart", ENGINE)
     restart_s = time.monotonic() - t
-    time.sleep(1.5)
+    _wait_for(lambda: len(results) > before, 120)
+    time.sleep(0.5)
     stop.set()
     for c in clients:
         c.join(180)
