@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.kernels import gpu_slug
 from benchmarks.throughput import RESULTS, copy_bandwidth, matmul_rate
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4096, 14336, 32, 8, 128, 32
@@ -173,10 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         projections_by_m=rows,
         overlap=results,
     )
-    slug = name.lower().replace("nvidia ", "").replace(" ", "-").split("-80gb")[0]
     args.out.mkdir(parents=True, exist_ok=True)
     variant = "-gemm" if args.gemm_only else ""
-    path = args.out / f"overlap-probe-{slug}{variant}-{result['date']}.json"
+    path = args.out / f"overlap-probe-{gpu_slug(name)}{variant}-{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
     return 0

@@ -52,6 +52,10 @@ def _kind(plan) -> str:
     return "mixed" if ones else "prefill"
 
 
+def _shape(plan) -> StepShape:
+    return StepShape(tuple((s.start, s.num_tokens) for s in plan.seqs), sum(len(s.sample_ids) for s in plan.seqs))
+
+
 class PhaseRecorder:
     """Wraps the engine core's scheduler and runner to time each step's phases (host) and span (device)."""
 
@@ -97,7 +101,7 @@ class PhaseRecorder:
             elif profiled:
                 self.profile_left -= 1
                 sample = self.profiler.runcall(launch, plan, previous)
-            elif self.torch_left > 0 and _kind(plan) == "mixed":
+            elif self.torch_left > 0 and kind == "mixed":
                 self.torch_left -= 1
                 sample = self._torch_profiled(launch, plan, previous)
             else:
@@ -106,9 +110,7 @@ class PhaseRecorder:
             host = time.perf_counter() - t
             self.steps.append(
                 dict(
-                    shape=StepShape(
-                        tuple((s.start, s.num_tokens) for s in plan.seqs), sum(len(s.sample_ids) for s in plan.seqs)
-                    ),
+                    shape=_shape(plan),
                     kind=kind,
                     sampled=kernels or profiled,
                     seqs=len(plan.seqs),
@@ -177,9 +179,7 @@ class PhaseRecorder:
             self.kernel_samples.append(
                 dict(
                     kind=kind,
-                    shape=StepShape(
-                        tuple((s.start, s.num_tokens) for s in plan.seqs), sum(len(s.sample_ids) for s in plan.seqs)
-                    ),
+                    shape=_shape(plan),
                     span_ms=(last - first) / 1e3,
                     kernels=[(e.name, e.time_range.elapsed_us() / 1e3) for e in events],
                 )

@@ -125,6 +125,8 @@ class PieceBuffers:
 class PiecewiseForward:
     """The model's forward over `PieceBuffers`, piece by piece (no graphs: see `PieceGraphs`)."""
 
+    costs: dict[int, float] | None = None  # ms of a layer's piece per measured bucket candidate (PieceGraphs)
+
     def __init__(
         self,
         model: nn.Module,
@@ -192,7 +194,6 @@ class PieceGraphs(PiecewiseForward):
     """One CUDA graph per piece and bucket, all in one memory pool (the decode graphs' when given)."""
 
     graphs: dict[int, list[torch.cuda.CUDAGraph]]  # by bucket, one per piece: set by `capture`
-    costs: dict[int, float] | None = None  # ms of a layer's piece per measured candidate (None: not measured)
 
     def capture(self, pool: object | None = None, only_largest: bool = False, tp: TPGroup = SINGLE) -> float:
         """Capture every candidate's pieces, largest first, then keep the buckets `choose_buckets` picks
@@ -238,7 +239,6 @@ class PieceGraphs(PiecewiseForward):
         index = 1 if self.num_layers > 1 else 0
         b.attn_out.normal_()
         b.residual.normal_()
-        b.input_ids.zero_()
         times = []
         for rows in counts:
             graph = self.graphs[rows][index]

@@ -132,12 +132,11 @@ def start_runner(
         capture_seconds = runner.capture_decode_graphs(config.max_num_seqs)
         assert config.max_num_batched_tokens is not None
         capture_seconds += runner.capture_piece_graphs(config.max_num_batched_tokens, tp=tp)
-        if runner.pieces is not None and getattr(runner.pieces, "costs", None):
-            costs = runner.pieces.costs  # type: ignore[attr-defined]
+        if runner.pieces is not None and runner.pieces.costs:
             log.info(
                 "piece_buckets_chosen",
                 buckets=runner.pieces.buckets,
-                layer_ms={n: round(t, 4) for n, t in costs.items()},
+                layer_ms={n: round(t, 4) for n, t in runner.pieces.costs.items()},
             )
     if device.type == "cuda":
         started = time.monotonic()
