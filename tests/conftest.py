@@ -5,15 +5,34 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import signal
+import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.checkpoints import make_checkpoint
+from tests.server.harness import REPO
 
 pytest_plugins = ["tests.memory_report"]  # the run's peak memory, and the tests that set it, in its summary
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker's base temp dir is <run>/popen-gwN; <run>/gwN instead.  The tests put Unix sockets in their
+    tmp_path (supervisor.sock, eng-<pid>-<n>.sock under runtime dirs such as run/pagekeeper@alpha/), and the 108
+    bytes of a socket's path leave no room for those 6 characters: `AF_UNIX path too long`.  Runs before the
+    tmp_path factory reads the option (the tmpdir plugin's pytest_configure)."""
+    workerinput = getattr(config, "workerinput", None)
+    basetemp = getattr(config.option, "basetemp", None)
+    if workerinput is not None and basetemp:
+        given = Path(basetemp)
+        if given.name == f"popen-{workerinput['workerid']}":
+            config.option.basetemp = str(given.with_name(workerinput["workerid"]))
 
 
 def _skip_gpu_tests_without_cuda(items: list[pytest.Item]) -> None:
@@ -89,46 +108,134 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=_is_soak)
 
 
+def _soak_dir(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the session's one soak lives.  Under pytest-xdist every worker has a base temp dir of its own
+    (<run>/popen-gwN) and the controller has <run>: the soak is in <run>/soak for all of them."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if hasattr(config, "workerinput") else base) / "soak"
+
+
+@dataclass
+class SoakHandle:
+    """The background soak, whichever process started it: its files, and `wait()` for its exit status."""
+
+    root: Path
+    proc: subprocess.Popen | None = None  # only in the process that started it
+
+    @property
+    def out(self) -> Path:
+        return self.root / "soak.json"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "soak.log"
+
+    @property
+    def status_file(self) -> Path:
+        return self.root / "exit-status"  # written by the wrapping shell when tests.opsctl.soak exits
+
+    def returncode(self) -> int | None:
+        try:
+            return int(self.status_file.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def wait(self, deadline: float) -> int | None:
+        """The soak's exit status, waiting for it until `deadline` (time.monotonic()); None if still running."""
+        while (rc := self.returncode()) is None and time.monotonic() < deadline:
+            time.sleep(1)
+        return rc
+
+    def running(self) -> bool:
+        try:
+            pgid = int((self.root / "pgid").read_text())
+        except (OSError, ValueError):
+            return False
+        if self.returncode() is not None:
+            return False
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def start(self) -> None:
+        """Start tests/opsctl/soak.py under a shell that records its exit status, in a session of its own: it
+        outlives the pytest worker that started it, so that the soak test may run on any worker."""
+        log = open(self.log, "wb")
+        self.proc = subprocess.Popen(
+            [
+                "sh",
+                "-c",
+                '"$@"; echo $? > "$0.tmp" && mv "$0.tmp" "$0"',
+                str(self.status_file),
+                sys.executable,
+                "-m",
+                "tests.opsctl.soak",
+                "--seconds",
+                str(SOAK_SECONDS),
+                "--pause",
+                str(SOAK_PAUSE_S),
+                "--root",
+                str(self.root / "d"),
+                "--out",
+                str(self.out),
+            ],
+            cwd=str(REPO),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        (self.root / "pgid").write_text(str(self.proc.pid))
+
+    def stop(self) -> None:
+        """Kill the soak if it still runs (an aborted session), and whatever it deployed; by PID."""
+        if self.running():
+            try:
+                os.killpg(int((self.root / "pgid").read_text()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+        if self.proc is not None:
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        _teardown_soak_deployment(self.root / "d")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _background_soak(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """Starts tests/opsctl/soak.py in its own process at the session's first test, if the soak test runs."""
+    """Starts tests/opsctl/soak.py in its own process at the session's first test, if the soak test runs.
+
+    Exactly once per run: under pytest-xdist each worker sets this fixture up, and the first to create the
+    shared soak directory starts the soak; the others (and the soak test, on whichever worker it lands) only
+    read its files.  The process that is not a worker (plain pytest, or xdist's controller once every worker
+    has finished) kills what is left of it at the end."""
     if not any(_is_soak(item) for item in request.session.items):
         yield None
         return
-    import subprocess
-    import sys
-
-    from tests.server.harness import REPO
-
-    root = tmp_path_factory.mktemp("soak")
-    out = root / "soak.json"
-    log = open(root / "soak.log", "wb")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.opsctl.soak",
-            "--seconds",
-            str(SOAK_SECONDS),
-            "--pause",
-            str(SOAK_PAUSE_S),
-            "--root",
-            str(root / "d"),
-            "--out",
-            str(out),
-        ],
-        cwd=str(REPO),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    handle = {"proc": proc, "out": out, "root": root}
+    handle = SoakHandle(_soak_dir(request.config, tmp_path_factory))
+    try:
+        handle.root.mkdir()
+    except FileExistsError:
+        pass  # another worker started it
+    else:
+        handle.start()
     yield handle
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
-    log.close()
-    _teardown_soak_deployment(root / "d")
+    if not hasattr(request.config, "workerinput"):
+        handle.stop()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """xdist's controller: the soak's cleanup, after every worker has finished (a worker may end before the
+    soak test, which runs on another, has read the soak's result)."""
+    config = session.config
+    if not config.pluginmanager.hasplugin("dsession"):  # not xdist's controller
+        return
+    root = _soak_dir(config, config._tmp_path_factory)  # type: ignore[attr-defined]
+    if root.is_dir():
+        SoakHandle(root).stop()
 
 
 def _teardown_soak_deployment(root: Path) -> None:

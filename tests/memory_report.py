@@ -4,6 +4,9 @@ The suite must fit a 2-core, 24 GiB machine shared with other work: no test over
 per process, its own (`RUSAGE_SELF`: pytest and every model a test loads in it) and that of its largest finished
 child (`RUSAGE_CHILDREN`: servers, supervisors and benchmarks the tests start and wait for).  Read after each test,
 a peak that rose was set by that test, so the summary names them.
+
+Under pytest-xdist each worker is a pytest process of its own: each keeps its peaks and hands them to the controller
+at its end (`workeroutput`), and the controller's summary names the largest of them all, per kind of process.
 """
 
 from __future__ import annotations
@@ -47,17 +50,49 @@ class PeakRecorder:
             out.append(f"peak RSS, {name}: {top[0][0] / GB:.2f} GB{over} (raised by: {setters})")
         return out
 
+    def merge(self, peaks: dict[str, list[tuple[int, str]]], process: str) -> None:
+        """Another process's peaks (an xdist worker's), each named with the process."""
+        for name, found in peaks.items():
+            self.peaks.setdefault(name, []).extend((int(peak), f"{nodeid} [{process}]") for peak, nodeid in found)
+
 
 _recorder = PeakRecorder()
+_config: pytest.Config | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _config
+    _config = config
+
+
+def _is_controller() -> bool:
+    """xdist's controller runs no test: its own rusage says nothing about them (its children are the workers)."""
+    return _config is not None and _config.pluginmanager.hasplugin("dsession")
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
-    _recorder.after(nodeid)
+    if not _is_controller():
+        _recorder.after(nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: to the controller
+        _recorder.after("(session end)")
+        workeroutput["memory_peaks"] = {name: [list(p) for p in peaks] for name, peaks in _recorder.peaks.items()}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # type: ignore[no-untyped-def]
+    peaks = getattr(node, "workeroutput", {}).get("memory_peaks")
+    if peaks:
+        _recorder.merge(peaks, node.gateway.id)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    _recorder.after("(session end)")
+    if not _is_controller():
+        _recorder.after("(session end)")
     terminalreporter.section("memory")
     for line in _recorder.lines():
         terminalreporter.write_line(line)
