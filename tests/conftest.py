@@ -13,10 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.checkpoints import make_checkpoint
-from tests.server.harness import REPO
+from engine.openmp_waits import prefer_passive_waits
+
+# The engines that tests run in this process wait as the server's do (engine/openmp_waits.py); libgomp reads the
+# policy when torch loads it, so before the first import of torch.
+prefer_passive_waits()
+
+import torch  # noqa: E402
+
+from tests.checkpoints import make_checkpoint  # noqa: E402
+from tests.server.harness import REPO  # noqa: E402
 
 pytest_plugins = ["tests.memory_report"]  # the run's peak memory, and the tests that set it, in its summary
 

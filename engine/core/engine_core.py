@@ -23,6 +23,7 @@ from engine.logs import configure_logging
 from engine.memory.budget import KVPlan, ranks_table
 from engine.metrics import EngineSnapshot, GapHistogram
 from engine.model.loader import ModelInfo, check_tensor_parallel, inspect_model, load_tokenizer
+from engine.openmp_waits import wait_policy
 from engine.runner.sampler import DeviceSample
 from engine.runner.startup import StepRunner
 
@@ -105,6 +106,8 @@ class EngineCore:
             piece_graphs=self.runner.pieces.buckets if self.runner.pieces is not None else None,
             graph_capture_seconds=round(self.graph_capture_seconds, 3),
             pipeline_depth=self.pipeline_depth,
+            # how the CPU's intra-op threads wait between ops (engine/openmp_waits.py)
+            openmp_waits=wait_policy() if self.device.type == "cpu" else None,
             load_seconds=round(time.monotonic() - started, 3),
         )
         if self.device.type == "cuda" or config.tensor_parallel_size > 1:

@@ -18,6 +18,10 @@ stream) instead of being cut off.
 
 from __future__ import annotations
 
+from engine.openmp_waits import prefer_passive_waits
+
+prefer_passive_waits()  # before anything loads torch, which loads libgomp (engine/openmp_waits.py)
+
 import argparse
 import asyncio
 import asyncio.selector_events

@@ -40,6 +40,8 @@ def test_a_cpu_server_keeps_a_core_for_its_event_loop(launch) -> None:
     r = httpx.post(server.url + "/v1/completions", json={"model": "pagekeeper-default", "prompt": "Now is"})
     assert r.status_code == 200
     bound = [json.loads(ln) for ln in server.log().splitlines() if '"cpu_threads_bound"' in ln]
+    ready = [json.loads(ln) for ln in server.log().splitlines() if '"engine_ready"' in ln]
+    assert ready[0]["openmp_waits"] == "OMP_WAIT_POLICY=PASSIVE"  # engine/openmp_waits.py
     assert len(bound) == 1, server.log()[-2000:]
     compute, serving = bound[0]["compute_cores"], bound[0]["serving_cores"]
     allowed = _allowed(server.proc.pid)
