@@ -49,3 +49,11 @@ def test_long_tailed_contexts_are_seeded_capped_and_skewed():
     assert min(lens) >= 16 and max(lens) == 3072  # the cap is reached: a tail of long contexts
     mean, median = sum(lens) / len(lens), sorted(lens)[500]
     assert mean > 1.2 * median  # long-tailed: the mean well above the median
+
+
+def test_gemm_probe_without_a_gpu_says_so_in_one_line_and_exits_2(capsys, tmp_path):
+    from benchmarks import gemm_probe
+
+    assert gemm_probe.main(["--out", str(tmp_path), "--ms", "256,320", "--quick"]) == 2
+    assert capsys.readouterr().err.strip() == "benchmarks.gemm_probe needs a CUDA GPU"
+    assert not any(tmp_path.iterdir())
