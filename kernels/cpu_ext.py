@@ -25,9 +25,9 @@ import functools
 import hashlib
 import os
 import platform
-import shutil
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import structlog
@@ -53,11 +53,13 @@ def mode() -> str:
     return value
 
 
-def cache_root() -> Path:
+def cache_root(env: Mapping[str, str] | None = None) -> Path:
+    """Where builds are kept, for this process's environment or the given one (another process's)."""
+    env = os.environ if env is None else env
     for var in ("PAGEKEEPER_CACHE_DIR", "CACHE_DIRECTORY"):
-        if os.environ.get(var):
-            return Path(os.environ[var].split(":")[0])
-    xdg = os.environ.get("XDG_CACHE_HOME")
+        if env.get(var):
+            return Path(env[var].split(":")[0])
+    xdg = env.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "pagekeeper"
 
 
@@ -82,14 +84,20 @@ def build_key() -> str:
 
 
 def _ninja_on_path() -> None:
-    """torch's build runs `ninja` from PATH; the `ninja` package's binary is not on it when the environment's bin
-    directory is not (a venv's python started by its full path, as a systemd unit does)."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return  # the build then says that ninja is missing
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    """torch's build runs `ninja` from PATH.  The `ninja` package this project depends on goes first, whatever
+    PATH holds: a venv's python started by its full path (as a systemd unit does) does not have it on PATH, and
+    another ninja found there (a distribution's 1.11 beside the package's 1.13) writes a build log the other cannot
+    read, so each rebuilt the cached extension the other had built: 10-40 s at every start that alternated between
+    `opsctl start` from a shell and systemd (seen in the systemd tests, 2026-11-26)."""
+    try:
+        import ninja
+    except ImportError:
+        return  # the build then uses a ninja on PATH, or says that ninja is missing
+    if not os.path.exists(os.path.join(ninja.BIN_DIR, "ninja")):
+        return
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != ninja.BIN_DIR:  # the environment's own scripts directory, as a venv's activate
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
 
 
 def _build_and_load() -> None:

@@ -14,7 +14,9 @@ import pytest
 from engine.openmp_waits import WAIT_KNOBS
 from tests.server.harness import REPO
 
-POLICY = "from engine.openmp_waits import prefer_passive_waits, wait_policy; prefer_passive_waits(); print(wait_policy())"
+POLICY = (
+    "from engine.openmp_waits import prefer_passive_waits, wait_policy; prefer_passive_waits(); print(wait_policy())"
+)
 
 # One parallel matmul on two threads, then 2 s of sleep on the main thread: the CPU the process used while it slept
 # is what OpenMP's idle worker burned.

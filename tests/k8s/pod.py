@@ -25,6 +25,7 @@ from typing import Any, Callable
 import httpx
 import psutil
 
+from tests.cpu_kernel_cache import seed_cpu_kernels
 from tests.k8s.chart import REPO, by_kind
 
 DOCKERFILE = REPO / "Dockerfile"
@@ -209,6 +210,8 @@ def make_pod(name: str, root: Path, objects: list[dict[str, Any]], secrets: list
         elif not ref.get("optional"):
             raise AssertionError(f"secret {ref['name']} has no key {ref['key']}: the pod would not start")
     argv = list(container.get("command") or image_entrypoint()) + [relocate(a) for a in container.get("args", [])]
+    if env.get("XDG_CACHE_HOME", "").startswith(str(root)):  # the pod's own cache volume: no compile at start
+        seed_cpu_kernels(env)
     return Pod(name, root, pod_spec, container, argv, env)
 
 

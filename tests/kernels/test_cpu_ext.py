@@ -138,6 +138,27 @@ def test_the_build_key_follows_the_source_and_the_host(monkeypatch):
     assert cpu_ext.build_key() != key
 
 
+def test_the_build_runs_the_projects_own_ninja_whatever_path_holds(monkeypatch):
+    """A distribution's ninja first on PATH (a systemd unit's PATH) would write a build log that the package's ninja
+    cannot read, and rebuild what the other built: the package's comes first."""
+    import shutil
+
+    import ninja
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    cpu_ext._ninja_on_path()
+    assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
+    assert shutil.which("ninja") == os.path.join(ninja.BIN_DIR, "ninja")
+    cpu_ext._ninja_on_path()  # once is enough
+    assert os.environ["PATH"].count(ninja.BIN_DIR) == 1
+
+
+def test_the_cache_root_of_another_processs_environment(tmp_path):
+    assert cpu_ext.cache_root({"CACHE_DIRECTORY": f"{tmp_path}/a:{tmp_path}/b"}) == tmp_path / "a"
+    assert cpu_ext.cache_root({"PAGEKEEPER_CACHE_DIR": str(tmp_path), "CACHE_DIRECTORY": "/x"}) == tmp_path
+    assert cpu_ext.cache_root({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "pagekeeper"
+
+
 @pytest.mark.parametrize(
     "value,expected",
     [

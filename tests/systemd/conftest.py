@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.cpu_kernel_cache import seed_cpu_kernels
 from tests.opsctl.harness import write_config
 from tests.server.harness import REPO, free_port
 from tests.systemd.box import Box, BoxUnavailable, check_available
@@ -155,6 +156,8 @@ def deploy(box_support, tmp_path: Path, request: pytest.FixtureRequest):
         else:  # only the config: the test runs `opsctl install` inside the box
             (stage / "etc/pagekeeper/pagekeeper.toml").rename(stage / "pagekeeper-test.toml")
         units = {f"{ENGINE}.d/{name}.conf": text for name, text in (dropins or {}).items()}
+        # the unit's cache (CacheDirectory=pagekeeper) holds this machine's CPU kernel (tests/cpu_kernel_cache.py)
+        seed_cpu_kernels({"CACHE_DIRECTORY": str(stage / "var/cache/pagekeeper")})
         box = Box(tmp_path, run_units=units, files_from=stage, name=f"box{len(boxes)}")
         boxes.append(box)
         box.start()
