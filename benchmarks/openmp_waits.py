@@ -11,7 +11,8 @@ second engine during a handover, a test suite), and `--clients` clients each sen
 
 Policies: `passive` is the engine's default (engine/openmp_waits.py: OMP_WAIT_POLICY=PASSIVE when the operator set
 no wait knob); `libgomp-default` is what the engine ran with before (GOMP_SPINCOUNT=300000, libgomp's own default
-spin when OMP_WAIT_POLICY is unset); `active` is OMP_WAIT_POLICY=ACTIVE (spin without end).
+spin when OMP_WAIT_POLICY is unset); `active` is OMP_WAIT_POLICY=ACTIVE (spin without end); `spin-N` is
+GOMP_SPINCOUNT=N.
 
 JSON: `<out>/openmp-waits-cpu-<YYYY-MM-DD>.json`, with the CPU model, the core count and the command line.
 """
@@ -58,9 +59,16 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _policy_env(policy: str) -> dict[str, str]:
+    """A named policy's settings, or `spin-N`: GOMP_SPINCOUNT=N (spin N rounds at a barrier, then sleep)."""
+    if policy.startswith("spin-"):
+        return {"GOMP_SPINCOUNT": policy.removeprefix("spin-")}
+    return POLICY_ENV[policy]
+
+
 def _start_server(policy: str, model: str | None, log: Path) -> tuple[subprocess.Popen, str]:
     env = {k: v for k, v in os.environ.items() if k not in WAIT_KNOBS}
-    env.update(POLICY_ENV[policy])
+    env.update(_policy_env(policy))
     port = _free_port()
     cmd = [sys.executable, "-m", "engine.server", "--port", str(port)] + (["--model", model] if model else [])
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
@@ -108,9 +116,9 @@ def measure(url: str, pid: int, clients: int, requests: int, max_tokens: int) ->
 
 def _names(text: str, allowed: dict[str, Any], flag: str, p: argparse.ArgumentParser) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in allowed]
+    bad = [n for n in names if n not in allowed and not (n.startswith("spin-") and n[5:].isdigit())]
     if bad or not names:
-        p.error(f"{flag}: unknown {', '.join(bad) or 'empty list'}; choose from {', '.join(allowed)}")
+        p.error(f"{flag}: unknown {', '.join(bad) or 'empty list'}; choose from {', '.join(allowed)} or spin-N")
     return names
 
 
