@@ -1,7 +1,8 @@
 """What OpenMP's wait policy costs a CPU engine server, alone and beside busy processes.
 
     python -m benchmarks.openmp_waits [--policies passive,libgomp-default,active] [--busy 0,2] [--requests 10]
-                                      [--clients 1] [--max-tokens 32] [--model DIR] [--out benchmarks/results]
+                                      [--clients 1] [--max-tokens 32] [--model DIR] [--dtype D]
+                                      [--out benchmarks/results]
 
 For each policy one real server (`python -m engine.server`) is started; for each `--busy` count that many
 processes spinning in a loop are started beside it (the other work of a shared host: clients, a supervisor, a
@@ -66,11 +67,12 @@ def _policy_env(policy: str) -> dict[str, str]:
     return POLICY_ENV[policy]
 
 
-def _start_server(policy: str, model: str | None, log: Path) -> tuple[subprocess.Popen, str]:
+def _start_server(policy: str, model: str | None, dtype: str | None, log: Path) -> tuple[subprocess.Popen, str]:
     env = {k: v for k, v in os.environ.items() if k not in WAIT_KNOBS}
     env.update(_policy_env(policy))
     port = _free_port()
     cmd = [sys.executable, "-m", "engine.server", "--port", str(port)] + (["--model", model] if model else [])
+    cmd += ["--dtype", dtype] if dtype else []
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -130,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded default model)")
+    p.add_argument("--dtype", default=None, help="the server's --dtype (default: the checkpoint's)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     policies = _names(args.policies, POLICY_ENV, "--policies", p)
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     for policy in policies:
-        proc, url = _start_server(policy, args.model, args.out / f".openmp-waits-{policy}.log")
+        proc, url = _start_server(policy, args.model, args.dtype, args.out / f".openmp-waits-{policy}.log")
         try:
             for n in busy:
                 spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(n)]
@@ -177,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                 "clients": args.clients,
                 "requests_per_client": args.requests,
                 "max_tokens": args.max_tokens,
+                "model": args.model or "embedded default",
+                "dtype": args.dtype or "checkpoint's",
                 "runs": runs,
             },
             indent=2,

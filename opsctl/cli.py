@@ -470,22 +470,13 @@ def status(ctx: Ctx, as_json: bool) -> None:
     runtime = ctx.runtime()
     st = _status_or_none(runtime)
     if st is None:
-        orphan = recorded_engine(runtime)
-        failure = read_last_failure(runtime)
-        state = EngineState.UNSUPERVISED if orphan is not None else EngineState.NOT_RUNNING
+        document, state = unsupervised_status(runtime)
+        orphan, failure = document["engine"]["pid"], document["last_failure"]
         if as_json:
-            click.echo(
-                json.dumps(
-                    {
-                        "supervisor": None,
-                        "engine": {"state": state.value, "pid": orphan.pid if orphan else None},
-                        "last_failure": failure,
-                    }
-                )
-            )
+            click.echo(json.dumps(document))
         elif orphan is not None:
             click.echo(
-                f"engine      serving without a supervisor (pid {orphan.pid}); "
+                f"engine      serving without a supervisor (pid {orphan}); "
                 f"`opsctl start` adopts it, `opsctl stop` stops it"
             )
         else:
@@ -498,6 +489,26 @@ def status(ctx: Ctx, as_json: bool) -> None:
     for line in _status_lines(st):
         click.echo(line)
     sys.exit(code)
+
+
+def unsupervised_status(runtime: Path) -> tuple[dict[str, Any], EngineState]:
+    """`opsctl status --json`'s document when no supervisor answers: an engine left serving, or nothing."""
+    orphan = recorded_engine(runtime)
+    state = EngineState.UNSUPERVISED if orphan is not None else EngineState.NOT_RUNNING
+    document = {
+        "supervisor": None,
+        "engine": {"state": state.value, "pid": orphan.pid if orphan else None},
+        "last_failure": read_last_failure(runtime),
+    }
+    return document, state
+
+
+def status_document(runtime: Path) -> dict[str, Any]:
+    """What `opsctl status --json` prints for this runtime directory, without a process of its own."""
+    st = _status_or_none(runtime)
+    if st is None:
+        return unsupervised_status(runtime)[0]
+    return json.loads(json.dumps(st.to_json(), default=str))
 
 
 def _status_lines(st: Status) -> list[str]:
