@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from benchmarks.cpu_pair_contention import cpu_model
+from benchmarks.serving import free_port
 from engine.openmp_waits import WAIT_KNOBS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,14 +46,6 @@ POLICY_ENV = {
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
 }
 SPIN = "while True: pass"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -70,7 +63,7 @@ def _policy_env(policy: str) -> dict[str, str]:
 def _start_server(policy: str, model: str | None, dtype: str | None, log: Path) -> tuple[subprocess.Popen, str]:
     env = {k: v for k, v in os.environ.items() if k not in WAIT_KNOBS}
     env.update(_policy_env(policy))
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "engine.server", "--port", str(port)] + (["--model", model] if model else [])
     cmd += ["--dtype", dtype] if dtype else []
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
