@@ -20,8 +20,10 @@ wall time less the sum of the steps' device spans.  JSON: `<out>/step-phases-<gp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import datetime as dt
+import gc
 import io
 import json
 import os
@@ -218,6 +220,8 @@ class PhaseRecorder:
     def close(self) -> None:
         self._restore()
         self._unhook()
+        if getattr(self, "_on_gc", None) in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
 
     def profile_text(self, top: int = 40) -> str:
         """The profiled mixed launches' functions by cumulative time, then by own time (cProfile)."""
@@ -229,11 +233,73 @@ class PhaseRecorder:
         stats.sort_stats("tottime").print_stats(top)
         return buf.getvalue()
 
+    def mark_begin(self) -> None:
+        """The measured run starts now: the device's idle time before the first step counts from here, and the
+        garbage collector's pauses are recorded from here (`gc.callbacks`) until `close`."""
+        self.begin = torch.cuda.Event(enable_timing=True)
+        self.begin.record()
+        self.frozen_objects = gc.get_freeze_count()
+        self.gc_pauses: list[tuple[int, float, int]] = []  # (generation, seconds, objects collected)
+        started: dict[str, float] = {}
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                started["t"] = time.perf_counter()
+            elif "t" in started:
+                self.gc_pauses.append((info["generation"], time.perf_counter() - started.pop("t"), info["collected"]))
+
+        self._on_gc = on_gc
+        gc.callbacks.append(on_gc)
+
+    def gc_summary(self) -> dict[str, Any]:
+        """The collector's pauses during the measured run, by generation: the host stalls for each, and a pause
+        longer than the steps queued ahead of it leaves the device idle."""
+        out: dict[str, Any] = {}
+        for gen in (0, 1, 2):
+            times = sorted((p[1] for p in getattr(self, "gc_pauses", []) if p[0] == gen), reverse=True)
+            out[f"gen{gen}"] = dict(
+                count=len(times), total_ms=round(1e3 * sum(times), 1), largest_ms=[round(1e3 * t, 1) for t in times[:5]]
+            )
+        out["frozen_objects"] = getattr(self, "frozen_objects", 0)
+        return out
+
+    def idle(self, wall_s: float) -> dict[str, Any]:
+        """Where the device sat idle during the measured run: before the first step, between consecutive steps
+        (summed by the kinds of the two steps; a gap next to a profiled step, which synchronises, is left out),
+        and after the last one until `generate` returned."""
+        torch.cuda.synchronize()
+        steps = self.steps
+        if not steps:
+            return {}
+        gaps: dict[str, list[float]] = defaultdict(list)
+        top: list[tuple[float, int, str]] = []
+        for i in range(1, len(steps)):
+            a, b = steps[i - 1], steps[i]
+            if a["sampled"] or b["sampled"]:
+                continue
+            ms = max(0.0, a["events"][1].elapsed_time(b["events"][0]))
+            key = f"{a['kind']}->{b['kind']}"
+            gaps[key].append(ms)
+            top.append((ms, i, key))
+        begin = getattr(self, "begin", None)
+        first_ms = begin.elapsed_time(steps[0]["events"][0]) if begin is not None else None
+        last_ms = begin.elapsed_time(steps[-1]["events"][1]) if begin is not None else None
+        return dict(
+            before_first_step_ms=None if first_ms is None else round(first_ms, 2),
+            after_last_step_ms=None if last_ms is None else round(1e3 * wall_s - last_ms, 2),
+            between_steps_ms={
+                k: dict(count=len(v), total=round(sum(v), 2), median=round(statistics.median(v), 3))
+                for k, v in sorted(gaps.items())
+            },
+            largest_gaps=[dict(step=i, between=k, ms=round(ms, 3)) for ms, i, k in sorted(top, reverse=True)[:12]],
+        )
+
     def summary(self, wall_s: float, ceilings: tuple[ModelCost, float, float]) -> dict[str, Any]:
         """`ceilings`: the model's costs, the matmul FLOP/s and the copy bytes/s that bound each step
         (benchmarks/step_roofline.py), so each kind of step says how close to its bound it ran."""
         torch.cuda.synchronize()
         cost, matmul, copy = ceilings
+        idle = self.idle(wall_s)
         by_kind: dict[str, list[dict]] = defaultdict(list)
         # a sampled step ran under a profiler: its span holds the tracer's cost, so it stays out of the kinds' sums
         self.steps = [s for s in self.steps if not s.pop("sampled")]
@@ -284,6 +350,8 @@ class PhaseRecorder:
             steps=len(self.steps),
             device_span_s=round(device_ms / 1e3, 3),
             idle_between_steps_fraction=round(max(0.0, 1 - device_ms / 1e3 / wall_s), 4),
+            idle=idle,
+            gc=self.gc_summary(),
             host_s=dict(
                 schedule=round(sum(s["schedule_ms"] for s in self.steps) / 1e3, 3),
                 launch=round(sum(s["launch_ms"] for s in self.steps) / 1e3, 3),
@@ -339,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
         help="trace the device kernels of this many decode and this many mixed steps (benchmarks/step_kernels.py)",
     )
     p.add_argument("--kernel-profile-every", type=int, default=10, help="trace every N-th step of each kind")
+    p.add_argument(
+        "--gc-unfrozen", action="store_true", help="A/B: leave the start-up heap to the collector (engine/gc_heap.py)"
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if args.kernel_profile < 0 or args.kernel_profile_every < 1:
@@ -371,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()
+    if args.gc_unfrozen:  # A/B: the engine before engine/gc_heap.py, its start-up heap walked by every full pass
+        import engine.llm
+
+        engine.llm.frozen_heap = contextlib.nullcontext  # type: ignore[assignment]
+    recorder.mark_begin()
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": q} for q, _ in work], params_for(work), use_tqdm=False)
     torch.cuda.synchronize()
@@ -412,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         result["mixed_launch_torch_profile"] = recorder.torch_profile_rows()
     slug = name.lower().replace("nvidia ", "").replace(" ", "-").split("-80gb")[0]
     args.out.mkdir(parents=True, exist_ok=True)
-    variant = "-no-dense" if args.no_dense else ""
+    variant = ("-no-dense" if args.no_dense else "") + ("-gc-unfrozen" if args.gc_unfrozen else "")
     path = args.out / f"step-phases-{slug}-{args.workload}{variant}-{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     long = ("by_kind", "prompt_steps", "triton_variants_met", "mixed_launch_torch_profile", "kernels_by_kind")

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from engine.chat import load_chat_template, render_chat
 from engine.config import EngineConfig
+from engine.gc_heap import frozen_heap
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -85,6 +86,16 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched by the scheduler; outputs in prompt order."""
+        # the collector's full passes would walk the engine's start-up heap between steps (engine/gc_heap.py)
+        with frozen_heap():
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (text, dict, or a list of token ids)
         prompts = list(prompts)

@@ -109,6 +109,7 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     from engine.distributed.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
+    from engine.gc_heap import freeze_startup_heap
     from engine.logs import configure_logging
     from engine.memory.budget import KVPlan
     from engine.runner.sampler import DeviceSample
@@ -129,6 +130,8 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
         return int(answer[1])
 
     up = start_runner(config, info, device, tp, agree)
+    # a rank's full collection would stall every rank at the next all-reduce (engine/gc_heap.py)
+    freeze_startup_heap()
     conn.send(("ready", up.graph_capture_seconds))
     runner = up.runner
     runner.reads_samples = False  # only rank 0's samples are read

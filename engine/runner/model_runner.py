@@ -190,9 +190,12 @@ class ModelRunner:
         (pytorch/pytorch#115388), so tensor-parallel ranks release them before leaving the group."""
         import gc
 
+        from engine.gc_heap import thaw
+
         self.graphs = None
         self.static = None
         self.pieces = None
+        thaw()  # graphs captured at start-up may sit in the frozen heap (engine/gc_heap.py)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

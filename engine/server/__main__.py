@@ -39,6 +39,7 @@ import uvicorn
 from engine.chat import load_chat_template
 from engine.config import ConfigError, EngineConfig
 from engine.config_file import SECRET_ENV, engine_args, load_engine_section
+from engine.gc_heap import freeze_startup_heap
 from engine.logs import configure_logging
 from engine.schema import validate_section
 from engine.server.control import ControlSocket
@@ -339,6 +340,8 @@ def serve(
     async_engine.add_loop_hook(core_share)
     # The watchdog is pinged from the step loop, and only while the HTTP loop is alive too.
     async_engine.add_step_hook(lambda: server.http_loop_alive(notifier.watchdog_interval) and notifier.watchdog())
+    # everything built so far lives as long as the server: out of the collector's full passes (engine/gc_heap.py)
+    frozen = freeze_startup_heap()
     async_engine.start()
     log.info(
         "serving",
@@ -348,6 +351,7 @@ def serve(
         socket="inherited" if inherited else "bound",
         systemd_notify=notifier.enabled,
         watchdog_s=notifier.watchdog_interval,
+        gc_frozen_objects=frozen,
     )
     try:
         server.run(sockets=[sock])

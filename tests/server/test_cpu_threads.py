@@ -42,6 +42,8 @@ def test_a_cpu_server_keeps_a_core_for_its_event_loop(launch) -> None:
     bound = [json.loads(ln) for ln in server.log().splitlines() if '"cpu_threads_bound"' in ln]
     ready = [json.loads(ln) for ln in server.log().splitlines() if '"engine_ready"' in ln]
     assert ready[0]["openmp_waits"] == "OMP_WAIT_POLICY=PASSIVE"  # engine/openmp_waits.py
+    up = [json.loads(ln) for ln in server.log().splitlines() if '"serving"' in ln]
+    assert up[0]["gc_frozen_objects"] > 50_000  # the start-up heap, out of full collections (engine/gc_heap.py)
     assert len(bound) == 1, server.log()[-2000:]
     compute, serving = bound[0]["compute_cores"], bound[0]["serving_cores"]
     allowed = _allowed(server.proc.pid)

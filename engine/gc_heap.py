@@ -1,0 +1,70 @@
+"""Keep the garbage collector's full passes off the step loop.
+
+A full (generation-2) collection walks every object the collector tracks.  After start-up that is the model,
+torch's and transformers' modules and the KV pool: about 450,000 objects, and a pass took 230-340 ms on the
+device host's CPU (H100, 2026-11-26).  The host stalls that long, the device runs out of queued steps (two at
+most) and sits idle: one pass cost 3.9 % of the uniform benchmark's wall time, three passes 2.4-2.6 % of the
+long-tailed one (`benchmarks/step_phases.py`, its `gc` and `idle` keys).
+
+What start-up built lives as long as the engine, so scanning it again finds nothing.  `gc.freeze()` moves it
+to the collector's permanent generation: later passes walk only what was made since (requests, outputs),
+and took 17-24 ms in the same runs.
+
+- A process that exists for one engine (the server, a tensor-parallel rank) freezes its heap once, after
+  start-up: `freeze_startup_heap`.
+- The offline API runs inside the caller's process, whose other objects it must not keep alive: `frozen_heap`
+  freezes for one run of steps and hands everything back to the collector afterwards, so an engine the caller
+  drops is still freed.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_lock = threading.Lock()
+_process_frozen = False  # freeze_startup_heap ran: the heap stays frozen, frozen_heap has nothing to do
+_runs = 0  # frozen_heap blocks now running (threads may run two offline engines at once)
+
+
+def freeze_startup_heap() -> int:
+    """Collect start-up's garbage once, then put every object left out of the collector's reach for the rest
+    of the process; returns how many objects that froze (logged at start-up)."""
+    global _process_frozen
+    with _lock:
+        gc.collect()
+        gc.freeze()
+        _process_frozen = True
+        return gc.get_freeze_count()
+
+
+def thaw() -> None:
+    """Give the frozen objects back to the collector (before a teardown that needs a full collection to free
+    objects made at start-up, such as CUDA graphs that hold an NCCL communicator)."""
+    global _process_frozen
+    with _lock:
+        gc.unfreeze()
+        _process_frozen = False
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Freeze what exists now for the duration of the block, then unfreeze (the last of overlapping blocks
+    does).  Freezing and unfreezing move whole lists, so a block costs microseconds, not a collection."""
+    global _runs
+    with _lock:
+        if not _process_frozen:
+            if _runs == 0:
+                gc.freeze()
+            _runs += 1
+        counted = not _process_frozen
+    try:
+        yield
+    finally:
+        with _lock:
+            if counted:
+                _runs -= 1
+                if _runs == 0 and not _process_frozen:
+                    gc.unfreeze()
