@@ -83,3 +83,19 @@ def test_adjustments_and_constraints_on_the_gpu_equal_the_cpu_engine():
         if text.rstrip().endswith("}"):
             obj = json.loads(text)
             assert set(obj) == {"name", "count"} and isinstance(obj["count"], int)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_rows_take_the_argmax_of_the_models_dtype_first_of_equals(dtype):
+    """A plain greedy batch without logprobs skips the float32 copy: the same tokens, ties included."""
+    from engine.runner.sampler import SamplingBatch, sample_on_device
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(256, 128256, device="cuda", generator=g).to(dtype)
+    logits[:, 77] = logits.max(dim=-1).values  # a tie with each row's maximum: the first of equals wins
+    logits[3] = 0  # every token equal
+    batch = SamplingBatch(None, None, None, [None] * 256, True, True, False, -1)
+    tokens = sample_on_device(logits, batch, torch.Generator(device="cuda")).to_host().token_ids
+    assert tokens == logits.float().argmax(dim=-1).tolist()
+    assert tokens[3] == 0 and all(t <= 77 for t in tokens)
