@@ -123,9 +123,11 @@ def _order(item: pytest.Item, slow_modules: set[object]) -> tuple[bool, bool, in
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The soak's check runs last, so that its ten minutes pass while the other tests run.  Before it, the modules
     that hold slow tests come first, the longest-waiting directories first of all; each module's tests stay
-    together, so its module-scoped servers start once.  README's `-n 2 --dist loadfile` hands whole files to the
-    two workers in this order: a three-minute test that started last kept one worker busy for minutes after the
-    other had finished (20:44 against about 17 minutes of work per worker, 2026-11-26)."""
+    together, so its module-scoped servers start once.  That order holds for a serial run.  Under README's
+    `-n 2 --dist loadfile`, pytest-xdist hands out whole files sorted by their number of tests instead, and that
+    was the faster order on the 2-core build machine: 20:33 against 21:53-21:56 when
+    `--no-loadscope-reorder` kept this one (both chaos-type tests then started together; 2026-11-26,
+    cpu-suite-xdist-2026-11-26.txt)."""
     _skip_gpu_tests_without_cuda(items)
     slow_modules = {item.module for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: _order(item, slow_modules))
