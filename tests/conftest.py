@@ -124,10 +124,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The soak's check runs last, so that its ten minutes pass while the other tests run.  Before it, the modules
     that hold slow tests come first, the longest-waiting directories first of all; each module's tests stay
     together, so its module-scoped servers start once.  That order holds for a serial run.  Under README's
-    `-n 2 --dist loadfile`, pytest-xdist hands out whole files sorted by their number of tests instead, and that
-    was the faster order on the 2-core build machine: 20:33 against 21:53-21:56 when
-    `--no-loadscope-reorder` kept this one (both chaos-type tests then started together; 2026-11-26,
-    cpu-suite-xdist-2026-11-26.txt)."""
+    `-n 2 --dist loadfile`, pytest-xdist hands out whole files sorted by their number of tests instead.  Keeping
+    this order there (`--no-loadscope-reorder`) gained nothing on the 2-core build machine: 21:53-21:56 against
+    20:33-24:05 with xdist's order, and the chaos and exit-code tests, started together, slowed each other
+    (2026-11-26, cpu-suite-xdist-2026-11-26.txt)."""
     _skip_gpu_tests_without_cuda(items)
     slow_modules = {item.module for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: _order(item, slow_modules))
