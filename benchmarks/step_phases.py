@@ -77,6 +77,10 @@ class PhaseRecorder:
         # torch profiler events of the profiled mixed launches: name -> [calls, self CPU us, self device us]
         self.torch_events: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
         self.steps: list[dict[str, Any]] = []
+        # the measured run (mark_begin): its first device event and the collector's passes during it
+        self.begin: torch.cuda.Event | None = None
+        self.gc_pauses: list[tuple[int, float, int]] = []  # (generation, seconds, objects frozen at its start)
+        self._on_gc: Callable[[str, dict[str, int]], None] | None = None
         self.waits: list[float] = []
         self.updates: list[float] = []
         sched, runner = core.scheduler, core.runner
@@ -220,7 +224,7 @@ class PhaseRecorder:
     def close(self) -> None:
         self._restore()
         self._unhook()
-        if getattr(self, "_on_gc", None) in gc.callbacks:
+        if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
 
     def profile_text(self, top: int = 40) -> str:
@@ -238,15 +242,14 @@ class PhaseRecorder:
         garbage collector's pauses are recorded from here (`gc.callbacks`) until `close`."""
         self.begin = torch.cuda.Event(enable_timing=True)
         self.begin.record()
-        self.frozen_objects = gc.get_freeze_count()
-        self.gc_pauses: list[tuple[int, float, int]] = []  # (generation, seconds, objects collected)
         started: dict[str, float] = {}
 
         def on_gc(phase: str, info: dict[str, int]) -> None:
             if phase == "start":
                 started["t"] = time.perf_counter()
             elif "t" in started:
-                self.gc_pauses.append((info["generation"], time.perf_counter() - started.pop("t"), info["collected"]))
+                seconds = time.perf_counter() - started.pop("t")
+                self.gc_pauses.append((info["generation"], seconds, gc.get_freeze_count()))
 
         self._on_gc = on_gc
         gc.callbacks.append(on_gc)
@@ -256,11 +259,12 @@ class PhaseRecorder:
         longer than the steps queued ahead of it leaves the device idle."""
         out: dict[str, Any] = {}
         for gen in (0, 1, 2):
-            times = sorted((p[1] for p in getattr(self, "gc_pauses", []) if p[0] == gen), reverse=True)
+            times = sorted((p[1] for p in self.gc_pauses if p[0] == gen), reverse=True)
             out[f"gen{gen}"] = dict(
                 count=len(times), total_ms=round(1e3 * sum(times), 1), largest_ms=[round(1e3 * t, 1) for t in times[:5]]
             )
-        out["frozen_objects"] = getattr(self, "frozen_objects", 0)
+        # frozen while the run collected (engine/gc_heap.py freezes inside `generate`, after mark_begin)
+        out["frozen_objects"] = max((p[2] for p in self.gc_pauses), default=gc.get_freeze_count())
         return out
 
     def idle(self, wall_s: float) -> dict[str, Any]:
@@ -281,7 +285,7 @@ class PhaseRecorder:
             key = f"{a['kind']}->{b['kind']}"
             gaps[key].append(ms)
             top.append((ms, i, key))
-        begin = getattr(self, "begin", None)
+        begin = self.begin
         first_ms = begin.elapsed_time(steps[0]["events"][0]) if begin is not None else None
         last_ms = begin.elapsed_time(steps[-1]["events"][1]) if begin is not None else None
         return dict(

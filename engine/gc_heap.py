@@ -55,11 +55,11 @@ def frozen_heap() -> Iterator[None]:
     does).  Freezing and unfreezing move whole lists, so a block costs microseconds, not a collection."""
     global _runs
     with _lock:
-        if not _process_frozen:
+        counted = not _process_frozen  # a process frozen for good has nothing to give back afterwards
+        if counted:
             if _runs == 0:
                 gc.freeze()
             _runs += 1
-        counted = not _process_frozen
     try:
         yield
     finally:
