@@ -7,7 +7,8 @@ outage on a GPU is the old engine's exit plus the new one's start-up.  Each repe
 own `main()` in a fresh interpreter with timing hooks around its phases (importing torch, the server's modules,
 `inspect_model`: the checkpoint's config through transformers, `load_tokenizer`, then building the engine until the
 server listens), sends it SIGTERM once it serves, and times SIGTERM to the `stopped` log line (the drain, nothing in
-flight) and that line to the process's exit.  `--teardown interpreter` ends the child with `sys.exit` (the
+flight) and that line to the process's exit, in wall seconds and in the CPU seconds the exit used (`exit_cpu_s`:
+what the exit itself costs, which other work on the cores does not change).  `--teardown interpreter` ends the child with `sys.exit` (the
 interpreter's module teardown, what the engine did before it exited without it); `skip` the way the engine does now
 (`engine.server.__main__.exit_without_teardown`); `both` alternates them.  The embedded default model, on the CPU.
 
@@ -57,6 +58,8 @@ async def announce(self, sockets=None):
     print("STARTUP " + json.dumps(marks), flush=True)
 server_main.DrainOnTermServer.startup = announce
 code = server_main.main(["--port", sys.argv[1]])
+cpu = os.times()
+print(f"EXITING {cpu.user + cpu.system + cpu.children_user + cpu.children_system:.4f}", flush=True)
 if sys.argv[2] == "skip":
     server_main.exit_without_teardown(code)
 sys.exit(code)
@@ -67,6 +70,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _wait_with_cpu(p: subprocess.Popen[str], timeout: float) -> tuple[int, float]:
+    """Reap the child and return its exit code and the CPU seconds (user + system) it used in all, with those of the
+    children it reaped (a kernel build at start-up), as the child's own `os.times()` counts them.
+
+    The exit's CPU seconds, unlike its wall seconds, do not grow when other work shares the cores: the comparison
+    of the two exits holds on a loaded CI machine, where one run's wall time can swing by half a second.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+        if pid:
+            p.returncode = os.waitstatus_to_exitcode(status)
+            return p.returncode, usage.ru_utime + usage.ru_stime
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(p.args, timeout)
+        time.sleep(0.01)
 
 
 def one_run(teardown: str) -> dict[str, Any]:
@@ -101,16 +122,20 @@ def one_run(teardown: str) -> dict[str, Any]:
         sent = time.monotonic()
         p.send_signal(signal.SIGTERM)
         stopped = None
+        cpu_at_exit_start = None
         for line in p.stdout:
             if stopped is None and '"event": "stopped"' in line:
                 stopped = time.monotonic()
-        p.wait(60)
+            elif line.startswith("EXITING "):
+                cpu_at_exit_start = float(line.split()[1])
+        returncode, cpu_total = _wait_with_cpu(p, timeout=60)
         ended = time.monotonic()
-        if stopped is None:
+        if stopped is None or cpu_at_exit_start is None:
             raise RuntimeError("the engine exited without its `stopped` line")
         row["sigterm_to_stopped"] = round(stopped - sent, 3)
         row["stopped_to_exit"] = round(ended - stopped, 3)
-        row["exit_code"] = p.returncode
+        row["exit_cpu_s"] = round(cpu_total - cpu_at_exit_start, 3)
+        row["exit_code"] = returncode
     finally:
         if p.poll() is None:
             p.kill()

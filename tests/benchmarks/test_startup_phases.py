@@ -22,7 +22,10 @@ def test_one_repeat_of_each_exit_times_every_phase() -> None:
     phases = ("import_torch", "import_engine_server", "inspect_model", "load_tokenizer", "build_engine_and_listen")
     for row in rows.values():
         assert row["exit_code"] == 0
+        assert row["exit_cpu_s"] >= 0 and row["stopped_to_exit"] >= 0
         assert all(row[k] >= 0 for k in phases) and row["to_serving"] >= sum(row[k] for k in phases) - 0.05
         assert row["spawn_to_serving"] >= row["to_serving"]
-    # The engine leaves without the interpreter's teardown: its exit is the faster of the two.
-    assert rows["skip"]["stopped_to_exit"] < rows["interpreter"]["stopped_to_exit"]
+    # The engine leaves without the interpreter's teardown: its exit does the less work of the two.  Compared in CPU
+    # seconds: wall seconds swing with the other worker's load (a CI run measured the skip's exit at 0.66 s of wall
+    # against the teardown's 0.35 s), CPU seconds do not (0.12 s against 0.35 s here).
+    assert rows["skip"]["exit_cpu_s"] < rows["interpreter"]["exit_cpu_s"]
