@@ -30,6 +30,7 @@ import os
 import pstats
 import statistics
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -62,7 +63,14 @@ class PhaseRecorder:
     """Wraps the engine core's scheduler and runner to time each step's phases (host) and span (device)."""
 
     def __init__(
-        self, llm: LLM, profile_mixed: int = 0, torch_profile_mixed: int = 0, kernel_profile: int = 0, every: int = 10
+        self,
+        llm: LLM,
+        profile_mixed: int = 0,
+        torch_profile_mixed: int = 0,
+        kernel_profile: int = 0,
+        every: int = 10,
+        profile_updates: bool = False,
+        gc_unfrozen: bool = False,
     ) -> None:
         core = llm.llm_engine.core
         # device kernels of sampled decode and mixed steps (benchmarks/step_kernels.py): every `every`-th step of
@@ -72,6 +80,8 @@ class PhaseRecorder:
         self.kind_count: dict[str, int] = defaultdict(int)
         self.kernel_samples: list[dict[str, Any]] = []
         self.profiler = cProfile.Profile() if profile_mixed else None
+        self.update_profiler = cProfile.Profile() if profile_updates else None
+        self.gc_unfrozen = gc_unfrozen
         self.profile_left = profile_mixed
         self.torch_left = torch_profile_mixed
         # torch profiler events of the profiled mixed launches: name -> [calls, self CPU us, self device us]
@@ -79,10 +89,13 @@ class PhaseRecorder:
         self.steps: list[dict[str, Any]] = []
         # the measured run (mark_begin): its first device event and the collector's passes during it
         self.begin: torch.cuda.Event | None = None
-        self.gc_pauses: list[tuple[int, float, int]] = []  # (generation, seconds, objects frozen at its start)
+        self.gc_pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        self.tracked_objects_at_begin = 0
         self._on_gc: Callable[[str, dict[str, int]], None] | None = None
         self.waits: list[float] = []
         self.updates: list[float] = []
+        # host seconds spent waiting for samples and in the scheduler's update before step i was launched
+        self.host_between: dict[int, dict[str, float]] = defaultdict(lambda: {"wait": 0.0, "update": 0.0})
         sched, runner = core.scheduler, core.runner
         schedule, launch, update = sched.schedule, runner.launch, sched.update
         pending: dict[str, float] = {}
@@ -123,15 +136,23 @@ class PhaseRecorder:
                     tokens=sum(s.num_tokens for s in plan.seqs),
                     schedule_ms=1e3 * pending.pop("schedule", 0.0),
                     launch_ms=1e3 * host,
+                    launched_at=t,
                     events=(start, end),
                 )
             )
             return sample
 
         def timed_update(*a, **k):
-            t = time.perf_counter()
-            out = update(*a, **k)
+            t, cpu = time.perf_counter(), time.thread_time()
+            if self.update_profiler is not None:
+                out = self.update_profiler.runcall(update, *a, **k)
+            else:
+                out = update(*a, **k)
             self.updates.append(time.perf_counter() - t)
+            between = self.host_between[len(self.steps)]
+            between["update"] += time.perf_counter() - t
+            # the thread's own CPU time: a wall time far above it is a wait (the GIL, the OS), not work
+            between["update_cpu"] = between.get("update_cpu", 0.0) + time.thread_time() - cpu
             return out
 
         to_host = sampler_mod.DeviceSample.to_host
@@ -140,6 +161,7 @@ class PhaseRecorder:
             t = time.perf_counter()
             out = to_host(sample_self)
             self.waits.append(time.perf_counter() - t)
+            self.host_between[len(self.steps)]["wait"] += time.perf_counter() - t
             return out
 
         # Triton kernel variants first met during the run (each is compiled, or loaded from the disk cache, inside
@@ -227,19 +249,28 @@ class PhaseRecorder:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
 
-    def profile_text(self, top: int = 40) -> str:
-        """The profiled mixed launches' functions by cumulative time, then by own time (cProfile)."""
-        if self.profiler is None:
+    def profile_text(self, top: int = 40, updates: bool = False) -> str:
+        """The profiled mixed launches' (or every update's) functions by cumulative time, then by own time
+        (cProfile)."""
+        profiler = self.update_profiler if updates else self.profiler
+        if profiler is None:
             return ""
         buf = io.StringIO()
-        stats = pstats.Stats(self.profiler, stream=buf)
+        stats = pstats.Stats(profiler, stream=buf)
         stats.sort_stats("cumulative").print_stats(top)
         stats.sort_stats("tottime").print_stats(top)
         return buf.getvalue()
 
     def mark_begin(self) -> None:
         """The measured run starts now: the device's idle time before the first step counts from here, and the
-        garbage collector's pauses are recorded from here (`gc.callbacks`) until `close`."""
+        garbage collector's pauses are recorded from here (`gc.callbacks`) until `close`.
+
+        The objects the collector tracks are counted here, before the clock starts: `generate` freezes those
+        (engine/gc_heap.py).  Counting them inside the run is no option: `gc.get_freeze_count()` walks the
+        permanent generation's list, 44 ms for 450,000 objects (H100 host, Python 3.12); called from the
+        collector's callback it stalled every 6th decode step of a 64-sequence run and left the device idle 35 %
+        of the time (2026-11-27, `--profile-updates`)."""
+        self.tracked_objects_at_begin = len(gc.get_objects())
         self.begin = torch.cuda.Event(enable_timing=True)
         self.begin.record()
         started: dict[str, float] = {}
@@ -249,7 +280,8 @@ class PhaseRecorder:
                 started["t"] = time.perf_counter()
             elif "t" in started:
                 seconds = time.perf_counter() - started.pop("t")
-                self.gc_pauses.append((info["generation"], seconds, gc.get_freeze_count()))
+                self.gc_pauses.append((info["generation"], seconds))
+                self.host_between[len(self.steps)]["gc"] = self.host_between[len(self.steps)].get("gc", 0.0) + seconds
 
         self._on_gc = on_gc
         gc.callbacks.append(on_gc)
@@ -263,8 +295,8 @@ class PhaseRecorder:
             out[f"gen{gen}"] = dict(
                 count=len(times), total_ms=round(1e3 * sum(times), 1), largest_ms=[round(1e3 * t, 1) for t in times[:5]]
             )
-        # frozen while the run collected (engine/gc_heap.py freezes inside `generate`, after mark_begin)
-        out["frozen_objects"] = max((p[2] for p in self.gc_pauses), default=gc.get_freeze_count())
+        # what `generate` froze (engine/gc_heap.py), unless the A/B left the heap to the collector
+        out["frozen_objects"] = 0 if self.gc_unfrozen else self.tracked_objects_at_begin
         return out
 
     def idle(self, wall_s: float) -> dict[str, Any]:
@@ -295,7 +327,27 @@ class PhaseRecorder:
                 k: dict(count=len(v), total=round(sum(v), 2), median=round(statistics.median(v), 3))
                 for k, v in sorted(gaps.items())
             },
-            largest_gaps=[dict(step=i, between=k, ms=round(ms, 3)) for ms, i, k in sorted(top, reverse=True)[:12]],
+            largest_gaps=[self._gap_detail(i, k, ms) for ms, i, k in sorted(top, reverse=True)[:12]],
+        )
+
+    def _gap_detail(self, i: int, between: str, ms: float) -> dict[str, Any]:
+        """One idle gap before step i with the host's account of it: the host milliseconds from step i-1's launch
+        to step i's, and what they went to (i-1's launch, the waits for samples, the scheduler's update and plan,
+        collector passes).  A gap the host's time covers was host-paced; the remainder, if any, is elsewhere."""
+        a, b = self.steps[i - 1], self.steps[i]
+        between_host = self.host_between.get(i, {})
+        return dict(
+            step=i,
+            between=between,
+            ms=round(ms, 3),
+            seqs=(a["seqs"], b["seqs"]),
+            tokens=(a["tokens"], b["tokens"]),
+            host_launch_to_launch_ms=round(1e3 * (b["launched_at"] - a["launched_at"]), 3),
+            host_ms={
+                "previous_launch": round(a["launch_ms"], 3),
+                **{k: round(1e3 * v, 3) for k, v in between_host.items()},
+                "schedule": round(b["schedule_ms"], 3),
+            },
         )
 
     def summary(self, wall_s: float, ceilings: tuple[ModelCost, float, float]) -> dict[str, Any]:
@@ -411,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         help="trace the device kernels of this many decode and this many mixed steps (benchmarks/step_kernels.py)",
     )
     p.add_argument("--kernel-profile-every", type=int, default=10, help="trace every N-th step of each kind")
+    p.add_argument("--profile-updates", action="store_true", help="cProfile every call of the scheduler's update")
     p.add_argument(
         "--gc-unfrozen", action="store_true", help="A/B: leave the start-up heap to the collector (engine/gc_heap.py)"
     )
@@ -442,7 +495,13 @@ def main(argv: list[str] | None = None) -> int:
         llm.llm_engine.core.runner.dense_lengths = None
     llm.generate([{"prompt_token_ids": q} for q, _ in work[:32]], params_for(work[:32]), use_tqdm=False)
     recorder = PhaseRecorder(
-        llm, args.profile_mixed, args.torch_profile_mixed, args.kernel_profile, args.kernel_profile_every
+        llm,
+        args.profile_mixed,
+        args.torch_profile_mixed,
+        args.kernel_profile,
+        args.kernel_profile_every,
+        args.profile_updates,
+        args.gc_unfrozen,
     )
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()
@@ -488,20 +547,36 @@ def main(argv: list[str] | None = None) -> int:
         result["kernels_by_kind"] = recorder.kernel_summary(ModelCost.from_config(LLAMA3_8B, 2), matmul, copy)
     if args.profile_mixed:
         result["mixed_launch_profile"] = recorder.profile_text().splitlines()
+    if args.profile_updates:
+        result["update_profile"] = recorder.profile_text(updates=True).splitlines()
+    result["threads"] = sorted(t.name for t in threading.enumerate())
     if args.torch_profile_mixed:
         result["mixed_launch_torch_profile"] = recorder.torch_profile_rows()
     slug = name.lower().replace("nvidia ", "").replace(" ", "-").split("-80gb")[0]
     args.out.mkdir(parents=True, exist_ok=True)
-    variant = ("-no-dense" if args.no_dense else "") + ("-gc-unfrozen" if args.gc_unfrozen else "")
+    variant = (
+        (f"-n{args.num_prompts}" if args.num_prompts else "")
+        + ("-no-dense" if args.no_dense else "")
+        + ("-gc-unfrozen" if args.gc_unfrozen else "")
+    )
     path = args.out / f"step-phases-{slug}-{args.workload}{variant}-{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    long = ("by_kind", "prompt_steps", "triton_variants_met", "mixed_launch_torch_profile", "kernels_by_kind")
+    long = (
+        "by_kind",
+        "prompt_steps",
+        "triton_variants_met",
+        "mixed_launch_torch_profile",
+        "kernels_by_kind",
+        "mixed_launch_profile",
+        "update_profile",
+    )
     print(json.dumps({k: v for k, v in result.items() if k not in long}, indent=2))
     for v in result.get("triton_variants_met", []):
         print(f"triton variant met in step {v['step']}: {v['kernel']}")
     for kind, agg in result["by_kind"].items():
         print(kind, {k: (v["median"], v["total"]) if isinstance(v, dict) else v for k, v in agg.items()})
     print("\n".join(result.get("mixed_launch_profile", [])))
+    print("\n".join(result.get("update_profile", [])))
     for row in result.get("mixed_launch_torch_profile", []):
         print(row)
     for kind, agg in result.get("kernels_by_kind", {}).items():
