@@ -37,7 +37,10 @@ def test_echoes_new_lines_as_json_through_a_rotation(tmp_path: Path) -> None:
         assert lines[0] == {"event": "engine_ready", "level": "info"}  # the engine's own JSON, as it is
         assert lines[1]["line"] == "--- engine start 2026-11-24T09:00:00 ---" and lines[1]["event"] == "engine_output"
         assert lines[2]["line"] == "Traceback (most recent call last):"  # a line split across two writes is one line
-        log.write_bytes(log.read_bytes() + b"x" * 5000 + b"\n")
+        # appended, as the engine writes (Path.write_bytes would truncate first: a poll that saw the empty file
+        # took it for a rotation, and the line was lost in one suite run under load)
+        with open(log, "ab") as f:
+            f.write(b"x" * 5000 + b"\n")
         assert rotate_if_large(log, 4096, 1)  # copied to .1 and truncated in place, as the supervisor rotates
         with open(log, "a") as f:
             f.write('{"event": "after the rotation"}\n')
