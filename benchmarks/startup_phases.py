@@ -8,9 +8,10 @@ own `main()` in a fresh interpreter with timing hooks around its phases (importi
 `inspect_model`: the checkpoint's config through transformers, `load_tokenizer`, then building the engine until the
 server listens), sends it SIGTERM once it serves, and times SIGTERM to the `stopped` log line (the drain, nothing in
 flight) and that line to the process's exit, in wall seconds and in the CPU seconds the exit used (`exit_cpu_s`:
-what the exit itself costs, which other work on the cores does not change).  `--teardown interpreter` ends the child with `sys.exit` (the
-interpreter's module teardown, what the engine did before it exited without it); `skip` the way the engine does now
-(`engine.server.__main__.exit_without_teardown`); `both` alternates them.  The embedded default model, on the CPU.
+what the exit itself costs, which other work on the cores does not change).  `--teardown interpreter` ends the
+child with `sys.exit` (the interpreter's module teardown, what the engine did before it exited without it); `skip`
+the way the engine does now (`engine.server.__main__.exit_without_teardown`); `both` alternates them.  The
+embedded default model, on the CPU.
 
 The JSON result goes to `<out>/startup-phases-<YYYY-MM-DD>.json` with the CPU model, the core count, the package
 versions and the command line; the last line printed is the same JSON.

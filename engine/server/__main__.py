@@ -561,12 +561,12 @@ def main(argv: list[str] | None = None) -> int:
 def exit_without_teardown(code: int) -> NoReturn:
     """Leave once the server has stopped, skipping the interpreter's module teardown.
 
-    With torch loaded that teardown took about 2 s on a 2-core host (0.1 s without it); since the start-up heap is
-    frozen (engine/gc_heap.py) it takes 0.35 s of CPU against 0.12 s (`python -m benchmarks.startup_phases`).  It
-    frees nothing the kernel does not free with the process: sockets, files, GPU memory.  Those seconds delayed every restart (the
-    successor waits for the exit where the old engine holds the GPU), and kept a silent process that a supervisor
-    could take for hung.  What registered for the exit still runs first: tensor-parallel workers are stopped, logs
-    flushed.
+    With torch loaded that teardown took about 2 s on a 2-core host (0.1 s without it); since the start-up heap
+    is frozen (engine/gc_heap.py) it takes 0.35 s of CPU against 0.12 s (`python -m benchmarks.startup_phases`).
+    It frees nothing the kernel does not free with the process: sockets, files, GPU memory.  Those seconds
+    delayed every restart (the successor waits for the exit where the old engine holds the GPU), and kept a
+    silent process that a supervisor could take for hung.  What registered for the exit still runs first:
+    tensor-parallel workers are stopped, logs flushed.
     """
     atexit._run_exitfuncs()
     sys.stdout.flush()
