@@ -74,8 +74,10 @@ def test_sigterm_drains_in_flight_streams_refuses_new_work_and_exits_0(launch):
     print(f'\nexited {exit_s:.2f} s after its last log line ("stopped")')
     assert server.proc.wait(30) == 0
     assert '"reason": "drained"' in server.log()
-    # The interpreter's teardown with torch loaded took about 2 s on a 2-core host; the engine skips it.
-    assert exit_s < 1.0
+    # The interpreter's teardown with torch loaded took about 2 s on a 2-core host; the engine skips it (0.1 s on an
+    # idle machine; a CI run under the suite's load measured 0.66 s).  Which exit is cheaper is checked in CPU
+    # seconds by tests/benchmarks/test_startup_phases.py; here, the bound a restart waits for.
+    assert exit_s < 2.0
 
 
 def test_drain_endpoint_reports_counts_and_can_be_undone(launch):
