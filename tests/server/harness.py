@@ -7,6 +7,7 @@ that is always killed by PID afterwards.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,7 +27,32 @@ def tp_workers(pid: int) -> list[psutil.Process]:
     return [p for p in psutil.Process(pid).children() if "engine.distributed.worker" in " ".join(p.cmdline())]
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on, below the kernel's ephemeral range.
+
+    A server binds its port seconds after the port is chosen (its start-up).  A port from the ephemeral range, which
+    bind(0) hands out, can meanwhile become the source port of any outgoing connection the suite makes: a full run
+    once lost a test to "Address already in use" that way.  The kernel never hands out ports below the range as
+    source ports, so only another test choosing the same one of ~12,000 can collide (start_server retries then).
+    """
+    low, _ = _ephemeral_range()
+    pick = random.SystemRandom()
+    for _ in range(100):
+        port = pick.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -80,8 +106,32 @@ def start_server(
     preexec_fn=None,
     name: str = "server",
 ) -> ServerProcess:  # type: ignore[no-untyped-def]
-    """`name`: the log's, for servers that share a port (a handover)."""
-    port = port or free_port()
+    """`name`: the log's, for servers that share a port (a handover).  A port this function chose that another
+    process took before the server bound it is replaced, up to twice (the server exits 2 naming the clash)."""
+    for attempt in range(3):
+        chosen = port or free_port()
+        try:
+            return _start_server(tmp_path, chosen, args, env, wait, pass_fds, preexec_fn, name)
+        except PortTaken:
+            if port is not None or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class PortTaken(RuntimeError):
+    """The server exited 2 because its port was in use when it came to bind it."""
+
+
+def _start_server(
+    tmp_path: Path,
+    port: int,
+    args: tuple[str, ...],
+    env: dict[str, str] | None,
+    wait: bool,
+    pass_fds: tuple[int, ...],
+    preexec_fn,
+    name: str,
+) -> ServerProcess:  # type: ignore[no-untyped-def]
     log_path = tmp_path / f"{name}-{port}.log"
     cmd = [sys.executable, "-m", "engine.server", "--port", str(port), *args]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -99,6 +149,11 @@ def start_server(
     if wait:
         try:
             server.wait_ready()
+        except RuntimeError as e:
+            server.kill()
+            if proc.returncode == 2 and "Address already in use" in server.log():
+                raise PortTaken(str(e)) from e
+            raise
         except BaseException:
             server.kill()
             raise
