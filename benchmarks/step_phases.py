@@ -92,10 +92,11 @@ class PhaseRecorder:
         self.gc_pauses: list[tuple[int, float]] = []  # (generation, seconds)
         self.tracked_objects_at_begin = 0
         self._on_gc: Callable[[str, dict[str, int]], None] | None = None
-        self.waits: list[float] = []
-        self.updates: list[float] = []
-        # host seconds spent waiting for samples and in the scheduler's update before step i was launched
-        self.host_between: dict[int, dict[str, float]] = defaultdict(lambda: {"wait": 0.0, "update": 0.0})
+        # host seconds before step i was launched: waiting for samples, the scheduler's update (wall and the thread's
+        # CPU), collector passes
+        self.host_between: dict[int, defaultdict[str, float]] = defaultdict(
+            lambda: defaultdict(float, wait=0.0, update=0.0)
+        )
         sched, runner = core.scheduler, core.runner
         schedule, launch, update = sched.schedule, runner.launch, sched.update
         pending: dict[str, float] = {}
@@ -148,11 +149,10 @@ class PhaseRecorder:
                 out = self.update_profiler.runcall(update, *a, **k)
             else:
                 out = update(*a, **k)
-            self.updates.append(time.perf_counter() - t)
             between = self.host_between[len(self.steps)]
             between["update"] += time.perf_counter() - t
             # the thread's own CPU time: a wall time far above it is a wait (the GIL, the OS), not work
-            between["update_cpu"] = between.get("update_cpu", 0.0) + time.thread_time() - cpu
+            between["update_cpu"] += time.thread_time() - cpu
             return out
 
         to_host = sampler_mod.DeviceSample.to_host
@@ -160,7 +160,6 @@ class PhaseRecorder:
         def timed_to_host(sample_self):
             t = time.perf_counter()
             out = to_host(sample_self)
-            self.waits.append(time.perf_counter() - t)
             self.host_between[len(self.steps)]["wait"] += time.perf_counter() - t
             return out
 
@@ -281,7 +280,7 @@ class PhaseRecorder:
             elif "t" in started:
                 seconds = time.perf_counter() - started.pop("t")
                 self.gc_pauses.append((info["generation"], seconds))
-                self.host_between[len(self.steps)]["gc"] = self.host_between[len(self.steps)].get("gc", 0.0) + seconds
+                self.host_between[len(self.steps)]["gc"] += seconds
 
         self._on_gc = on_gc
         gc.callbacks.append(on_gc)
@@ -411,8 +410,8 @@ class PhaseRecorder:
             host_s=dict(
                 schedule=round(sum(s["schedule_ms"] for s in self.steps) / 1e3, 3),
                 launch=round(sum(s["launch_ms"] for s in self.steps) / 1e3, 3),
-                wait=round(sum(self.waits), 3),
-                update=round(sum(self.updates), 3),
+                wait=round(sum(h["wait"] for h in self.host_between.values()), 3),
+                update=round(sum(h["update"] for h in self.host_between.values()), 3),
             ),
             by_kind=kinds,
             triton_variants_met=self.triton_variants,

@@ -27,12 +27,12 @@ def tp_workers(pid: int) -> list[psutil.Process]:
     return [p for p in psutil.Process(pid).children() if "engine.distributed.worker" in " ".join(p.cmdline())]
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (source ports of outgoing connections)."""
     try:
-        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port() -> int:
@@ -43,7 +43,7 @@ def free_port() -> int:
     once lost a test to "Address already in use" that way.  The kernel never hands out ports below the range as
     source ports, so only another test choosing the same one of ~12,000 can collide (start_server retries then).
     """
-    low, _ = _ephemeral_range()
+    low = _ephemeral_low()
     pick = random.SystemRandom()
     for _ in range(100):
         port = pick.randrange(max(1024, low - 12000), low)
@@ -108,14 +108,14 @@ def start_server(
 ) -> ServerProcess:  # type: ignore[no-untyped-def]
     """`name`: the log's, for servers that share a port (a handover).  A port this function chose that another
     process took before the server bound it is replaced, up to twice (the server exits 2 naming the clash)."""
-    for attempt in range(3):
-        chosen = port or free_port()
+    if port is not None:
+        return _start_server(tmp_path, port, args, env, wait, pass_fds, preexec_fn, name)
+    for _ in range(2):
         try:
-            return _start_server(tmp_path, chosen, args, env, wait, pass_fds, preexec_fn, name)
+            return _start_server(tmp_path, free_port(), args, env, wait, pass_fds, preexec_fn, name)
         except PortTaken:
-            if port is not None or attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+            pass
+    return _start_server(tmp_path, free_port(), args, env, wait, pass_fds, preexec_fn, name)
 
 
 class PortTaken(RuntimeError):
@@ -149,12 +149,9 @@ def _start_server(
     if wait:
         try:
             server.wait_ready()
-        except RuntimeError as e:
+        except BaseException as e:
             server.kill()
-            if proc.returncode == 2 and "Address already in use" in server.log():
+            if isinstance(e, RuntimeError) and proc.returncode == 2 and "Address already in use" in server.log():
                 raise PortTaken(str(e)) from e
-            raise
-        except BaseException:
-            server.kill()
             raise
     return server
