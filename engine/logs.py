@@ -2,6 +2,11 @@
 
 Logs go to stderr so that programs using the offline API keep stdout for their own output.
 Applications that configure structlog themselves are left alone.
+
+Each line leaves in one `write` call.  The process launcher points two engines at one engine.log during a
+handover, and runs them with PYTHONUNBUFFERED=1: structlog's PrintLogger writes the message and its newline as
+two writes there, so the other engine's line could land between them and two JSON objects shared a line.
+A single write on a file opened O_APPEND lands whole.
 """
 
 from __future__ import annotations
@@ -29,6 +34,6 @@ def configure_logging(level: str = "info", force: bool = False, stream: TextIO |
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )

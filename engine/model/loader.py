@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.config import ConfigError, EngineConfig
 from engine.distributed.group import SINGLE, TPGroup
+from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenizer_dir
 from engine.model.quant import QuantSpec, check_device, check_dtype, resolve_quantization
 from engine.model.registry import ARCHITECTURES, supported
 from engine.model.weights import ModelLoadError, finish_loading, iter_checkpoint
@@ -43,13 +44,7 @@ def inspect_model(config: EngineConfig) -> ModelInfo:
     from transformers import AutoConfig
 
     path = Path(config.model_path())
-    if not path.is_dir():
-        raise ConfigError(
-            f"--model {path}: no such directory; pagekeeper loads local HF checkpoint directories "
-            "(config.json + *.safetensors + tokenizer files)"
-        )
-    if not (path / "config.json").exists():
-        raise ConfigError(f"--model {path}: no config.json in the directory, so it is not an HF checkpoint")
+    require_checkpoint_dir(path)
     try:
         hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=config.trust_remote_code)
     except (ValueError, KeyError, OSError) as e:
@@ -114,12 +109,7 @@ def load_tokenizer(config: EngineConfig) -> Any:
     from transformers import AutoTokenizer
 
     source = config.tokenizer or config.model_path()
-    if not Path(source).expanduser().is_dir():
-        # A hub name would mean a download: refused at once instead of minutes of network retries.
-        raise ConfigError(
-            f"--tokenizer {source}: no such directory; pagekeeper loads tokenizers from local "
-            "directories only (download it first, then pass its path)"
-        )
+    require_tokenizer_dir(source)
     try:
         return AutoTokenizer.from_pretrained(
             str(Path(source).expanduser()), trust_remote_code=config.trust_remote_code, local_files_only=True

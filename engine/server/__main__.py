@@ -1,6 +1,7 @@
 """`python -m engine.server`: the OpenAI-compatible HTTP server.
 
-Start-up order is chosen so that mistakes surface fast and clearly: parse flags, bind the port
+Start-up order is chosen so that mistakes surface fast and clearly: parse flags and check that the
+--model and --tokenizer directories exist (before torch is imported, which takes seconds), bind the port
 (taken → exit 2 at once, before minutes of model loading), load the engine (configuration or
 memory problems → exit 2 with the numbers), then serve.  SIGTERM drains: no new requests (503),
 in-flight ones finish, then exit 0.  A second SIGTERM or SIGINT stops at once.
@@ -31,6 +32,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any, NoReturn
 
 import structlog
@@ -41,6 +43,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.config_file import SECRET_ENV, engine_args, load_engine_section
 from engine.gc_heap import freeze_startup_heap
 from engine.logs import configure_logging
+from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenizer_dir
 from engine.schema import validate_section
 from engine.server.control import ControlSocket
 from engine.server.core_share import CoreShare
@@ -215,6 +218,8 @@ def parse_args(argv: list[str] | None) -> tuple[ServerConfig, EngineConfig]:
         )
     load_chat_template(server.chat_template)  # a path that is not there fails now, before the model loads
     engine = EngineConfig.from_cli_args(args)
+    require_checkpoint_dir(Path(engine.model_path()))  # before anything imports torch (resolved_device may)
+    require_tokenizer_dir(engine.tokenizer or engine.model_path())
     if server.cpu_reserved_cores and (engine.resolved_device().startswith("cuda") or engine.tensor_parallel_size > 1):
         raise ConfigError(
             f"--cpu-reserved-cores {server.cpu_reserved_cores} sets a CPU engine's threads; this engine runs on "

@@ -28,7 +28,6 @@ import threading
 import time
 
 import structlog
-import torch
 
 log = structlog.get_logger("pagekeeper.server")
 
@@ -84,6 +83,8 @@ class CoreShare:
                     self.predecessor = None
             target, reason = self._target, self._reason
         if target != self.applied:
+            import torch  # here, not at the top: the server imports this module before it checks its flags
+
             torch.set_num_threads(target)
             self.applied = target
         if reason != self._logged:  # each change of who shares the cores is logged once, even at one thread

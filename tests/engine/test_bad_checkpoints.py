@@ -90,3 +90,30 @@ def test_a_tokenizer_that_is_not_a_directory_fails_at_once(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     print(f"--tokenizer NAME: exit {r.returncode} after {took:.1f} s: {lines}")
     assert r.returncode == 2 and len(lines) == 1 and "no such directory" in lines[0] and took < 30
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such directory"),
+        (["--model", "{empty}"], "no config.json in the directory"),
+        (["--tokenizer", "meta-llama/Llama-2-7b-hf"], "--tokenizer meta-llama/Llama-2-7b-hf: no such directory"),
+    ],
+)
+def test_a_missing_model_or_tokenizer_directory_is_refused_before_torch_is_imported(tmp_path, flags, message):
+    # the imports take seconds, 12 s on a loaded 2-core CI host, which an `opsctl start` with a typo waited for
+    (tmp_path / "empty").mkdir()
+    flags = [f.format(empty=tmp_path / "empty") for f in flags]
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "engine.server", *flags, "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(REPO),
+    )
+    imported = [ln.rsplit("|", 1)[-1].strip() for ln in r.stderr.splitlines() if ln.startswith("import time:")]
+    errors = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("import time:")]
+    heavy = sorted({m for m in imported if m.split(".")[0] in ("torch", "transformers", "triton")})
+    print(f"{flags}: exit {r.returncode}, {len(imported)} modules imported, heavy: {heavy[:5]}, {errors}")
+    assert r.returncode == 2 and len(errors) == 1 and message in errors[0], r.stderr[-2000:]
+    assert not heavy

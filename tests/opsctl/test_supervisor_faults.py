@@ -129,7 +129,8 @@ def test_an_engine_that_exits_2_is_started_once_and_start_says_why(deploy):
     assert r.returncode == 2, r.stdout + r.stderr
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "/nonexistent/model" in errors[0] and "no such directory" in errors[0], r.stderr
-    assert took < 15  # the issue asks for ~10 s; 5.6 s measured on the 2-core machine
+    assert took < 15  # the issue asks for ~10 s; 3.6 s measured on the 2-core machine, 16.4 s once in a loaded CI
+    # run before the engine checked the path ahead of importing torch
     assert d.log("engine.log").count("--- engine start") == 1  # started once, never retried
     st = d.opsctl("status")
     assert st.returncode == 3 and "last failure" in st.stdout and "/nonexistent/model" in st.stdout
