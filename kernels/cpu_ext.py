@@ -16,18 +16,21 @@ rest.  The build takes tens of seconds once per host, torch version and source; 
 The cache lives in ``$PAGEKEEPER_CACHE_DIR``, else ``$CACHE_DIRECTORY`` (systemd's ``CacheDirectory=``), else
 ``$XDG_CACHE_HOME/pagekeeper``, else ``~/.cache/pagekeeper``; its folder name hashes the source, torch's version,
 the compiler flags and the host's CPU flags, so a change of any of them builds anew instead of loading a stale
-or foreign build.
+or foreign build.  A folder whose build completed holds a `built` marker, and an engine start loads the library
+from it directly; only a build goes through torch's machinery, under a lock that dies with its holder.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import platform
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import structlog
@@ -100,32 +103,78 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
 
 
+BUILT_MARKER = "built"  # written once a build in the folder completed and loaded; its text says when and by whom
+TORCH_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton: a file that only the process holding it removes
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """One builder per folder, with a lock the kernel drops when its holder dies.
+
+    torch's own lock is a file its holder deletes when done: an engine killed inside `cpp_extension.load` (kill -9
+    during start-up, a restart of a hung start, the OOM killer) left it behind, and every later engine on the host
+    waited on it forever in start-up (seen 2026-11-27: opsctl start timed out at 90 s, three tests in a row).  Under
+    this flock no other live engine is inside `load` for this folder, so a `lock` file there is one a dead process
+    left, and is removed.
+    """
+    with open(directory / "build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            stale = directory / TORCH_LOCK
+            if stale.exists():
+                log.warning("cpu_kernels_stale_lock_removed", path=str(stale))
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
 def _build_and_load() -> None:
+    key = build_key()
+    directory = cache_root() / "cpu-ext" / key
+    name = f"pagekeeper_cpu_{key}"
+    library = directory / f"{name}.so"
+    if _load_finished(directory, library):
+        return
     from torch.utils import cpp_extension
 
     _ninja_on_path()
-    key = build_key()
-    directory = cache_root() / "cpu-ext" / key
     directory.mkdir(parents=True, exist_ok=True)
-    name = f"pagekeeper_cpu_{key}"
-    built_before = (directory / f"{name}.so").exists()
-    started = time.monotonic()
-    cpp_extension.load(
-        name=name,
-        sources=[str(s) for s in SOURCES],
-        extra_cflags=list(CFLAGS),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=False,
-    )
-    # a build (seconds) is worth a line at start-up; loading a cached one is not: a start that then fails on a
-    # bad checkpoint must still print one line
-    (log.debug if built_before else log.info)(
-        "cpu_kernels_loaded" if built_before else "cpu_kernels_built",
-        directory=str(directory),
-        seconds=round(time.monotonic() - started, 2),
-    )
+    with _build_lock(directory):
+        if _load_finished(directory, library):  # another engine finished the build while this one waited
+            return
+        # unfinished (its builder died, perhaps inside the link) or damaged: link it anew, which ninja, seeing
+        # a library newer than its object file, would not do; compiling again is ninja's own choice
+        (directory / BUILT_MARKER).unlink(missing_ok=True)
+        library.unlink(missing_ok=True)
+        started = time.monotonic()
+        cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+        marker = directory / f".{BUILT_MARKER}.{os.getpid()}"
+        marker.write_text(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} pid {os.getpid()}\n")
+        os.replace(marker, directory / BUILT_MARKER)
+    log.info("cpu_kernels_built", directory=str(directory), seconds=round(time.monotonic() - started, 2))
+
+
+def _load_finished(directory: Path, library: Path) -> bool:
+    """Load a build that completed, taking no lock and running no ninja (a read-only cache, as a container image
+    may ship, works too); False when there is none or it no longer loads (deleted or damaged since)."""
+    if not (directory / BUILT_MARKER).exists():
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as e:
+        log.warning("cpu_kernels_reload_failed", directory=str(directory), error=(str(e).splitlines() or [""])[0])
+        return False
+    log.debug("cpu_kernels_loaded", directory=str(directory))
+    return True
 
 
 @functools.cache
