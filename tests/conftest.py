@@ -101,7 +101,11 @@ def checkpoint(checkpoint_root: Path):
 # -- the ten-minute soak (tests/opsctl/test_soak.py), run alongside the rest of the suite ------------------------
 
 SOAK_SECONDS = 600.0
-SOAK_PAUSE_S = 1.0  # each of the 8 clients pauses 1 s between requests: steady, and light on a 2-core machine
+# Each of the 8 clients pauses between requests.  At 1 s the soak's engine served 6.4 requests/s and used 0.85 of a
+# core for the whole ten minutes, a fifth of the suite's CPU on the 2-core machine, which slowed every other test;
+# at 2.5 s it serves 2.9/s (about 1,700 requests in the ten minutes; the test wants more than 1,000) on 0.3 of one
+# (`python -m tests.opsctl.soak --seconds 90 --pause 2.5`, its engine's CPU seconds read from /proc, 2026-11-27).
+SOAK_PAUSE_S = 2.5
 
 
 def _is_soak(item: pytest.Item) -> bool:

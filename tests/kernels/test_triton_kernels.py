@@ -21,6 +21,38 @@ from tests.kernels.paged_cases import TOLERANCE, make_case, reference_fp64, rel_
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GQA = [(4, 4), (8, 2), (8, 1)]  # ratios 1, 4, 8
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BLOCK_SIZES = [8, 16, 32]
+HEAD_DIMS = [16, 64, 80, 96, 128]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _layouts() -> list:
+    """(dtype, block_size, num_heads, num_kv_heads) for the decode and prefill grids.  On a GPU: every combination.
+    In the CPU interpreter (1-4 s a case; the grids took 110 s of the suite): every block size and grouping in
+    float32, and each half-precision dtype on the diagonal, so that it still meets every block size and every
+    grouping once.  A dtype's casts and accumulation do not depend on the block size or the grouping, which only
+    change the indexing that the float32 grid covers in full."""
+    return [
+        pytest.param(dtype, bs, h, kv, id=f"{_name(dtype)}-bs{bs}-{h}q{kv}kv")
+        for dtype in DTYPES
+        for bs in BLOCK_SIZES
+        for h, kv in GQA
+        if DEVICE == "cuda" or dtype == torch.float32 or BLOCK_SIZES.index(bs) == GQA.index((h, kv))
+    ]
+
+
+def _head_dims() -> list:
+    """Every head size in float32; in the CPU interpreter the half-precision dtypes take the two that are not
+    powers of two (80, 96: the masked, padded tail of the head dimension), the rest on a GPU."""
+    return [
+        pytest.param(dtype, d, id=f"{_name(dtype)}-d{d}")
+        for dtype in DTYPES
+        for d in HEAD_DIMS
+        if dtype == torch.float32 or DEVICE == "cuda" or d in (80, 96)
+    ]
 
 
 @pytest.fixture(autouse=True)
@@ -56,9 +88,7 @@ def _check(out, case, what=""):
 DECODE_LENS = [1, 17, 40, 123, 300]  # 1 token, < block, not multiples of any block size, several splits
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,block_size,num_heads,num_kv_heads", _layouts())
 def test_decode(block_size, num_heads, num_kv_heads, dtype, poisoned_scratch):
     seed = hash((block_size, num_heads, num_kv_heads, str(dtype))) % 2**31
     case = make_case(
@@ -123,8 +153,7 @@ def test_decode_of_long_tailed_contexts_with_the_chosen_splits():
     _check(out, case, "decode long-tailed")
 
 
-@pytest.mark.parametrize("head_dim", [16, 64, 80, 96, 128])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,head_dim", _head_dims())
 def test_decode_head_dims(head_dim, dtype):
     case = make_case(
         num_heads=8,
@@ -160,9 +189,7 @@ PREFILL_Q = [5, 13, 1, 70]
 PREFILL_L = [5, 30, 9, 90]
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,block_size,num_heads,num_kv_heads", _layouts())
 def test_prefill(block_size, num_heads, num_kv_heads, dtype):
     seed = hash(("p", block_size, num_heads, num_kv_heads, str(dtype))) % 2**31
     case = make_case(
@@ -181,8 +208,7 @@ def test_prefill(block_size, num_heads, num_kv_heads, dtype):
     _check(out, case, "prefill")
 
 
-@pytest.mark.parametrize("head_dim", [16, 64, 80, 96, 128])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,head_dim", _head_dims())
 def test_prefill_head_dims(head_dim, dtype):
     case = make_case(
         num_heads=4,
