@@ -1,0 +1,169 @@
+"""Where a command's CPU goes, by kind of process: engines, supervisors, opsctl calls, pytest workers, compilers.
+
+    python -m benchmarks.suite_cpu [--out benchmarks/results] [--interval 0.5] -- python3 -m pytest -n 2 --dist loadfile
+
+Why: the test suite is CPU-bound on the 2-core build machine (the cores are busy 99 % of the run), so its length
+follows the CPU its processes use, and most of them are not the pytest workers but what the tests start: engine
+servers, supervisors (daemonized, so the command's own rusage never sees them), opsctl calls, compilers.  The command
+runs as a child; every `interval` seconds every process on the host is read from /proc (its command line once, its
+CPU seconds each time), and at the end each process's CPU seconds (less what it had used before the command
+started) are summed by kind: run it on an otherwise quiet host, since every process there counts.  A process that
+lives less than one interval is missed; `host_busy_cpu_s` (from
+/proc/stat over the run) is the whole, so `sampled_cpu_s / host_busy_cpu_s` says how much was seen.
+
+The JSON result goes to `<out>/suite-cpu-<YYYY-MM-DD>.json` with the command, its exit status and wall seconds;
+the last line printed is the same JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+_TICK = os.sysconf("SC_CLK_TCK")
+_KINDS = (  # (kind, any of these in the command line), first match wins; paths may hold any word, so modules
+    ("engine server", ("-m engine.server ",)),
+    ("supervisor", ("-m opsctl.supervisor ",)),
+    ("opsctl call", ("-m opsctl.cli ",)),
+    ("soak runner", ("-m tests.opsctl.soak ",)),
+    ("spawned worker (tensor-parallel ranks)", ("from multiprocessing.spawn", "from multiprocessing.forkserver")),
+    ("pytest worker", ("exec(eval(sys.stdin.readline()))",)),
+    ("pytest", ("-m pytest ",)),
+)
+_COMPILERS = {"cc1plus", "cc1", "collect2", "ld", "as", "c++", "g++", "gcc", "cc", "ninja"}
+
+
+def kind_of(cmdline: str) -> str:
+    """The kind of process a command line belongs to; a python script or module by its name otherwise."""
+    if not cmdline:
+        return "kernel thread or unreadable"
+    for kind, needles in _KINDS:
+        if any(n in cmdline + " " for n in needles):
+            return kind
+    words = cmdline.split()
+    exe = os.path.basename(words[0])
+    if exe in ("pytest", "py.test"):
+        return "pytest"
+    if exe in ("opsctl",):
+        return "opsctl call"
+    if exe in _COMPILERS or exe.endswith(("-g++", "-gcc", "-ld")):
+        return "compiler"
+    if exe.startswith("python") and len(words) > 1:
+        target = words[2] if words[1] == "-m" and len(words) > 2 else words[1]
+        return f"python {os.path.basename(target)}"
+    return exe
+
+
+def _cpu_seconds(pid: str) -> tuple[str, float] | None:
+    """(start time in ticks since boot, the process's user+system seconds), or None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return fields[19], (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _host_busy_seconds() -> float:
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(values) - values[3] - values[4]) / _TICK  # all but idle and iowait
+
+
+class Sampler:
+    """Per-process CPU seconds since `start()`, keyed by (pid, start time) so that a reused pid is a new process."""
+
+    def __init__(self) -> None:
+        self.before: dict[tuple[str, str], float] = {}
+        self.last: dict[tuple[str, str], float] = {}
+        self.kinds: dict[tuple[str, str], str] = {}
+
+    def _scan(self) -> dict[tuple[str, str], float]:
+        seen = {}
+        for pid in os.listdir("/proc"):
+            if pid.isdigit() and (read := _cpu_seconds(pid)) is not None:
+                seen[(pid, read[0])] = read[1]
+        return seen
+
+    def start(self) -> None:
+        self.before = self._scan()
+
+    def sample(self) -> None:
+        for key, cpu in self._scan().items():
+            if key not in self.kinds:
+                self.kinds[key] = kind_of(_cmdline(key[0]))
+            self.last[key] = cpu
+
+    def by_kind(self) -> dict[str, dict[str, float]]:
+        cpu: Counter[str] = Counter()
+        count: Counter[str] = Counter()
+        for key, seconds in self.last.items():
+            used = seconds - self.before.get(key, 0.0)
+            if used > 0:
+                cpu[self.kinds[key]] += used
+                count[self.kinds[key]] += 1
+        return {k: {"cpu_s": round(v, 1), "processes": count[k]} for k, v in cpu.most_common()}
+
+
+def run(command: list[str], interval: float) -> dict[str, Any]:
+    sampler = Sampler()
+    sampler.start()
+    busy0, started = _host_busy_seconds(), time.monotonic()
+    child = subprocess.Popen(command)
+    while child.poll() is None:
+        sampler.sample()
+        time.sleep(interval)
+    sampler.sample()
+    wall, busy = time.monotonic() - started, _host_busy_seconds() - busy0
+    kinds = sampler.by_kind()
+    sampled = sum(v["cpu_s"] for v in kinds.values())
+    return {
+        "benchmark": "suite_cpu",
+        "date": _dt.date.today().isoformat(),
+        "command": command,
+        "exit_status": child.returncode,
+        "cores": os.cpu_count(),
+        "wall_s": round(wall, 1),
+        "host_busy_cpu_s": round(busy, 1),
+        "host_busy_fraction": round(busy / (wall * (os.cpu_count() or 1)), 3),
+        "sampled_cpu_s": round(sampled, 1),
+        "interval_s": interval,
+        "by_kind": {k: {**v, "share_of_sampled": round(v["cpu_s"] / sampled, 3)} for k, v in kinds.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print("usage: python -m benchmarks.suite_cpu [--out DIR] [--interval S] -- COMMAND...", file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.suite_cpu")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--interval", type=float, default=0.5, help="Seconds between scans of /proc.")
+    args = parser.parse_args(argv[:split])
+    if args.interval <= 0 or not argv[split + 1 :]:
+        parser.error("--interval must be > 0 and a command must follow --")
+    result = run(argv[split + 1 :], args.interval)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"suite-cpu-{result['date']}.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return 0 if result["exit_status"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
