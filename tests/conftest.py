@@ -101,10 +101,11 @@ def checkpoint(checkpoint_root: Path):
 # -- the ten-minute soak (tests/opsctl/test_soak.py), run alongside the rest of the suite ------------------------
 
 SOAK_SECONDS = 600.0
-# Each of the 8 clients pauses between requests.  At 1 s the soak's engine served 6.4 requests/s and used 0.85 of a
-# core for the whole ten minutes, a fifth of the suite's CPU on the 2-core machine, which slowed every other test;
-# at 2.5 s it serves 2.9/s (about 1,700 requests in the ten minutes; the test wants more than 1,000) on 0.3 of one
-# (`python -m tests.opsctl.soak --seconds 90 --pause 2.5`, its engine's CPU seconds read from /proc, 2026-11-27).
+# Each of the 8 clients pauses between requests.  Measured alone (`python -m tests.opsctl.soak --seconds 90 --pause
+# P`, the engine's CPU seconds from /proc, 2026-11-27): at 1 s the soak's engine served 6.4 requests/s on 0.85 of a
+# core, at 2.5 s 2.9/s on 0.3 (about 1,700 requests in the ten minutes; the test wants more than 1,000).  In the
+# suite (3,876 requests in 607 s at 1 s) all engines together used 50 CPU seconds less at 2.5 s, one run of each,
+# counted as benchmarks/suite_cpu.py counts.
 SOAK_PAUSE_S = 2.5
 
 
