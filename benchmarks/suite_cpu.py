@@ -2,14 +2,14 @@
 
     python -m benchmarks.suite_cpu [--out benchmarks/results] [--interval 0.5] -- python3 -m pytest -n 2 --dist loadfile
 
-Why: the test suite is CPU-bound on the 2-core build machine (the cores are busy 99 % of the run), so its length
-follows the CPU its processes use, and most of them are not the pytest workers but what the tests start: engine
-servers, supervisors (daemonized, so the command's own rusage never sees them), opsctl calls, compilers.  The command
-runs as a child; every `interval` seconds every process on the host is read from /proc (its command line once, its
-CPU seconds each time), and at the end each process's CPU seconds (less what it had used before the command
-started) are summed by kind: run it on an otherwise quiet host, since every process there counts.  A process that
-lives less than one interval is missed; `host_busy_cpu_s` (from
-/proc/stat over the run) is the whole, so `sampled_cpu_s / host_busy_cpu_s` says how much was seen.
+Why: the test suite is CPU-bound on the 2-core build machine (the cores were 94 % busy in
+`suite-cpu-2026-11-27.json`), so its length follows the CPU its processes use, and most of them are not the pytest
+workers but what the tests start: engine servers, supervisors (daemonized, so the command's own rusage never sees
+them), opsctl calls, compilers.  The command runs as a child; every `interval` seconds every process on the host is
+read through psutil (its command line once, its CPU seconds each time), and at the end each process's CPU seconds
+(less what it had used before the command started) are summed by kind: run it on an otherwise quiet host, since
+every process there counts.  A process that lives less than one interval is missed; `host_busy_cpu_s` (the host's
+CPU times over the run) is the whole, so `sampled_cpu_s / host_busy_cpu_s` says how much was seen.
 
 The JSON result goes to `<out>/suite-cpu-<YYYY-MM-DD>.json` with the command, its exit status and wall seconds;
 the last line printed is the same JSON.
@@ -28,7 +28,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-_TICK = os.sysconf("SC_CLK_TCK")
+import psutil
+
 _KINDS = (  # (kind, any of these in the command line), first match wins; paths may hold any word, so modules
     ("engine server", ("-m engine.server ",)),
     ("supervisor", ("-m opsctl.supervisor ",)),
@@ -43,7 +44,7 @@ _COMPILERS = {"cc1plus", "cc1", "collect2", "ld", "as", "c++", "g++", "gcc", "cc
 
 def kind_of(cmdline: str) -> str:
     """The kind of process a command line belongs to; a python script or module by its name otherwise."""
-    if not cmdline:
+    if not cmdline.strip():
         return "kernel thread or unreadable"
     for kind, needles in _KINDS:
         if any(n in cmdline + " " for n in needles):
@@ -62,51 +63,36 @@ def kind_of(cmdline: str) -> str:
     return exe
 
 
-def _cpu_seconds(pid: str) -> tuple[str, float] | None:
-    """(start time in ticks since boot, the process's user+system seconds), or None once it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return fields[19], (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
 def _host_busy_seconds() -> float:
-    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return (sum(values) - values[3] - values[4]) / _TICK  # all but idle and iowait
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
 
 class Sampler:
     """Per-process CPU seconds since `start()`, keyed by (pid, start time) so that a reused pid is a new process."""
 
     def __init__(self) -> None:
-        self.before: dict[tuple[str, str], float] = {}
-        self.last: dict[tuple[str, str], float] = {}
-        self.kinds: dict[tuple[str, str], str] = {}
+        self.before: dict[tuple[int, float], float] = {}
+        self.last: dict[tuple[int, float], float] = {}
+        self.kinds: dict[tuple[int, float], str] = {}
 
-    def _scan(self) -> dict[tuple[str, str], float]:
+    def _scan(self) -> dict[tuple[int, float], float]:
         seen = {}
-        for pid in os.listdir("/proc"):
-            if pid.isdigit() and (read := _cpu_seconds(pid)) is not None:
-                seen[(pid, read[0])] = read[1]
+        for proc in psutil.process_iter(["create_time", "cpu_times", "cmdline"]):
+            info = proc.info
+            if info["create_time"] is None or info["cpu_times"] is None:  # gone or unreadable meanwhile
+                continue
+            key = (proc.pid, info["create_time"])
+            seen[key] = info["cpu_times"].user + info["cpu_times"].system
+            if key not in self.kinds:
+                self.kinds[key] = kind_of(" ".join(info["cmdline"] or []))
         return seen
 
     def start(self) -> None:
         self.before = self._scan()
 
     def sample(self) -> None:
-        for key, cpu in self._scan().items():
-            if key not in self.kinds:
-                self.kinds[key] = kind_of(_cmdline(key[0]))
-            self.last[key] = cpu
+        self.last.update(self._scan())
 
     def by_kind(self) -> dict[str, dict[str, float]]:
         cpu: Counter[str] = Counter()
@@ -142,7 +128,9 @@ def run(command: list[str], interval: float) -> dict[str, Any]:
         "host_busy_fraction": round(busy / (wall * (os.cpu_count() or 1)), 3),
         "sampled_cpu_s": round(sampled, 1),
         "interval_s": interval,
-        "by_kind": {k: {**v, "share_of_sampled": round(v["cpu_s"] / sampled, 3)} for k, v in kinds.items()},
+        "by_kind": {
+            k: {**v, "share_of_sampled": round(v["cpu_s"] / sampled, 3) if sampled else 0.0} for k, v in kinds.items()
+        },
     }
 
 
@@ -154,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("--")
     parser = argparse.ArgumentParser(prog="python -m benchmarks.suite_cpu")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--interval", type=float, default=0.5, help="Seconds between scans of /proc.")
+    parser.add_argument("--interval", type=float, default=0.5, help="Seconds between scans of the processes.")
     args = parser.parse_args(argv[:split])
     if args.interval <= 0 or not argv[split + 1 :]:
         parser.error("--interval must be > 0 and a command must follow --")

@@ -117,16 +117,13 @@ def _build_lock(directory: Path) -> Iterator[None]:
     this flock no other live engine is inside `load` for this folder, so a `lock` file there is one a dead process
     left, and is removed.
     """
-    with open(directory / "build.flock", "a") as held:
+    with open(directory / "build.flock", "a") as held:  # closing it releases the lock
         fcntl.flock(held, fcntl.LOCK_EX)
-        try:
-            stale = directory / TORCH_LOCK
-            if stale.exists():
-                log.warning("cpu_kernels_stale_lock_removed", path=str(stale))
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(held, fcntl.LOCK_UN)
+        stale = directory / TORCH_LOCK
+        if stale.exists():
+            log.warning("cpu_kernels_stale_lock_removed", path=str(stale))
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def _build_and_load() -> None:
