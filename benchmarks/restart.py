@@ -203,7 +203,8 @@ class Deployment:
 
     def opsctl(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "opsctl.cli", "--config", str(self.config), "--runtime-dir", str(self.runtime)]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
         return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
     def status(self) -> dict[str, Any]:
@@ -531,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", default="", help="comma-separated scenarios to skip: first,restart,kill9,recycle,real")
     p.add_argument("--keep-weights", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--logs", default=None, help="also write the engine and supervisor logs here, as one .tar.gz")
     args = p.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
     import torch
@@ -582,6 +584,15 @@ def main(argv: list[str] | None = None) -> int:
         return Deployment(root / name, eng, supervisor, _free_port())
 
     d = deploy("dummy", engine)
+    try:
+        return _scenarios(args, skip, result, save, root, d, deploy, engine, path)
+    finally:
+        if args.logs:
+            archive_logs(root, args.logs, tag)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _scenarios(args, skip, result, save, root, d, deploy, engine, path) -> int:  # type: ignore[no-untyped-def]
     try:
         if "first" not in skip:
             print("first start (Triton and probe caches empty on a fresh host)...", flush=True)
@@ -641,8 +652,16 @@ def main(argv: list[str] | None = None) -> int:
         save()
     save()
     print(json.dumps(result))
-    shutil.rmtree(root, ignore_errors=True)
     return 0
+
+
+def archive_logs(root: Path, dest: str, tag: str) -> None:
+    import tarfile
+
+    Path(dest).mkdir(parents=True, exist_ok=True)
+    with tarfile.open(Path(dest) / f"restart-logs-{tag}.tar.gz", "w:gz") as tar:
+        for log in sorted(root.glob("*/run/*.log")):
+            tar.add(log, arcname=str(log.relative_to(root)))
 
 
 if __name__ == "__main__":

@@ -65,14 +65,16 @@ DEFERRED_GAP_S = 0.25
 class EngineCore:
     def __init__(self, config: EngineConfig, defer_startup_work: bool = False) -> None:
         configure_logging()
+        started = time.monotonic()
         self.config = config
         self.device = torch.device(config.resolved_device())
         self.model_info: ModelInfo = inspect_model(config)
         config.resolve_limits(self.model_info.max_position_embeddings, self.model_info.sliding_window)
+        inspected = time.monotonic()
         self.tokenizer = load_tokenizer(config)
+        tokenizer_loaded = time.monotonic()
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(self.model_info, config.tensor_parallel_size)  # before any process starts
-        started = time.monotonic()
         from engine.distributed.executor import start_engine_runner
 
         up, runner, self.rank_plans = start_engine_runner(config, self.model_info, defer_startup_work)
@@ -98,7 +100,12 @@ class EngineCore:
         self.step = self._step_pipelined if self.pipeline_depth == 2 else self._step_in_turn
         self._in_flight: _Launched | None = None  # queued on the device, tokens not yet read
         self._last_deferred = 0.0
-        self.phases = dict(up.phases)
+        # seconds per start-up phase: reading the checkpoint's config, the tokenizer, then the runner's (startup.py)
+        self.phases = {
+            "inspect_model": round(inspected - started, 3),
+            "tokenizer": round(tokenizer_loaded - inspected, 3),
+            **up.phases,
+        }
         log.info(
             "engine_ready",
             model=str(self.model_info.path),
@@ -126,7 +133,7 @@ class EngineCore:
             deferred=self.runner.deferred.pending,
             # how the CPU's intra-op threads wait between ops (engine/openmp_waits.py)
             openmp_waits=wait_policy() if self.device.type == "cpu" else None,
-            load_seconds=round(time.monotonic() - started, 3),
+            load_seconds=round(time.monotonic() - tokenizer_loaded, 3),
         )
         if self.device.type == "cuda" or config.tensor_parallel_size > 1:
             log.info(
@@ -254,7 +261,7 @@ class EngineCore:
         """1 when a unit of deferred work should run before this step: at once while idle, else every
         DEFERRED_GAP_S; a unit that writes KV blocks only while none is held (the prefix cache is emptied first)."""
         work = self.runner.deferred
-        if not work.pending:
+        if not work.pending or not work.next_ready:
             return 0
         idle = plan.empty and not self.scheduler.has_unfinished() and self._in_flight is None
         if work.next_needs_idle:

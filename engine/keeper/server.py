@@ -167,7 +167,7 @@ def _quant_name(info: ModelInfo) -> str | None:
 
 
 def _load_rank(config: EngineConfig, info: ModelInfo, device: torch.device, tp: TPGroup) -> RankWeights:
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     model = build_on_meta(info, 1, device, tp)  # max_model_len 1: the rotary tables are each engine's own
     arena = materialize(model, device, shared_cpu=True)

@@ -30,6 +30,7 @@ class Job:
     units: Iterator[None]  # each next() runs one unit; exhausted when the job is done
     needs_idle: bool = False
     on_done: Callable[[], None] | None = None
+    ready: Callable[[], bool] | None = None  # None: always; else the core waits until it says True
     seconds: float = 0.0
     count: int = 0
 
@@ -46,12 +47,18 @@ class DeferredWork:
         units: Iterator[None],
         needs_idle: bool = False,
         on_done: Callable[[], None] | None = None,
+        ready: Callable[[], bool] | None = None,
     ) -> None:
-        self._jobs.append(Job(name, units, needs_idle, on_done))
+        self._jobs.append(Job(name, units, needs_idle, on_done, ready))
 
     @property
     def pending(self) -> bool:
         return bool(self._jobs)
+
+    @property
+    def next_ready(self) -> bool:
+        """The next job may run now (a capture waits for host allocations that must not overlap it)."""
+        return bool(self._jobs) and (self._jobs[0].ready is None or self._jobs[0].ready())
 
     @property
     def next_needs_idle(self) -> bool:

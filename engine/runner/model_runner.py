@@ -14,8 +14,10 @@ graphs (engine/runner/piecewise.py), unless `enforce_eager`.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,14 +149,26 @@ class ModelRunner:
         self.kv_dtype = dtype = kv_dtype or dtype  # the cache's dtype: the model's, or float8_e4m3fn
         shape = kv_cache_shape(model, num_blocks, block_size, device)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
-        # Swap space: written before it is read, so no need to zero it; pinned for fast copies.
+        # Swap space: written before it is read, so no need to zero it; pinned for fast copies.  Pinning gigabytes
+        # takes seconds (4 GiB: about 2 s on an H100 host) that serving does not wait for: a thread allocates it,
+        # and the first swap (only under memory pressure) waits for that thread if it must.
         self._pin = device.type == "cuda"
         cpu_shape = kv_cache_shape(model, num_cpu_blocks, block_size, device)  # swap blocks: the same layout
-        self.cpu_caches = (
-            [torch.empty(cpu_shape, dtype=dtype, pin_memory=self._pin) for _ in range(model.num_layers)]
-            if num_cpu_blocks
-            else []
-        )
+        self._cpu_caches: Future[list[torch.Tensor]] = Future()
+        if num_cpu_blocks:
+            pin, layers = self._pin, model.num_layers
+
+            def allocate() -> None:
+                try:
+                    self._cpu_caches.set_result(
+                        [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(layers)]
+                    )
+                except BaseException as e:  # raised where the swap space is first needed
+                    self._cpu_caches.set_exception(e)
+
+            threading.Thread(target=allocate, name="swap-space", daemon=True).start()
+        else:
+            self._cpu_caches.set_result([])
         backend = kernels.attention_backend(device)
         self.backend = backend
         layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
@@ -183,6 +197,14 @@ class ModelRunner:
         # False on tensor-parallel workers: nobody reads their samples on the host, so they skip the
         # copy to pinned memory and the logprobs (which draw no random numbers: the tokens are unchanged).
         self.reads_samples = True
+
+    def swap_space_ready(self) -> bool:
+        return self._cpu_caches.done()
+
+    @property
+    def cpu_caches(self) -> list[torch.Tensor]:
+        """The swap space's per-layer blocks (waits for their allocation the first time)."""
+        return self._cpu_caches.result()
 
     def close(self) -> None:
         """Nothing to stop on one device (the tensor-parallel runner stops its workers here)."""

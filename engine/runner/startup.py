@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import structlog
 import torch
@@ -229,9 +229,14 @@ def plan_deferred_work(runner: ModelRunner, config: EngineConfig, tp: TPGroup, p
     warm-up (only while no request holds KV blocks: it writes blocks)."""
     assert config.max_num_batched_tokens is not None
     work = runner.deferred
+    # A CUDA graph capture forbids, in any thread of the process, host allocations that may synchronize the device
+    # (cudaHostAlloc among them): the swap space's pinned blocks are allocated on a thread of their own first
+    # (ModelRunner), so capture waits until that thread is done (here: the core's `ready` gate; a tensor-parallel
+    # worker, which runs the unit when rank 0 says, waits in the unit itself).
+    swap_ready = runner.swap_space_ready
     work.add("lm_head_rows", one_unit(runner.warm_lm_head))
     if not config.enforce_eager:
-        work.add("decode_graphs", runner.decode_graph_steps(config.max_num_seqs))
+        work.add("decode_graphs", _after_swap(runner, runner.decode_graph_steps(config.max_num_seqs)), ready=swap_ready)
         found = probes.get("piece_buckets")
         buckets = [int(b) for b in found] if isinstance(found, list) and found else None
         if not everywhere(tp, buckets is not None):
@@ -250,9 +255,15 @@ def plan_deferred_work(runner: ModelRunner, config: EngineConfig, tp: TPGroup, p
                 layer_ms={n: round(t, 4) for n, t in (pieces.costs or {}).items()},
             )
 
-        work.add("piece_graphs", runner.piece_graph_steps(config.max_num_batched_tokens, buckets, tp), on_done=chosen)
+        pieces = _after_swap(runner, runner.piece_graph_steps(config.max_num_batched_tokens, buckets, tp))
+        work.add("piece_graphs", pieces, on_done=chosen, ready=swap_ready)
     work.add("dense_prefill_plans", one_unit(lambda: _warm_dense(runner, config.max_num_batched_tokens)))
     work.add("mixed_steps", one_unit(lambda: _warm_mixed(runner, config)), needs_idle=True)
+
+
+def _after_swap(runner: ModelRunner, units: Iterator[None]) -> Iterator[None]:
+    runner.cpu_caches  # noqa: B018 - blocks until the swap space is allocated (never during a capture)
+    yield from units
 
 
 def _warm_dense(runner: ModelRunner, max_tokens: int) -> None:

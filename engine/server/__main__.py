@@ -19,7 +19,11 @@ stream) instead of being cut off.
 
 from __future__ import annotations
 
-from engine.openmp_waits import prefer_passive_waits
+import time as _time
+
+_MODULE_STARTED = _time.time()  # before anything heavy is imported: the start-up timeline's first mark
+
+from engine.openmp_waits import prefer_passive_waits  # noqa: E402
 
 prefer_passive_waits()  # before anything loads torch, which loads libgomp (engine/openmp_waits.py)
 
@@ -229,6 +233,34 @@ def parse_args(argv: list[str] | None) -> tuple[ServerConfig, EngineConfig]:
     return resolve_key_files(server), engine
 
 
+class StartupTimeline:
+    """Where a start's seconds went, from the process's creation to serving (logged with `serving`): the
+    interpreter and the server's modules, then each phase of the engine's start (engine_core.py, startup.py),
+    then the HTTP side.  `total_s` is the sum; the phases that are not marked here are the engine's own."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        created = psutil.Process().create_time()
+        self.seconds: dict[str, float] = {"interpreter": round(_MODULE_STARTED - created, 3)}
+        self._created = created
+        self._mark = _MODULE_STARTED
+
+    def mark(self, name: str) -> None:
+        now = _time.time()
+        self.seconds[name] = round(now - self._mark, 3)
+        self._mark = now
+        self.seconds["total_s"] = round(now - self._created, 3)
+
+    def add(self, phases: dict[str, float]) -> None:
+        """The engine's own phases, measured inside it; the time they do not cover is `engine_other`."""
+        now = _time.time()
+        self.seconds.update(phases)
+        self.seconds["engine_other"] = round(max(0.0, now - self._mark - sum(phases.values())), 3)
+        self._mark = now
+        self.seconds["total_s"] = round(now - self._created, 3)
+
+
 def log_inapplicable_flags(engine_config: EngineConfig, device: str) -> None:
     if device.startswith("cuda"):
         return
@@ -250,6 +282,7 @@ def serve(
     inherited: bool = False,
     control: ControlSocket | None = None,
 ) -> int:
+    timeline = StartupTimeline()
     import torch
 
     from engine.llm_engine import LLMEngine
@@ -267,6 +300,7 @@ def serve(
     from engine.server.state import ServerState
     from engine.server.stats_log import StatsLogger, interval_from_env
 
+    timeline.mark("imports_and_flags")
     notifier = get_notifier()
     notifier.status(f"loading {engine_config.model_name()}")
     threads = CpuThreadPlan(available_cores(), ())
@@ -281,6 +315,7 @@ def serve(
     # graph capture and warm-ups run after serving starts (engine/runner/deferred.py): a restart's gap ends sooner
     engine = engine_thread.call(lambda: LLMEngine(engine_config, defer_startup_work=True))
     core = engine.core
+    timeline.add(core.phases)
     log_inapplicable_flags(engine_config, str(core.device))
     model_name = engine_config.model_name()
     cache_info = {
@@ -350,6 +385,7 @@ def serve(
     # everything built so far lives as long as the server: out of the collector's full passes (engine/gc_heap.py)
     frozen = freeze_startup_heap()
     async_engine.start()
+    timeline.mark("http_server")
     log.info(
         "serving",
         url=f"http://{host}:{port}",
@@ -359,6 +395,7 @@ def serve(
         systemd_notify=notifier.enabled,
         watchdog_s=notifier.watchdog_interval,
         gc_frozen_objects=frozen,
+        startup=timeline.seconds,
     )
     try:
         server.run(sockets=[sock])
