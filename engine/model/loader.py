@@ -165,7 +165,7 @@ def load_model(
     """Build the model without initialising weights (meta device), then fill it from the checkpoint
     (or, with load_format="dummy", with random weights: benchmarks of a shape need no download).
     With tensor parallelism each rank builds and reads only its shard."""
-    model = build_on_meta(info, max_model_len, device, tp).to_empty(device=device)
+    model = _materialize(build_on_meta(info, max_model_len, device, tp), device)
     if load_format == "dummy":
         _random_weights(model, info.dtype)
     else:
@@ -174,6 +174,12 @@ def load_model(
         except ModelLoadError as e:
             raise ModelLoadError(_in_model(info, e)) from None
     return model.eval()
+
+
+def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model.to_empty(device=device)` without its `empty_like` of meta tensors, whose stride logic
+    (torch._prims_common) imports sympy: about a second of CPU at every engine start, for nothing else."""
+    return model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
 
 
 def _in_model(info: ModelInfo, e: ModelLoadError) -> str:

@@ -1,6 +1,7 @@
 """What an engine server imports: its start with the embedded model, and serving chat, tokenization and a
-structured output, do not import transformers (its config and tokenizer are read without it,
-engine/model/hf_config.py and hf_tokenizer.py)."""
+structured output, import neither transformers (its config and tokenizer are read without it,
+engine/model/hf_config.py and hf_tokenizer.py) nor sympy (which torch imported when the model was moved off the
+meta device with `to_empty`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import httpx
 from engine.default_model import DEFAULT_MODEL_DIR
 from tests.server.harness import start_server
 
-HEAVY = ("transformers",)
+HEAVY = ("transformers", "sympy")
 
 
 def _imported(log: str) -> list[str]:
