@@ -105,7 +105,9 @@ class GrammarCompiler:
         tokenizer's vocabulary (an embedding padded beyond it, say) is left out, and one with no EOS inside it is
         refused per request with the reason, instead of failing inside llguidance."""
         if self._tokenizer is None:
-            import llguidance.hf
+            import copy
+
+            import llguidance
 
             known = sorted(i for i in self.eos_ids if i < len(self._hf))
             if self.eos_ids and not known:
@@ -114,7 +116,16 @@ class GrammarCompiler:
                     f"{len(self._hf)} tokens, so no grammar could end; fix eos_token_id in the checkpoint's "
                     "config.json or generation_config.json"
                 )
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=known or None)
+            backend = getattr(self._hf, "backend_tokenizer", None)
+            if backend is None:
+                raise GrammarUnavailable("the model's tokenizer is not a fast (tokenizers-library) tokenizer")
+            # What llguidance.hf.from_tokenizer does, without its transformers import: the serialized Rust
+            # tokenizer (added tokens included), padding and truncation off, on a copy.
+            backend = copy.copy(backend)
+            backend.no_padding()
+            backend.no_truncation()
+            eos = known or self._hf.eos_token_id
+            self._tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
         return self._tokenizer
 
     def compile(self, params: StructuredOutputsParams) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 from torch import nn
 
@@ -20,9 +21,13 @@ from engine.config import ConfigError, EngineConfig
 from engine.distributed.group import SINGLE, TPGroup
 from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenizer_dir
 from engine.model.device_copy import parallel_copies
+from engine.model.hf_config import load_hf_config
+from engine.model.hf_tokenizer import read_tokenizer
 from engine.model.quant import QuantSpec, check_device, check_dtype, resolve_quantization
 from engine.model.registry import ARCHITECTURES, supported
 from engine.model.weights import ModelLoadError, finish_loading, iter_checkpoint
+
+log = structlog.get_logger("pagekeeper.loader")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -42,14 +47,9 @@ class ModelInfo:
 
 
 def inspect_model(config: EngineConfig) -> ModelInfo:
-    from transformers import AutoConfig
-
     path = Path(config.model_path())
     require_checkpoint_dir(path)
-    try:
-        hf_config = AutoConfig.from_pretrained(str(path), trust_remote_code=config.trust_remote_code)
-    except (ValueError, KeyError, OSError) as e:
-        raise ConfigError(f"--model {path}: config.json could not be read by transformers: {e}") from e
+    hf_config = load_hf_config(path, config.trust_remote_code)
     archs = list(getattr(hf_config, "architectures", None) or [])
     arch = next((a for a in archs if a in ARCHITECTURES), None)
     if arch is None:
@@ -107,13 +107,23 @@ def _eos_ids(path: Path, hf_config: Any) -> list[int]:
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
-    from transformers import AutoTokenizer
-
+    """The tokenizer on the `tokenizers` library where engine/model/hf_tokenizer.py can build it as transformers
+    would, else transformers' AutoTokenizer (imported only then)."""
     source = config.tokenizer or config.model_path()
     require_tokenizer_dir(source)
+    directory = Path(source).expanduser()
+    if config.trust_remote_code:
+        why = "--trust-remote-code: the checkpoint's own code may build it"
+    else:
+        tokenizer, why = read_tokenizer(directory)
+        if tokenizer is not None:
+            return tokenizer
+    log.debug("tokenizer_loaded_by_transformers", tokenizer=str(directory), reason=why)
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(
-            str(Path(source).expanduser()), trust_remote_code=config.trust_remote_code, local_files_only=True
+            str(directory), trust_remote_code=config.trust_remote_code, local_files_only=True
         )
     except (OSError, ValueError) as e:
         raise ConfigError(f"tokenizer at {source} could not be loaded: {e}; pass --tokenizer DIR") from e
@@ -156,7 +166,7 @@ def load_model(
     """Build the model without initialising weights (meta device), then fill it from the checkpoint
     (or, with load_format="dummy", with random weights: benchmarks of a shape need no download).
     With tensor parallelism each rank builds and reads only its shard."""
-    model = build_on_meta(info, max_model_len, device, tp).to_empty(device=device)
+    model = _materialize(build_on_meta(info, max_model_len, device, tp), device)
     fill_weights(model, info, load_format, device)
     return model.eval()
 
@@ -172,6 +182,12 @@ def fill_weights(model: nn.Module, info: ModelInfo, load_format: str, device: to
             model.load_weights(iter_checkpoint(info.path))
     except ModelLoadError as e:
         raise ModelLoadError(_in_model(info, e)) from None
+
+
+def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model.to_empty(device=device)` without its `empty_like` of meta tensors, whose stride logic
+    (torch._prims_common) imports sympy: about a second of CPU at every engine start, for nothing else."""
+    return model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
 
 
 def _in_model(info: ModelInfo, e: ModelLoadError) -> str:

@@ -115,3 +115,24 @@ def test_all_four_architectures_are_registered(checkpoint):
         cfg = json.loads((checkpoint(arch) / "config.json").read_text())
         assert cfg["architectures"] == [cls]
         assert LLM(str(checkpoint(arch))).llm_engine.core.model_info.architecture == cls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "opt"])
+def test_leaving_the_meta_device_makes_what_to_empty_makes(checkpoint, arch):
+    """loader._materialize stands in for nn.Module.to_empty (which imports sympy): the same tensors, strides,
+    dtypes, devices and Parameter flags."""
+    from engine.config import EngineConfig
+    from engine.model.loader import _materialize, build_on_meta, inspect_model
+
+    info = inspect_model(EngineConfig(model=str(checkpoint(arch))))
+    cpu = torch.device("cpu")
+    ours = _materialize(build_on_meta(info, 64, cpu), cpu)
+    theirs = build_on_meta(info, 64, cpu).to_empty(device=cpu)
+
+    def described(model: torch.nn.Module) -> list[tuple]:
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        return [
+            (n, type(t), tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.is_leaf) for n, t in tensors
+        ]
+
+    assert described(ours) == described(theirs) and described(ours)
