@@ -100,12 +100,15 @@ class Lifecycle:
 LIFECYCLE = Lifecycle()  # this process's (an engine process serves one engine)
 
 
-STANDBY_LIMIT_S = 900.0  # an engine waits this long at most for the one it replaces (its supervisor kills it first)
+STANDBY_LIMIT_S = 900.0  # a restart's successor waits this long at most for the engine it replaces
 
 
-def standby_until_exit(pid: int, limit_s: float = STANDBY_LIMIT_S) -> float:
+def standby_until_exit(pid: int, limit_s: float | None = STANDBY_LIMIT_S) -> float:
     """In STANDBY, wait for process `pid` to exit (the engine this one replaces frees the GPU); the seconds waited.
-    Raises TimeoutError past `limit_s`: a predecessor that never leaves means a supervisor that is gone."""
+
+    A spare engine the supervisor keeps ready waits without a limit (`limit_s` None); every standby also ends if
+    this process's parent (its supervisor) exits first: a successor nobody supervises must not wake up and serve
+    beside whatever a new supervisor starts.  TimeoutError past `limit_s`, SystemExit when the parent is gone."""
     import os
     import select
     import time
@@ -115,14 +118,26 @@ def standby_until_exit(pid: int, limit_s: float = STANDBY_LIMIT_S) -> float:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         return 0.0
+    parent = os.getppid()
+    try:
+        parent_fd: int | None = os.pidfd_open(parent) if parent > 1 else None
+    except ProcessLookupError:
+        parent_fd = None
     moved = LIFECYCLE.phase == Phase.LOADING and LIFECYCLE.move(Phase.STANDBY)
     try:
         poller = select.poll()
         poller.register(fd, select.POLLIN)
-        if not poller.poll(limit_s * 1000):
+        if parent_fd is not None:
+            poller.register(parent_fd, select.POLLIN)
+        ready = poller.poll(None if limit_s is None else limit_s * 1000)
+        if not ready:
             raise TimeoutError(f"process {pid} (the engine this one replaces) did not exit within {limit_s:.0f} s")
+        if parent_fd is not None and any(f == parent_fd for f, _ in ready) and not any(f == fd for f, _ in ready):
+            raise SystemExit(f"the supervisor (pid {parent}) is gone: a standby engine does not start on its own")
     finally:
         os.close(fd)
-        if moved:
+        if parent_fd is not None:
+            os.close(parent_fd)
+        if moved and LIFECYCLE.phase == Phase.STANDBY:
             LIFECYCLE.move(Phase.LOADING)
     return time.monotonic() - started

@@ -22,7 +22,6 @@ CPU reference computes.
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -169,8 +168,27 @@ def _backend(device: torch.device) -> contextlib.AbstractContextManager:
     return sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
 
 
-@functools.lru_cache(maxsize=None)
+_KNOWN_REFUSALS: dict[tuple[torch.dtype, int, int, int, str], str | None] = {}
+
+
+def remember_cudnn_refusal(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, device: str, why: str | None
+) -> None:
+    """What an earlier start on the same GPU and versions found (engine/runner/probe_cache.py): the probe, whose
+    first cuDNN call loads the library (about 2 s on an H100 host), is then not run at start-up."""
+    _KNOWN_REFUSALS[(dtype, num_heads, num_kv_heads, head_dim, device)] = why
+
+
 def cudnn_refusal(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, device: str) -> str | None:
+    """Why cuDNN's attention cannot serve fresh chunks of this shape here (None: it can); probed once per
+    process unless an earlier start's answer was remembered."""
+    key = (dtype, num_heads, num_kv_heads, head_dim, device)
+    if key not in _KNOWN_REFUSALS:
+        _KNOWN_REFUSALS[key] = _probe_cudnn(*key)
+    return _KNOWN_REFUSALS[key]
+
+
+def _probe_cudnn(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, device: str) -> str | None:
     """Why cuDNN's attention cannot serve fresh chunks of this shape here (None: it can).
 
     Runs it once on the engine's layout (q, k, v as strided views of one fused projection output) and
@@ -210,6 +228,7 @@ __all__ = [
     "bucket_length",
     "batch_pieces",
     "is_planned_length",
+    "remember_cudnn_refusal",
     "dense_prefill",
     "dense_shapes",
     "warm",

@@ -68,7 +68,16 @@ def dense_prefill_lengths(
     if why is not None:
         log.info("dense_prefill_off", reason=why)
         return None
-    return functools.partial(is_planned_length, least=DENSE_PREFILL_MIN_TOKENS)
+    return functools.partial(_planned_and_warm, (dtype, num_heads, num_kv_heads, head_dim, str(device)))
+
+
+# Shapes whose cuDNN plans `warm_dense_prefill` made: until then (the server plans them after it starts serving,
+# engine/runner/deferred.py) every chunk stays on the paged kernel, which plans nothing.
+_WARMED: set[tuple[torch.dtype, int, int, int, str]] = set()
+
+
+def _planned_and_warm(key: tuple[torch.dtype, int, int, int, str], length: int) -> bool:
+    return key in _WARMED and is_planned_length(length, DENSE_PREFILL_MIN_TOKENS)
 
 
 def warm_dense_prefill(
@@ -76,7 +85,9 @@ def warm_dense_prefill(
 ) -> int:
     """Plan every shape a step of at most `max_tokens` tokens can give cuDNN; returns how many."""
     with _on_device(torch.empty(0, device=device)):
-        return warm(dtype, num_heads, num_kv_heads, head_dim, device, DENSE_PREFILL_MIN_TOKENS, max_tokens)
+        shapes = warm(dtype, num_heads, num_kv_heads, head_dim, device, DENSE_PREFILL_MIN_TOKENS, max_tokens)
+    _WARMED.add((dtype, num_heads, num_kv_heads, head_dim, str(device)))
+    return shapes
 
 
 def paged_attention(

@@ -39,6 +39,10 @@ class SupervisorConfig(PolicyConfig):
     # The weights keeper (engine/keeper/, opsctl/keeper.py): auto = on when the engine runs on a GPU with the process
     # launcher (a restart then maps the kept weights instead of reloading them), off on the CPU.
     keep_weights: Literal["auto", "on", "off"] = "auto"
+    # A spare engine standing by behind the serving one (imports done, kept weights mapped, no KV cache): when the
+    # engine dies or is restarted, the spare takes the GPU at its exit.  auto = on where weights are kept and one
+    # engine runs at a time (a GPU); it costs a CUDA context per GPU and the host memory of one more process.
+    spare_engine: Literal["auto", "on", "off"] = "auto"
     instance: Annotated[str, Field(pattern=INSTANCE_PATTERN)] = DEFAULT_INSTANCE
     unit: Annotated[str, Field(pattern=r"^[A-Za-z0-9:_.@\\-]+\.service$")] | None = None  # None: from the instance
     metrics_host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
@@ -81,6 +85,11 @@ class SupervisorConfig(PolicyConfig):
             raise ConfigError(
                 '[supervisor] keep_weights = "on" needs the process launcher: the systemd unit starts the engine '
                 'with fixed flags; use keep_weights = "auto" (off under systemd) or launcher = "process"'
+            )
+        if self.spare_engine == "on" and (self.launcher == "systemd" or self.handover == "overlap"):
+            raise ConfigError(
+                '[supervisor] spare_engine = "on" needs the process launcher and one engine at a time '
+                '(handover "auto" on a GPU, or "sequential"): a spare waits for the serving engine to exit'
             )
         if self.history_size is not None and self.history_size < self.history_needed():
             raise ConfigError(

@@ -260,6 +260,8 @@ class Supervisor:
         self._rotate_logs()
         if action.acts and not self.sup.dry_run:
             self._execute(action)
+        elif not self.sup.dry_run and not self.state.gave_up:
+            self.launcher.maintain()  # a spare engine behind a serving one (opsctl/launcher.py)
         return action
 
     def _rotate_logs(self) -> None:
@@ -547,6 +549,7 @@ class Supervisor:
                     poll_interval_s=self.sup.poll_interval,
                     handover=self.launcher.handover_mode,
                     weights_keeper=self.launcher.keeper_status(),
+                    spare_engine=self.launcher.spare_status(),
                 ),
                 engine_log=str(log_path) if log_path else None,
             )

@@ -123,6 +123,13 @@ class Launcher(ABC):
         """The weights keeper's pid and state (None: this deployment runs none)."""
         return None
 
+    def spare_status(self) -> dict | None:
+        """The spare engine standing by (None: this deployment keeps none)."""
+        return None
+
+    def maintain(self) -> None:  # noqa: B027 - a hook: most launchers keep nothing ready
+        """Between polls: keep what the launcher keeps ready (a spare engine) in place."""
+
     def draining_on_its_own(self) -> str | None:
         """Why an engine whose HTTP side is silent is still well: draining or stopping within its own deadline
         (a SIGTERM from outside stops it accepting).  None: nothing says so, and silence may be a hang."""
@@ -325,8 +332,13 @@ class ProcessLauncher(Launcher):
         overlap: bool,
         env: dict[str, str] | None = None,
         keeper: KeeperProcess | None = None,
+        spare: bool = False,
     ) -> None:
         self.engine_args = engine_args
+        # A spare engine standing by behind the serving one (`maintain` starts it): it wakes by itself when the
+        # serving engine exits (a crash, a kill, a restart's drain), and is then promoted instead of a start.
+        self.spare_enabled = spare and not overlap
+        self.spare: EngineProcess | None = None
         self.runtime = runtime
         self.log_file = log_file
         self.overlap = overlap
@@ -431,6 +443,47 @@ class ProcessLauncher(Launcher):
     def keeper_status(self) -> dict | None:
         return self.keeper.describe() if self.keeper is not None else None
 
+    def spare_status(self) -> dict | None:
+        if not self.spare_enabled:
+            return None
+        spare = self.spare
+        alive = spare is not None and spare.alive()
+        return {"pid": spare.pid if alive else None, "state": spare.state() if alive else "none"}  # type: ignore[union-attr]
+
+    def maintain(self) -> None:
+        """Start a spare behind a serving engine when there is none (or it died); the keeper must be there, so that
+        the spare maps the weights instead of loading a second copy."""
+        if not self.spare_enabled:
+            return
+        if self.spare is not None and not self.spare.alive():
+            log.warning("spare_engine_exited", pid=self.spare.pid, how=_describe(self.spare.returncode()))
+            self.spare.cleanup()
+            self.spare = None
+        engine = self.engine
+        if self.spare is not None or engine is None or not engine.alive():
+            return
+        if self.keeper is not None and not self.keeper.alive():
+            return
+        if engine.state() != "serving":
+            return
+        self.spare = self._spawn(standby_after=engine.pid)
+        log.info("spare_engine_started", pid=self.spare.pid, behind=engine.pid)
+
+    def _promote_spare(self) -> bool:
+        """The spare (awake, or waking: the engine it stood behind has exited) becomes the engine."""
+        spare, self.spare = self.spare, None
+        if spare is None or not spare.alive():
+            return False
+        self.engine = spare
+        self._record()
+        log.info("spare_engine_promoted", pid=spare.pid)
+        return True
+
+    def _stop_spare(self) -> None:
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            self.retire(spare, drain=False, timeout=0)  # standing by: it holds no request and no KV cache
+
     def recycle(self, timeout: float) -> dict | None:
         engine = self.engine
         if engine is None or not engine.alive():
@@ -516,8 +569,18 @@ class ProcessLauncher(Launcher):
             self._note_exit()
             lost = self._lost_at_exit
             self.forget_exit()
-            self.start()
+            self.engine = None  # noted: not an exit to report again
+            if not self._promote_spare():  # the spare woke at the exit and is taking the GPU already
+                self.start()
             return Retired.of(engine_exited=lost)
+        if self.spare is not None and self.spare.alive() and self.spare.state() == "standby":
+            retired = self.retire(old, drain, timeout)  # the spare wakes when the old engine exits
+            self.forget_exit()
+            if self._promote_spare():
+                return retired
+            self.engine = None
+            self.start()
+            return retired
         if not self.overlap and self.keeper is not None and self.keeper.alive():
             return self._restart_standby(old, drain, timeout, ready_timeout)
         if self.overlap:
@@ -557,6 +620,7 @@ class ProcessLauncher(Launcher):
         return self.retire(old, drain, timeout)
 
     def stop(self, drain: bool, timeout: float) -> Retired:
+        self._stop_spare()  # first: it would wake and serve when the engine exits
         engine, self.engine = self.engine, None
         retired = self.retire(engine, drain, timeout) if engine is not None else Retired()
         self._record()

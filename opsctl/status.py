@@ -89,6 +89,7 @@ class SupervisorStatus:
     poll_interval_s: float
     handover: str  # overlap | standby | sequential (opsctl/launcher.py)
     weights_keeper: dict[str, Any] | None = None  # pid, state, load_seconds, starts (opsctl/keeper.py); None: none
+    spare_engine: dict[str, Any] | None = None  # pid, state of the engine standing by (opsctl/launcher.py); None: none
 
 
 @dataclass

@@ -93,20 +93,20 @@ def build_launcher(cfg: PagekeeperConfig, runtime: Path, gpu: GpuProbe) -> Launc
                 'handover = "auto" or launcher = "process"'
             )
         return SystemdLauncher(cfg.supervisor.engine_unit())
-    keeper = (
-        KeeperProcess(cfg.engine_args(), runtime, runtime / ENGINE_LOG_NAME, cfg.engine_env())
-        if keeps_weights(cfg, gpu)
-        else None
-    )
+    keep = keeps_weights(cfg, gpu)
+    keeper = KeeperProcess(cfg.engine_args(), runtime, runtime / ENGINE_LOG_NAME, cfg.engine_env()) if keep else None
+    overlap = handover_overlaps(cfg, gpu)
+    spare = cfg.supervisor.spare_engine == "on" or (cfg.supervisor.spare_engine == "auto" and keep and not overlap)
     return ProcessLauncher(
         cfg.engine_args(),
         cfg.host,
         cfg.port,
         runtime,
         runtime / ENGINE_LOG_NAME,
-        overlap=handover_overlaps(cfg, gpu),
+        overlap=overlap,
         env=cfg.engine_env(),
         keeper=keeper,
+        spare=spare,
     )
 
 

@@ -31,6 +31,7 @@ from engine.memory.budget import (
     set_allocator_defaults,
 )
 from engine.model.cpu_packing import pack_linears
+from engine.model.layers.attention import PagedAttention
 from engine.model.loader import ModelInfo, load_model
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.deferred import DeferredWork, one_unit
@@ -177,6 +178,8 @@ def start_runner(
             bytes_per_block=per_block,
             effect="preempted requests are recomputed",
         )
+    if cuda:
+        remember_dense_probe(probes, model, model_info.dtype, device)
     runner = ModelRunner(
         model,
         kv_plan.usable_blocks,
@@ -199,6 +202,23 @@ def start_runner(
     return StartedRunner(
         runner, model, kv_plan, preemption_mode, num_cpu_blocks, capture_seconds, phases.seconds, source
     )
+
+
+def remember_dense_probe(probes: ProbeCache, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Whether cuDNN can take this model's fresh chunks: an earlier start's answer, else probed now (the profiled
+    step already did on a miss) and kept for the next start.  The probe's first cuDNN call loads the library,
+    about 2 s that a restart's gap would otherwise pay; the plans themselves are made after serving starts."""
+    from kernels.dense_prefill import cudnn_refusal, remember_cudnn_refusal
+
+    attn = next((m for m in model.modules() if isinstance(m, PagedAttention)), None)
+    if attn is None or dtype not in (torch.float16, torch.bfloat16):
+        return
+    shape = (dtype, attn.num_heads, attn.num_kv_heads, attn.head_dim, str(device))
+    found = probes.get("cudnn_refusal")
+    if isinstance(found, dict) and "why" in found:
+        remember_cudnn_refusal(*shape, found["why"])
+    else:
+        probes.put("cudnn_refusal", {"why": cudnn_refusal(*shape)})
 
 
 def _config_dict(hf_config: Any) -> dict[str, Any]:

@@ -626,7 +626,9 @@ def exit_without_teardown(code: int) -> NoReturn:
     silent process that a supervisor could take for hung.  What registered for the exit still runs first:
     tensor-parallel workers are stopped, logs flushed.
     """
+    started = time.monotonic()
     atexit._run_exitfuncs()
+    log.info("exiting", code=code, exit_functions_s=round(time.monotonic() - started, 3))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

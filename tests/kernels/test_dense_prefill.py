@@ -161,6 +161,26 @@ def test_no_dense_path_for_float32_or_an_fp8_cache():
     assert cpu_backend.dense_prefill_lengths(torch.bfloat16, fp8, 32, 8, 128, cpu) is None
 
 
+def test_a_remembered_cudnn_answer_skips_the_probe_and_chunks_wait_for_their_plans(monkeypatch):
+    """An earlier start's probe answer (engine/runner/probe_cache.py) is taken as it is (the probe's first cuDNN
+    call costs seconds), and no chunk goes to cuDNN before its shapes are planned (after serving starts)."""
+    from kernels import dense_prefill as dp
+
+    probed = []
+    monkeypatch.setattr(dp, "_probe_cudnn", lambda *a: probed.append(a))
+    monkeypatch.setattr(triton_backend, "_WARMED", set())
+    cpu = torch.device("cpu")
+    dp.remember_cudnn_refusal(torch.bfloat16, 12, 4, 64, "cpu", None)
+    takes = triton_backend.dense_prefill_lengths(torch.bfloat16, torch.bfloat16, 12, 4, 64, cpu)
+    assert takes is not None and not probed
+    assert not takes(1024) and not takes(2048)
+    triton_backend._WARMED.add((torch.bfloat16, 12, 4, 64, "cpu"))  # what warm_dense_prefill records
+    assert takes(1024) and takes(2048) and not takes(1100)
+    dp.remember_cudnn_refusal(torch.bfloat16, 12, 4, 48, "cpu", "no cuDNN here")
+    assert triton_backend.dense_prefill_lengths(torch.bfloat16, torch.bfloat16, 12, 4, 48, cpu) is None
+    assert not probed
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_fresh_chunks_on_cudnn_llama3_sizes(dtype):
@@ -187,7 +207,9 @@ def test_gpu_fresh_chunks_on_cudnn_llama3_sizes(dtype):
     if why is not None:  # this GPU's cuDNN cannot take the layout: the engine keeps every chunk paged
         assert takes is None
         return
-    assert takes is not None and takes(1536) and takes(2048) and not takes(1100) and not takes(512)
+    assert takes is not None and not takes(1536)  # nothing planned yet: the paged kernel plans nothing
+    triton_backend.warm_dense_prefill(dtype, 32, 8, 128, torch.device("cuda"), 8192)
+    assert takes(1536) and takes(2048) and not takes(1100) and not takes(512)
     out = torch.full_like(case.query, float("nan"))
     triton_backend.paged_attention(*case.args(), out=out, num_decodes=2, dense=dense, fresh_kv=_fresh_kv(case))
     err = rel_error(out, reference_fp64(case))

@@ -34,7 +34,9 @@ def _serving_new(d, old_pid: int):  # type: ignore[no-untyped-def]
 
 
 def test_engines_share_the_kept_weights_through_restarts_kills_and_a_dead_keeper(deploy):
-    d = deploy(supervisor={"keep_weights": "on", "handover": "sequential", "cooldown_seconds": 60.0})
+    d = deploy(
+        supervisor={"keep_weights": "on", "handover": "sequential", "spare_engine": "off", "cooldown_seconds": 60.0}
+    )
     r = d.opsctl("start")
     assert r.returncode == 0, r.stdout + r.stderr + d.log("supervisor.log")[-3000:]
     status = d.status()
@@ -90,3 +92,60 @@ def test_engines_share_the_kept_weights_through_restarts_kills_and_a_dead_keeper
         time.sleep(0.1)
     else:
         pytest.fail("the keeper outlived opsctl stop")
+
+
+def test_a_spare_engine_stands_by_and_takes_over_a_killed_or_restarted_engine(deploy):
+    """The spare has done everything but the KV cache: kill -9 of the engine wakes it by itself (the supervisor only
+    promotes it), and a restart's drain hands over to it; a new spare then stands behind the new engine."""
+    d = deploy(supervisor={"keep_weights": "on", "handover": "sequential", "spare_engine": "on"})
+    r = d.opsctl("start")
+    assert r.returncode == 0, r.stdout + r.stderr + d.log("supervisor.log")[-3000:]
+    spare, _ = d.wait_for(lambda s: (s["supervisor"]["spare_engine"] or {}).get("state") == "standby", 90, "a spare")
+    spare_pid = spare["supervisor"]["spare_engine"]["pid"]
+
+    old = d.engine_pid()
+    killed = time.monotonic()
+    os.killpg(old, signal.SIGKILL)
+    status, _ = d.wait_for(_serving_new(d, old), 90, "the spare serving after kill -9")
+    took = time.monotonic() - killed
+    assert status["engine"]["pid"] == spare_pid, "the spare was promoted, not a new engine started"
+    print(f"kill -9: the spare served again {took:.1f} s after the kill")
+    ready = _events(d, "engine_ready")[-1]
+    assert ready["weights_from"] == "keeper" and ready["phases"]["standby"] > 0
+
+    again, _ = d.wait_for(
+        lambda s: (
+            (s["supervisor"]["spare_engine"] or {}).get("state") == "standby"
+            and s["supervisor"]["spare_engine"]["pid"] != spare_pid
+        ),
+        90,
+        "a new spare behind the promoted engine",
+    )
+    spare_pid = again["supervisor"]["spare_engine"]["pid"]
+    load = Load(d.url).start()
+    try:
+        time.sleep(2)
+        old = d.engine_pid()
+        assert d.opsctl("restart").returncode == 0
+        status, _ = d.wait_for(_serving_new(d, old), 90, "the spare serving after a restart")
+        time.sleep(2)
+    finally:
+        records = load.stop()
+    assert status["engine"]["pid"] == spare_pid
+    failed = [x for x in records if x.outcome != "ok"]
+    assert not failed, failed[:5]
+
+    keeper = d.status()["supervisor"]["weights_keeper"]["pid"]
+    d.wait_for(lambda s: (s["supervisor"]["spare_engine"] or {}).get("state") == "standby", 90, "a third spare")
+    spare_pid = d.status()["supervisor"]["spare_engine"]["pid"]
+    assert d.opsctl("stop").returncode == 0
+    for pid in (spare_pid, keeper):
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"pid {pid} outlived opsctl stop")
