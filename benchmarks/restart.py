@@ -301,6 +301,24 @@ def num_gpu_blocks(url: str) -> int:
 # -- scenarios --------------------------------------------------------------------------------------------------
 
 
+def wait_spare(d: Deployment, timeout: float = 120) -> float | None:
+    """Seconds until the supervisor's spare engine stands by (None: this deployment keeps none, or it did not)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        spare = d.status().get("supervisor", {}).get("spare_engine")
+        if not spare:
+            return None
+        if spare.get("state") == "standby":
+            return round(time.monotonic() - started, 3)
+        time.sleep(0.5)
+    return None
+
+
+def startup_timeline(d: Deployment) -> dict[str, float] | None:
+    serving = d.events("engine.log", "serving")
+    return serving[-1].get("startup") if serving else None
+
+
 def scenario_start(d: Deployment, timeout: float) -> dict[str, Any]:
     t0 = time.monotonic()
     r = d.opsctl("start", timeout=timeout)
@@ -314,6 +332,7 @@ def scenario_start(d: Deployment, timeout: float) -> dict[str, Any]:
         "opsctl_start_s": round(started, 3),
         "first_completion_s": round(first, 3),
         "engine_phases": ready[-1].get("phases") if ready else None,
+        "startup_timeline": startup_timeline(d),
         "engine_load_s": ready[-1].get("load_seconds") if ready else None,
         "weights_from": ready[-1].get("weights_from") if ready else None,
         "keeper_load_s": kept[-1].get("seconds") if kept else None,
@@ -321,6 +340,7 @@ def scenario_start(d: Deployment, timeout: float) -> dict[str, Any]:
 
 
 def scenario_restart(d: Deployment, args: argparse.Namespace) -> dict[str, Any]:
+    spare_ready_s = wait_spare(d)
     load = Load(d.url, args.clients, args.max_tokens).start()
     time.sleep(args.settle)
     old = engine_pid(d)
@@ -338,12 +358,15 @@ def scenario_restart(d: Deployment, args: argparse.Namespace) -> dict[str, Any]:
         "old_pid": old,
         "new_pid": engine_pid(d),
         "new_engine_phases": ready[-1].get("phases") if ready else None,
+        "new_engine_timeline": startup_timeline(d),
         "weights_from": ready[-1].get("weights_from") if ready else None,
+        "spare_standing_by_after_s": spare_ready_s,
         **stats,
     }
 
 
 def scenario_kill9(d: Deployment, args: argparse.Namespace) -> dict[str, Any]:
+    spare_ready_s = wait_spare(d)
     load = Load(d.url, args.clients, args.max_tokens).start()
     time.sleep(args.settle)
     pid = engine_pid(d)
@@ -361,7 +384,9 @@ def scenario_kill9(d: Deployment, args: argparse.Namespace) -> dict[str, Any]:
         "first_load_completion_s": round(after[0], 3) if after else None,
         "in_flight_at_kill": len(in_flight),
         "lost": sum(1 for r in in_flight if not r.ok),
+        "spare_standing_by_after_s": spare_ready_s,
         "new_engine_phases": ready[-1].get("phases") if ready else None,
+        "new_engine_timeline": startup_timeline(d),
         "weights_from": ready[-1].get("weights_from") if ready else None,
         **stats,
     }

@@ -469,6 +469,18 @@ class ProcessLauncher(Launcher):
         self.spare = self._spawn(standby_after=engine.pid)
         log.info("spare_engine_started", pid=self.spare.pid, behind=engine.pid)
 
+    def _spare_standing_by(self, timeout: float) -> bool:
+        """The spare is ready to take over (it may still be importing: wait for it, it is the fastest way).  One
+        that does not get there is stopped: a second successor must never wake beside it at the old one's exit."""
+        spare = self.spare
+        deadline = time.monotonic() + timeout
+        while spare is not None and spare.alive() and time.monotonic() < deadline:
+            if spare.state() == "standby":
+                return True
+            time.sleep(0.05)
+        self._stop_spare()
+        return False
+
     def _promote_spare(self) -> bool:
         """The spare (awake, or waking: the engine it stood behind has exited) becomes the engine."""
         spare, self.spare = self.spare, None
@@ -573,7 +585,7 @@ class ProcessLauncher(Launcher):
             if not self._promote_spare():  # the spare woke at the exit and is taking the GPU already
                 self.start()
             return Retired.of(engine_exited=lost)
-        if self.spare is not None and self.spare.alive() and self.spare.state() == "standby":
+        if self.spare is not None and self._spare_standing_by(ready_timeout):
             retired = self.retire(old, drain, timeout)  # the spare wakes when the old engine exits
             self.forget_exit()
             if self._promote_spare():
