@@ -22,7 +22,7 @@ QUANTIZATIONS = ("fp8", "awq")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MODEL_NAME = "pagekeeper-default"  # the embedded model's served name, also accepted as --model
 # Engine flags the supervisor sets for one start; no config-file key (engine/config_file.py refuses them there).
-INTERNAL_FIELDS = ("weights_keeper", "standby_after")
+INTERNAL_FIELDS = ("weights_keeper", "standby_after", "standby_spare")
 
 
 class ConfigError(ValueError):
@@ -163,6 +163,10 @@ class EngineConfig:
             "Get ready (imports, weights from the keeper) but take no more device memory until process PID "
             "(the engine this one replaces) has exited."
         ),
+    )
+    standby_spare: bool = field(
+        default=False,
+        metadata=_flag("With --standby-after: a spare kept ready for whenever PID exits, so wait without a limit."),
     )
 
     def __post_init__(self) -> None:

@@ -378,7 +378,7 @@ class ProcessLauncher(Launcher):
 
     # -- starting ---------------------------------------------------------------------------------
 
-    def _spawn(self, beside: int | None = None, standby_after: int | None = None) -> EngineProcess:
+    def _spawn(self, beside: int | None = None, standby_after: int | None = None, spare: bool = False) -> EngineProcess:
         """`beside`: the pid of an engine this one runs next to until it leaves (an overlapping handover): the new
         engine runs half the CPU threads meanwhile (engine/server/core_share.py).  `standby_after`: the pid of the
         engine this one replaces, whose exit it waits for before it takes device memory (a standby handover)."""
@@ -401,6 +401,7 @@ class ProcessLauncher(Launcher):
             str(inflight_path),
             *(("--share-cores-with", str(beside)) if beside is not None else ()),
             *(("--standby-after", str(standby_after)) if standby_after is not None else ()),
+            *(("--standby-spare",) if spare else ()),
             *(("--weights-keeper", str(self.keeper.socket)) if self.keeper is not None and self.keeper.alive() else ()),
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
@@ -466,7 +467,7 @@ class ProcessLauncher(Launcher):
             return
         if engine.state() != "serving":
             return
-        self.spare = self._spawn(standby_after=engine.pid)
+        self.spare = self._spawn(standby_after=engine.pid, spare=True)
         log.info("spare_engine_started", pid=self.spare.pid, behind=engine.pid)
 
     def _spare_standing_by(self, timeout: float) -> bool:

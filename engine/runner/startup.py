@@ -20,7 +20,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
 from engine.distributed.group import SINGLE, TPGroup
 from engine.keeper.client import kept_model
-from engine.lifecycle import standby_until_exit
+from engine.lifecycle import STANDBY_LIMIT_S, standby_until_exit
 from engine.memory.budget import (
     KVPlan,
     Profile,
@@ -120,7 +120,10 @@ def start_runner(
         model, source, shared_bytes = kept.model, "keeper", kept.device_bytes
         phases.mark("weights")
         if config.standby_after is not None:
-            standby_until_exit(config.standby_after)
+            if cuda:
+                warm_kernels(config, model_info, model, device)  # while the old engine still serves
+                phases.mark("kernels")
+            standby_until_exit(config.standby_after, None if config.standby_spare else STANDBY_LIMIT_S)
             phases.mark("standby")
         baseline = device_baseline(device, shared_bytes) if cuda else None
     else:
@@ -128,6 +131,9 @@ def start_runner(
         model = load_model(model_info, config.max_model_len, device, config.load_format, tp)
         source, shared_bytes = "dummy" if config.load_format == "dummy" else "checkpoint", 0
         phases.mark("weights")
+    if cuda and "kernels" not in phases.seconds:
+        warm_kernels(config, model_info, model, device)
+        phases.mark("kernels")
     kv_dtype = kv_cache_dtype(config, model_info.dtype)
     if kv_dtype != model_info.dtype:
         calibrate_kv_scales(config, model, int(model_info.hf_config.vocab_size), model_info.dtype, device)
@@ -401,6 +407,38 @@ def dummy_step(config: EngineConfig, model_info: ModelInfo, model: nn.Module, de
     runner.execute(plan)
     sample_worst_case(runner, config.max_num_seqs, vocab, model_info.dtype)
     del runner
+
+
+def warm_kernels(config: EngineConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> None:
+    """A prompt step and a decode step of one short sequence on a throwaway cache of a few blocks, so that what a
+    first step pays once per process is paid here: cuBLAS's handle and kernels (about 2 s on an H100 host with a
+    warm disk), the Triton kernels' load from their disk cache, and at tensor parallelism NCCL's communicators.
+    Tiny on purpose: an engine standing by may take almost no device memory (the old one still holds it)."""
+    bs = config.block_size
+    n = min(2 * bs - 1, (config.max_model_len or 2 * bs) - 1)
+    vocab = int(model_info.hf_config.vocab_size)
+    runner = ModelRunner(
+        model,
+        2,
+        bs,
+        model_info.dtype,
+        device,
+        config.seed,
+        max_num_seqs=1,
+        kv_dtype=kv_cache_dtype(config, model_info.dtype),
+    )
+    greedy = SamplingSpec(temperature=0.0)
+    ids = [(7 * j + 3) % vocab for j in range(n)]
+    prompt = StepPlan(num_batched_tokens=n, new_seqs=[NewSeq("warm", greedy)])
+    prompt.seqs.append(SeqStep("warm", 0, n, ids, table_blocks=[0, 1], sample_ids=["warm"]))
+    token = runner.execute(prompt)
+    decode = StepPlan(num_batched_tokens=1)
+    next_id = int(token.token_ids[0]) if token is not None else 0
+    decode.seqs.append(SeqStep("warm", n, 1, [next_id], table_start=2, sample_ids=["warm"]))
+    runner.execute(decode)
+    runner.update_state(StepPlan(finished=["warm"]))
+    del runner
+    torch.cuda.synchronize(device)
 
 
 def sample_worst_case(runner: ModelRunner, num_seqs: int, vocab: int, dtype: torch.dtype) -> None:
