@@ -21,6 +21,8 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's spelling; fp8 means floa
 QUANTIZATIONS = ("fp8", "awq")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MODEL_NAME = "pagekeeper-default"  # the embedded model's served name, also accepted as --model
+# Engine flags the supervisor sets for one start; no config-file key (engine/config_file.py refuses them there).
+INTERNAL_FIELDS = ("weights_keeper", "standby_after")
 
 
 class ConfigError(ValueError):
@@ -154,6 +156,21 @@ class EngineConfig:
     fragmentation_buffer_factor: float = field(
         default=2.0,
         metadata=_flag("KV budget keeps max(150 MiB, factor x profiled allocator fragmentation) in reserve."),
+    )
+    # Set by the supervisor, not in the config file (INTERNAL_FIELDS): they describe one start, not the deployment.
+    weights_keeper: str | None = field(
+        default=None,
+        metadata=_flag(
+            "Take the weights from the keeper serving this unix socket (engine/keeper/); if it cannot give them, "
+            "load the checkpoint as usual."
+        ),
+    )
+    standby_after: int | None = field(
+        default=None,
+        metadata=_flag(
+            "Get ready (imports, weights from the keeper) but take no more device memory until process PID "
+            "(the engine this one replaces) has exited."
+        ),
     )
 
     def __post_init__(self) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import tomllib
 
+from engine.config import INTERNAL_FIELDS as ENGINE_INTERNAL_FIELDS
 from engine.config import ConfigError, EngineConfig
 from engine.schema import validate_section
 from engine.server.settings import INTERNAL_FIELDS, ServerConfig
@@ -30,6 +31,11 @@ SECRET_ENV = {"api_key": "PAGEKEEPER_API_KEY", "admin_key": "PAGEKEEPER_ADMIN_KE
 
 # Server flags of `python -m engine.server` that are not engine flags, with their defaults.
 SERVER_KEYS = {f.name: f.default for f in dataclasses.fields(ServerConfig) if f.name not in INTERNAL_FIELDS}
+
+
+def engine_file_keys() -> set[str]:
+    """The engine's keys a config file may set (the supervisor's per-start flags are not among them)."""
+    return EngineConfig.field_names() - set(ENGINE_INTERNAL_FIELDS)
 
 
 def read_config_file(path: Path) -> dict[str, dict[str, Any]]:
@@ -70,12 +76,12 @@ def validate_engine_section(values: dict[str, Any], source: str) -> dict[str, An
     """The section's values, checked (server keys and engine keys, and the engine's own combinations)."""
     server_part = {k: v for k, v in values.items() if k in SERVER_KEYS}
     engine_part = {k: v for k, v in values.items() if k not in SERVER_KEYS}
-    unknown = sorted(set(engine_part) - EngineConfig.field_names())
+    unknown = sorted(set(engine_part) - engine_file_keys())
     if unknown:
-        known = ", ".join(sorted(EngineConfig.field_names() | set(SERVER_KEYS)))
+        known = ", ".join(sorted(engine_file_keys() | set(SERVER_KEYS)))
         raise ConfigError(f"{source}: unknown key [engine] {unknown[0]!r}; known keys: {known}")
     server_part = validate_section(ServerConfig, server_part, f"{source}: [engine]", exclude=INTERNAL_FIELDS)
-    engine_part = validate_section(EngineConfig, engine_part, f"{source}: [engine]")
+    engine_part = validate_section(EngineConfig, engine_part, f"{source}: [engine]", exclude=ENGINE_INTERNAL_FIELDS)
     try:
         EngineConfig.from_kwargs(**engine_part)  # the engine's own ranges and combinations
     except ConfigError as e:  # its messages name flags; in a file the keys are what a person edits

@@ -14,7 +14,8 @@ from typing import Any, Union
 
 from engine.bad_words import BadWordsMatcher, tokenize_bad_words
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
+from engine.core.deltas import SeqDelta
+from engine.core.engine_core import EngineCore, RecycleReport
 from engine.core.plan import SamplingSpec
 from engine.core.request import Request, RequestStatus
 from engine.generation_defaults import load_generation_defaults
@@ -56,11 +57,11 @@ class ValidRequest:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, defer_startup_work: bool = False) -> None:
         self.config = config
         # read before the model: a --generation-config that is not there fails in a second, not after the load
         self.generation_defaults = load_generation_defaults(config)
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, defer_startup_work)
         self.tokenizer = self.core.tokenizer
         self.outputs = OutputProcessor(self.tokenizer)
         assert config.max_model_len is not None
@@ -250,10 +251,26 @@ class LLMEngine:
         """Plain numbers for the metrics layer, taken between steps."""
         return self.core.snapshot()
 
+    def recycle(self) -> tuple[list[RequestOutput], RecycleReport]:
+        """Rebuild the KV pool in place (EngineCore.recycle); the outputs of the step it finished reading."""
+        deltas, report = self.core.recycle()
+        return self._outputs(deltas), report
+
+    def has_deferred_work(self) -> bool:
+        return self.core.has_deferred_work()
+
+    def run_deferred(self) -> None:
+        self.core.run_deferred()
+
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One engine step; outputs for every request that advanced (as its output kind asks),
         finished ones last seen here.  `finished_only` keeps only the finished ones."""
-        deltas = self.core.step()
+        outputs = self._outputs(self.core.step())
+        if finished_only:
+            return [o for o in outputs if o.finished]
+        return outputs
+
+    def _outputs(self, deltas: list[SeqDelta]) -> list[RequestOutput]:
         processed = self.outputs.process(deltas, time.monotonic())
         for seq_id, stop in processed.stopped:
             self.core.finish(seq_id, RequestStatus.FINISHED_STOPPED, stop)
@@ -261,6 +278,4 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self._seq_ids.pop(out.request_id, None)
-        if finished_only:
-            return [o for o in outputs if o.finished]
         return outputs

@@ -9,7 +9,7 @@ opsctl/state.py maps each engine state to its code):
 
 | code | status                                       | start                                   |
 |------|----------------------------------------------|-----------------------------------------|
-| 0    | serving                                      | serving (started, adopted or already)   |
+| 0    | serving (also while its KV pool is recycled) | serving (started, adopted or already)   |
 | 1    | the supervisor did not answer properly       | the engine did not come up in time      |
 | 2    | usage or config error                        | usage/config error, or the engine exited|
 |      |                                              | with 2 (a mistake it names; not retried)|

@@ -36,6 +36,9 @@ class SupervisorConfig(PolicyConfig):
     dry_run: bool = False
     launcher: Literal["auto", "process", "systemd"] = "auto"
     handover: Literal["auto", "overlap", "sequential"] = "auto"  # new engine first, then the old one leaves?
+    # The weights keeper (engine/keeper/, opsctl/keeper.py): auto = on when the engine runs on a GPU with the process
+    # launcher (a restart then maps the kept weights instead of reloading them), off on the CPU.
+    keep_weights: Literal["auto", "on", "off"] = "auto"
     instance: Annotated[str, Field(pattern=INSTANCE_PATTERN)] = DEFAULT_INSTANCE
     unit: Annotated[str, Field(pattern=r"^[A-Za-z0-9:_.@\\-]+\.service$")] | None = None  # None: from the instance
     metrics_host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
@@ -73,6 +76,11 @@ class SupervisorConfig(PolicyConfig):
                 '[supervisor] handover = "overlap" needs the process launcher: systemd runs one '
                 "engine unit at a time (its socket unit queues connections meanwhile); use "
                 'handover = "auto" or launcher = "process"'
+            )
+        if self.launcher == "systemd" and self.keep_weights == "on":
+            raise ConfigError(
+                '[supervisor] keep_weights = "on" needs the process launcher: the systemd unit starts the engine '
+                'with fixed flags; use keep_weights = "auto" (off under systemd) or launcher = "process"'
             )
         if self.history_size is not None and self.history_size < self.history_needed():
             raise ConfigError(

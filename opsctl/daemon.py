@@ -46,6 +46,8 @@ from opsctl.status import (
 
 log = structlog.get_logger("pagekeeper.supervisor")
 
+RECYCLE_TIMEOUT_S = 30.0  # the engine recycles between two steps: a step, then milliseconds
+
 
 @dataclass
 class _Command:
@@ -294,6 +296,8 @@ class Supervisor:
         if action.kind == "give_up":
             self._give_up(action)
             return
+        if action.kind == "recycle" and self._recycle(action):
+            return
         decided_at = time.time()
         timeout = self.sup.drain_timeout
         if action.drain_cap_s is not None and not self._overlap():
@@ -305,6 +309,36 @@ class Supervisor:
             timeout=timeout,
             decided_at=decided_at,
         )
+
+    def _recycle(self, action: Action) -> bool:
+        """The cheap cure: rebuild the engine's KV pool in place.  False when it could not be done (the engine is
+        not serving, or did not answer): the caller then restarts it, draining, as the policy's costlier cure."""
+        self._set_busy(EngineState.RECYCLING)
+        try:
+            reply = self.launcher.recycle(RECYCLE_TIMEOUT_S)
+            if reply is None:  # no private channel (systemd): the engine's admin route
+                reply = self.engine.recycle(RECYCLE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - any failure means: cure it the costlier way
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        finally:
+            self._set_busy(None)
+        if not reply.get("ok"):
+            log.warning("recycle_failed", reason=action.reason, error=reply.get("error"), instead="drain_restart")
+            return False
+        now = time.monotonic()
+        with self.lock:
+            self.state = replace(self.state, recycled_at=now)
+            self.history.clear()  # what comes after the cure is judged on its own
+        self.metrics.recycles.labels(action.reason).inc()
+        log.warning(
+            "engine_recycled",
+            reason=action.reason,
+            requeued=reply.get("requeued"),
+            reclaimed_blocks=reply.get("reclaimed_blocks"),
+            usage_before=reply.get("usage_before"),
+            seconds=reply.get("seconds"),
+        )
+        return True
 
     def _give_up(self, action: Action) -> None:
         detail = self.launcher.exit_summary() or action.reason
@@ -511,7 +545,8 @@ class Supervisor:
                     instance=self.sup.instance,
                     runtime_dir=str(self.sup.runtime_path()),
                     poll_interval_s=self.sup.poll_interval,
-                    handover="overlap" if self._overlap() else "sequential",
+                    handover=self.launcher.handover_mode,
+                    weights_keeper=self.launcher.keeper_status(),
                 ),
                 engine_log=str(log_path) if log_path else None,
             )

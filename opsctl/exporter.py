@@ -91,6 +91,12 @@ class SupervisorMetrics:
         self.decisions = Counter(
             "pagekeeper_supervisor_decisions", "Acting decisions (also in dry-run)", ["action", "reason"], registry=r
         )
+        self.recycles = Counter(
+            "pagekeeper_supervisor_recycles",
+            "In-place recycles of the engine's KV pool (the cheap cure: no restart, no request lost)",
+            ["reason"],
+            registry=r,
+        )
         self.gave_up = Gauge(
             "pagekeeper_supervisor_crash_loop_gave_up", "1 after the crash-loop guard gave up", registry=r
         )
@@ -125,8 +131,10 @@ class SupervisorMetrics:
         # Every series exists from the start, so increase() sees the first restart of each kind.
         for action, reason in ACTIONS:
             self.decisions.labels(action, reason)
-        for reason in {reason for kind, reason in ACTIONS if kind != "give_up"} | {"manual"}:
+        for reason in {reason for kind, reason in ACTIONS if kind not in ("give_up", "recycle")} | {"manual"}:
             self.restarts.labels(reason)
+        for reason in {reason for kind, reason in ACTIONS if kind == "recycle"}:
+            self.recycles.labels(reason)
         for reason in LOST_REASONS:
             self.lost.labels(reason)
         for name in (ENGINE_LOG_NAME, SUPERVISOR_LOG_NAME):

@@ -46,11 +46,13 @@ from opsctl.constants import (
     EXIT_CONFIG_ERROR,
     STOP_NOW_GRACE_S,
 )
+from opsctl.keeper import KeeperProcess
 from opsctl.runtime import open_private, write_private
 
 log = structlog.get_logger("pagekeeper.supervisor")
 
 _LOG_TAIL_BYTES = 4096
+LEAVING_STATES = ("draining", "handing_over", "stopping")  # an engine in these is on its way out by itself
 # How far past its own deadline an engine that says it is draining is still believed (a loaded host is late);
 # the retire path's SIGKILL allows the same.
 STOPPING_MARGIN_S = 2.0
@@ -104,6 +106,22 @@ class Launcher(ABC):
     def log_path(self) -> Path | None: ...
     @abstractmethod
     def close(self) -> None: ...
+
+    def recycle(self, timeout: float) -> dict | None:
+        """Rebuild the engine's KV pool in place (engine/core/engine_core.py: recycle); its report, or None when
+        this launcher has no private channel to the engine (the supervisor then uses the engine's HTTP admin
+        route)."""
+        return None
+
+    @property
+    def handover_mode(self) -> str:
+        """How a restart hands over: overlap (new engine first), standby (the new one waits with the kept weights
+        for the old one's exit), sequential (the new one starts after the old one left)."""
+        return "overlap" if self.overlap else "sequential"
+
+    def keeper_status(self) -> dict | None:
+        """The weights keeper's pid and state (None: this deployment runs none)."""
+        return None
 
     def draining_on_its_own(self) -> str | None:
         """Why an engine whose HTTP side is silent is still well: draining or stopping within its own deadline
@@ -210,7 +228,8 @@ class EngineProcess:
         return control.request(self.control_path, cmd, timeout, **args)
 
     def state(self) -> str | None:
-        """loading | serving | draining | stopping, or None when the control socket does not answer."""
+        """The engine's lifecycle phase (engine/lifecycle.py: loading, standby, serving, recycling, draining,
+        handing_over, stopping), or None when the control socket does not answer."""
         try:
             return str(self.request("state", timeout=1.0).get("state"))
         except (OSError, ValueError):
@@ -229,7 +248,7 @@ class EngineProcess:
         except (OSError, ValueError):
             reply = {}
         state, left = reply.get("state"), reply.get("stop_left_s")
-        if state in ("draining", "stopping") and isinstance(left, (int, float)):
+        if state in LEAVING_STATES and isinstance(left, (int, float)):
             self._stopping = (str(state), now + float(left))
         if self._stopping is None:
             return None
@@ -305,12 +324,14 @@ class ProcessLauncher(Launcher):
         log_file: Path,
         overlap: bool,
         env: dict[str, str] | None = None,
+        keeper: KeeperProcess | None = None,
     ) -> None:
         self.engine_args = engine_args
         self.runtime = runtime
         self.log_file = log_file
         self.overlap = overlap
         self.env = env
+        self.keeper = keeper  # the weights keeper (opsctl/keeper.py), or None: every engine loads its own weights
         super().__init__()
         self.engine: EngineProcess | None = None
         self._lost_at_exit = 0
@@ -345,9 +366,10 @@ class ProcessLauncher(Launcher):
 
     # -- starting ---------------------------------------------------------------------------------
 
-    def _spawn(self, beside: int | None = None) -> EngineProcess:
+    def _spawn(self, beside: int | None = None, standby_after: int | None = None) -> EngineProcess:
         """`beside`: the pid of an engine this one runs next to until it leaves (an overlapping handover): the new
-        engine runs half the CPU threads meanwhile (engine/server/core_share.py)."""
+        engine runs half the CPU threads meanwhile (engine/server/core_share.py).  `standby_after`: the pid of the
+        engine this one replaces, whose exit it waits for before it takes device memory (a standby handover)."""
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         self._serial += 1
         token = f"{os.getpid()}-{self._serial}"
@@ -366,6 +388,8 @@ class ProcessLauncher(Launcher):
             "--inflight-file",
             str(inflight_path),
             *(("--share-cores-with", str(beside)) if beside is not None else ()),
+            *(("--standby-after", str(standby_after)) if standby_after is not None else ()),
+            *(("--weights-keeper", str(self.keeper.socket)) if self.keeper is not None and self.keeper.alive() else ()),
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         with open_private(self.log_file) as logf:
@@ -393,8 +417,36 @@ class ProcessLauncher(Launcher):
     def start(self) -> None:
         if self.alive():
             return
+        if self.keeper is not None:
+            self.keeper.ensure()  # nothing holds the GPU now: a dead keeper is started again, loading beside the engine
         self.engine = self._spawn()
         self._record()
+
+    @property
+    def handover_mode(self) -> str:
+        if self.overlap:
+            return "overlap"
+        return "standby" if self.keeper is not None else "sequential"
+
+    def keeper_status(self) -> dict | None:
+        return self.keeper.describe() if self.keeper is not None else None
+
+    def recycle(self, timeout: float) -> dict | None:
+        engine = self.engine
+        if engine is None or not engine.alive():
+            return {"ok": False, "error": "no engine is running"}
+        return engine.request("recycle", timeout=timeout + ENGINE_CONTROL_TIMEOUT_S, timeout_s=timeout)
+
+    def _wait_standby(self, engine: EngineProcess, old: EngineProcess, timeout: float) -> bool:
+        """The new engine is ready to take over (standby: its weights are mapped) or already past it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not engine.alive():
+                return False
+            if engine.state() in ("standby", "serving") or not old.alive():
+                return True
+            time.sleep(0.05)
+        return False
 
     def _wait_serving(self, engine: EngineProcess, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -466,6 +518,8 @@ class ProcessLauncher(Launcher):
             self.forget_exit()
             self.start()
             return Retired.of(engine_exited=lost)
+        if not self.overlap and self.keeper is not None and self.keeper.alive():
+            return self._restart_standby(old, drain, timeout, ready_timeout)
         if self.overlap:
             new = self._spawn(beside=old.pid)
             if not self._wait_serving(new, ready_timeout):
@@ -482,14 +536,32 @@ class ProcessLauncher(Launcher):
             return retired
         retired = self.retire(old, drain, timeout)
         self.forget_exit()
-        self.engine = self._spawn()
-        self._record()
+        self.engine = None  # retired: not an exit to report
+        self.start()
         return retired
+
+    def _restart_standby(self, old: EngineProcess, drain: bool, timeout: float, ready_timeout: float) -> Retired:
+        """One GPU, weights kept: the new engine starts (imports, CUDA context, the kept weights mapped) while the
+        old one still serves, then waits for its exit; the old one hands over, and the GPU memory it frees goes to
+        the new one's KV cache at once.  A new engine that does not get that far leaves the old one serving."""
+        new = self._spawn(standby_after=old.pid)
+        if not self._wait_standby(new, old, ready_timeout):
+            self.retire(new, drain=False, timeout=0)
+            raise RestartFailed(
+                f"the new engine did not come up ({_describe(new.returncode())}: "
+                f"{last_error_line(tail(self.log_file))}); the old one keeps serving"
+            )
+        self.engine = new
+        self._record()
+        log.info("engine_standing_by", pid=new.pid, replaces=old.pid)
+        return self.retire(old, drain, timeout)
 
     def stop(self, drain: bool, timeout: float) -> Retired:
         engine, self.engine = self.engine, None
         retired = self.retire(engine, drain, timeout) if engine is not None else Retired()
         self._record()
+        if self.keeper is not None:
+            self.keeper.stop()
         return retired
 
     # -- observing --------------------------------------------------------------------------------

@@ -18,15 +18,24 @@ The rules, in priority order:
 |                   | not advancing while requests wait, continuously for hang_seconds;     | (no drain)    |
 |                   | checked as soon as the engine has served, cooldown or not             |               |
 | cooldown          | ready < cooldown_seconds ago (holds back the rules below only)        | none          |
-| high_cache        | events_to_act pressure events within event_window: cache usage above  | drain_restart |
+| stuck_cache       | KV blocks held with no request running or waiting, at events_to_act   | recycle       |
+|                   | consecutive polls: blocks that nothing owns (a leak)                  |               |
+| high_cache        | events_to_act pressure events within event_window: cache usage above  | recycle       |
 |                   | the threshold *with* preemptions since the last poll or a request     |               |
 |                   | waiting >= pressure_wait_seconds (it cannot be admitted)              |               |
 | backlog           | events_to_act backlog events within event_window: waiting > factor x  | drain_restart |
 |                   | running with the oldest waiting >= backlog_wait_seconds; or a queue   |               |
 |                   | that grew at each of the last events_to_act polls while its oldest    |               |
 |                   | request waited through all of them                                    |               |
-| fragmentation     | allocator efficiency < threshold for fragmentation_window, and        | drain_restart |
+| fragmentation     | allocator efficiency < threshold for fragmentation_window, and        | recycle       |
 |                   | traffic is low (running + waiting <= low_traffic_requests)            |               |
+| *_persists        | a rule whose cure is a recycle fires again within event_window of a   | drain_restart |
+|                   | recycle: the cheap cure did not hold, so the process is replaced      |               |
+
+The cheapest cure first: a recycle rebuilds the engine's KV pool and prefix cache in place (the running requests are
+requeued and recomputed, none is lost, nothing stops serving: engine/core/engine_core.py), so a pool that stays
+full in a healthy process costs milliseconds, not a restart.  A process restart stays the cure for hangs, crashes
+and what a recycle did not cure.
 
 Why the event rules look at age and preemptions, not at one instant's ratio: `waiting > 2 x running`
 also holds for a healthy engine whenever a scrape lands between a burst's arrival and the step that
@@ -101,7 +110,7 @@ class Action:
     """One decision.  `reason` is the label (logs, metrics, status); what the supervisor does with the
     action is in the other fields, so that it never has to match on reason strings."""
 
-    kind: str  # none | restart | drain_restart | give_up
+    kind: str  # none | recycle | restart | drain_restart | give_up
     reason: str
     evidence: dict[str, Any] = field(default_factory=dict)
     drains: bool = False  # hand over: the old engine finishes its in-flight requests before it leaves
@@ -131,9 +140,13 @@ EFFECTS: dict[str, Effect] = {
     "engine_exited": Effect("restart", counts_as_crash=True),
     "hang": Effect("restart", drains=True, counts_as_crash=True, drain_cap_s=10.0),
     "start_timeout": Effect("restart", counts_as_crash=True),
-    "high_cache": Effect("drain_restart", drains=True),
+    "stuck_cache": Effect("recycle"),
+    "high_cache": Effect("recycle"),
+    "fragmentation": Effect("recycle"),
+    "stuck_cache_persists": Effect("drain_restart", drains=True),
+    "high_cache_persists": Effect("drain_restart", drains=True),
+    "fragmentation_persists": Effect("drain_restart", drains=True),
     "backlog": Effect("drain_restart", drains=True),
-    "fragmentation": Effect("drain_restart", drains=True),
     "crash_loop": Effect("give_up"),
     "permanent_failure": Effect("give_up", permanent=True),
 }
@@ -164,6 +177,7 @@ class PolicyState:
     ready_at: float | None = None  # when it first answered /health after that start
     restarts: tuple[float, ...] = ()  # timestamps of restarts the supervisor made
     gave_up: bool = False
+    recycled_at: float | None = None  # the last in-place recycle of this engine's KV pool (the history restarts then)
 
 
 def decide(history: Sequence[Observation], state: PolicyState, cfg: PolicyConfig, now: float) -> Action:
@@ -210,13 +224,41 @@ def _wanted(
     if now - state.ready_at < cfg.cooldown_seconds:
         return Action("none", "cooldown", {"seconds_left": round(cfg.cooldown_seconds - (now - state.ready_at), 1)})
     note = NOTHING  # a rule that holds back (e.g. waiting for low traffic) says so in the status
-    for rule in (_events, _fragmentation):
+    for rule in (_stuck_cache, _events, _fragmentation):
         action = rule(history, cfg, now)
         if action.acts:
-            return action
+            return _escalated(action, state, cfg, now)
         if action is not NOTHING and note is NOTHING:
             note = action
     return note
+
+
+def _escalated(action: Action, state: PolicyState, cfg: PolicyConfig, now: float) -> Action:
+    """A recycle that fires again within event_window of the last one did not cure: restart instead."""
+    if action.kind != "recycle" or state.recycled_at is None or now - state.recycled_at > cfg.event_window:
+        return action
+    return act(f"{action.reason}_persists", {**action.evidence, "recycled_s_ago": round(now - state.recycled_at, 1)})
+
+
+def _stuck_cache(history: Sequence[Observation], cfg: PolicyConfig, now: float) -> Action:
+    """KV blocks in use while no request runs or waits, at each of the last events_to_act polls: a leak."""
+    tail = list(history[-cfg.events_to_act :])
+    if len(tail) < cfg.events_to_act:
+        return NOTHING
+
+    def stuck(o: Observation) -> bool:
+        return (o.cache_usage or 0.0) > 0.0 and o.running == 0 and o.waiting == 0
+
+    if not all(stuck(o) for o in tail):
+        return NOTHING
+    return act(
+        "stuck_cache",
+        {
+            "cache_usage": tail[-1].cache_usage,
+            "polls": len(tail),
+            "for_s": round(tail[-1].t - tail[0].t, 1),
+        },
+    )
 
 
 def _held_since(history: Sequence[Observation], predicate) -> float | None:  # type: ignore[no-untyped-def]

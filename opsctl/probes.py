@@ -99,6 +99,14 @@ class EngineProbe:
         r.raise_for_status()
         return r.json()
 
+    def recycle(self, timeout: float) -> dict[str, Any]:
+        """Rebuild the engine's KV pool in place, over HTTP (when the launcher has no private channel to it)."""
+        r = self.client.post(self.url + "/recycle", timeout=timeout + 10, headers=self.admin_headers)
+        if r.status_code == 409:  # not serving (draining, leaving): OpenAI's error shape
+            return {"ok": False, "error": r.json().get("error", {}).get("message", r.text)}
+        r.raise_for_status()
+        return dict(r.json())
+
     def resume(self) -> dict[str, Any]:
         r = self.client.delete(self.url + "/drain", headers=self.admin_headers)
         r.raise_for_status()

@@ -38,6 +38,7 @@ class EngineState(StrEnum):
     SERVING = "serving"
     DRAINING = "draining"  # a load balancer's drain (`opsctl drain`), or /health says so
     RESTARTING = "restarting"
+    RECYCLING = "recycling"  # its KV pool is being rebuilt in place (it keeps serving)
     STOPPING = "stopping"
     EXITED = "exited"  # the process is gone; the policy restarts it (unless exit code 2)
     STALLED = "stalled"  # /health: work waits and the step loop does not advance
@@ -61,6 +62,7 @@ _EXIT_CODES = {
     EngineState.SERVING: EXIT_OK,
     EngineState.STARTING: EXIT_TRANSITION,
     EngineState.RESTARTING: EXIT_TRANSITION,
+    EngineState.RECYCLING: EXIT_OK,
     EngineState.STOPPING: EXIT_TRANSITION,
     EngineState.DRAINING: EXIT_DRAINING,
     EngineState.GAVE_UP: EXIT_GAVE_UP,
@@ -84,11 +86,17 @@ LIVE = frozenset(
     }
 )
 # Actions in progress (the supervisor's `busy`).
-BUSY = frozenset({EngineState.DRAINING, EngineState.RESTARTING, EngineState.STOPPING})
+BUSY = frozenset({EngineState.DRAINING, EngineState.RESTARTING, EngineState.RECYCLING, EngineState.STOPPING})
 
 TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
-    **{s: LIVE | {EngineState.RESTARTING, EngineState.STOPPING, EngineState.GAVE_UP, EngineState.FAILED} for s in LIVE},
+    **{
+        s: LIVE
+        | {EngineState.RESTARTING, EngineState.RECYCLING, EngineState.STOPPING, EngineState.GAVE_UP}
+        | {EngineState.FAILED}
+        for s in LIVE
+    },
     EngineState.RESTARTING: LIVE,
+    EngineState.RECYCLING: LIVE | {EngineState.RESTARTING, EngineState.STOPPING},
     EngineState.GAVE_UP: frozenset({EngineState.RESTARTING}),
     EngineState.FAILED: frozenset({EngineState.RESTARTING}),
     EngineState.STOPPING: frozenset({EngineState.RESTARTING}),  # `opsctl retire`, then `opsctl restart`

@@ -87,7 +87,8 @@ class SupervisorStatus:
     instance: str
     runtime_dir: str
     poll_interval_s: float
-    handover: str  # overlap | sequential
+    handover: str  # overlap | standby | sequential (opsctl/launcher.py)
+    weights_keeper: dict[str, Any] | None = None  # pid, state, load_seconds, starts (opsctl/keeper.py); None: none
 
 
 @dataclass

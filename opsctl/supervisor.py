@@ -43,6 +43,7 @@ from opsctl.constants import (
 from opsctl.control_server import serve_control
 from opsctl.daemon import Supervisor
 from opsctl.instances import instance_record, port_clash, running_instances, write_record
+from opsctl.keeper import KeeperProcess
 from opsctl.launcher import Launcher, ProcessLauncher, SystemdLauncher, systemd_available
 from opsctl.logecho import LogEcho
 from opsctl.probes import EngineProbe, GpuProbe, gpu_probe
@@ -60,12 +61,23 @@ def handover_overlaps(cfg: PagekeeperConfig, gpu: GpuProbe) -> bool:
     mode = cfg.supervisor.handover
     if mode != "auto":
         return mode == "overlap"
+    return not engine_on_gpu(cfg, gpu)
+
+
+def engine_on_gpu(cfg: PagekeeperConfig, gpu: GpuProbe) -> bool:
+    """Will the engine run on a GPU?  `[engine] device` names cuda, or is auto and NVML sees one."""
     device = str(cfg.engine.get("device", "auto"))
     if device.startswith("cuda"):
-        return False
-    if device == "cpu":
         return True
-    return not (gpu.available and gpu.read())
+    if device == "cpu":
+        return False
+    return bool(gpu.available and gpu.read())
+
+
+def keeps_weights(cfg: PagekeeperConfig, gpu: GpuProbe) -> bool:
+    """`[supervisor] keep_weights`: on, off, or auto (on for a GPU engine)."""
+    mode = cfg.supervisor.keep_weights
+    return mode == "on" or (mode == "auto" and engine_on_gpu(cfg, gpu))
 
 
 def build_launcher(cfg: PagekeeperConfig, runtime: Path, gpu: GpuProbe) -> Launcher:
@@ -81,6 +93,11 @@ def build_launcher(cfg: PagekeeperConfig, runtime: Path, gpu: GpuProbe) -> Launc
                 'handover = "auto" or launcher = "process"'
             )
         return SystemdLauncher(cfg.supervisor.engine_unit())
+    keeper = (
+        KeeperProcess(cfg.engine_args(), runtime, runtime / ENGINE_LOG_NAME, cfg.engine_env())
+        if keeps_weights(cfg, gpu)
+        else None
+    )
     return ProcessLauncher(
         cfg.engine_args(),
         cfg.host,
@@ -89,6 +106,7 @@ def build_launcher(cfg: PagekeeperConfig, runtime: Path, gpu: GpuProbe) -> Launc
         runtime / ENGINE_LOG_NAME,
         overlap=handover_overlaps(cfg, gpu),
         env=cfg.engine_env(),
+        keeper=keeper,
     )
 
 

@@ -42,6 +42,14 @@ class StepStats:
 
 
 @dataclass
+class RecycleReport:
+    requeued: int  # running sequences sent back to be recomputed
+    reclaimed_blocks: int  # blocks held by no known sequence (leaked), now free again
+    usage_before: float  # the pool's usage before (leaked blocks included)
+    seconds: float
+
+
+@dataclass
 class _Launched:
     """A step queued on the device whose tokens have not been read."""
 
@@ -49,8 +57,13 @@ class _Launched:
     sample: DeviceSample
 
 
+# Between two units of deferred start-up work (engine/runner/deferred.py) while requests run: each unit (one graph,
+# one bucket of piecewise graphs) holds the step loop for tens to a few hundred milliseconds.
+DEFERRED_GAP_S = 0.25
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, defer_startup_work: bool = False) -> None:
         configure_logging()
         self.config = config
         self.device = torch.device(config.resolved_device())
@@ -62,7 +75,7 @@ class EngineCore:
         started = time.monotonic()
         from engine.distributed.executor import start_engine_runner
 
-        up, runner, self.rank_plans = start_engine_runner(config, self.model_info)
+        up, runner, self.rank_plans = start_engine_runner(config, self.model_info, defer_startup_work)
         self.runner: StepRunner = runner
         self.model, self.kv_plan = up.model, up.kv_plan
         self.preemption_mode = up.preemption_mode
@@ -84,6 +97,8 @@ class EngineCore:
         self.pipeline_depth = config.pipeline_depth(self.device.type)
         self.step = self._step_pipelined if self.pipeline_depth == 2 else self._step_in_turn
         self._in_flight: _Launched | None = None  # queued on the device, tokens not yet read
+        self._last_deferred = 0.0
+        self.phases = dict(up.phases)
         log.info(
             "engine_ready",
             model=str(self.model_info.path),
@@ -106,6 +121,9 @@ class EngineCore:
             piece_graphs=self.runner.pieces.buckets if self.runner.pieces is not None else None,
             graph_capture_seconds=round(self.graph_capture_seconds, 3),
             pipeline_depth=self.pipeline_depth,
+            weights_from=up.weights_source,
+            phases=self.phases,
+            deferred=self.runner.deferred.pending,
             # how the CPU's intra-op threads wait between ops (engine/openmp_waits.py)
             openmp_waits=wait_policy() if self.device.type == "cpu" else None,
             load_seconds=round(time.monotonic() - started, 3),
@@ -192,12 +210,75 @@ class EngineCore:
         self.stats.last_step_time = time.monotonic()
 
     def _launch(self, previous: _Launched | None) -> _Launched | None:
-        """Schedule a step and queue it on the device."""
+        """Schedule a step and queue it on the device (with a unit of deferred start-up work when one is due)."""
         plan = self.scheduler.schedule()
-        if plan.empty and not plan.finished:
+        plan.deferred_units = self._deferred_due(plan)
+        if plan.empty and not plan.finished and not plan.deferred_units:
             return None
         sample = self.runner.launch(plan, previous.sample if previous is not None else None)
         return _Launched(plan, sample) if sample is not None else None
+
+    # -- recycling the KV pool in place ------------------------------------------------------------
+
+    def recycle(self) -> tuple[list[SeqDelta], RecycleReport]:
+        """Rebuild the KV pool and the prefix cache without a restart: the cheapest cure for a pool that stays
+        full (blocks leaked by a bug, a prefix cache gone bad).  The step in flight is read first (its tokens are
+        returned), every running sequence goes back to waiting and is recomputed from the tokens it has (none is
+        lost; a seeded request gives the tokens it would have given), every device block becomes free, and on a
+        GPU the allocator returns its cached free memory.  Between steps only (the step loop's thread)."""
+        started = time.monotonic()
+        deltas: list[SeqDelta] = []
+        if self._in_flight is not None:
+            launched, self._in_flight = self._in_flight, None
+            deltas = self._accept(launched)
+        usage_before = self.kv.usage()
+        requeued = self.scheduler.preempt_all()
+        reclaimed = self.kv.rebuild()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        report = RecycleReport(
+            requeued=requeued,
+            reclaimed_blocks=reclaimed,
+            usage_before=round(usage_before, 4),
+            seconds=round(time.monotonic() - started, 4),
+        )
+        log.warning("kv_pool_recycled", **report.__dict__, swapped=self.scheduler.num_swapped)
+        return deltas, report
+
+    # -- deferred start-up work (engine/runner/deferred.py) ------------------------------------
+
+    def has_deferred_work(self) -> bool:
+        return self.runner.deferred.pending
+
+    def _deferred_due(self, plan: StepPlan) -> int:
+        """1 when a unit of deferred work should run before this step: at once while idle, else every
+        DEFERRED_GAP_S; a unit that writes KV blocks only while none is held (the prefix cache is emptied first)."""
+        work = self.runner.deferred
+        if not work.pending:
+            return 0
+        idle = plan.empty and not self.scheduler.has_unfinished() and self._in_flight is None
+        if work.next_needs_idle:
+            if not idle or self.kv.num_held_blocks():
+                return 0
+            self.kv.reset_prefix_cache()
+            return 1
+        now = time.monotonic()
+        if not idle and now - self._last_deferred < DEFERRED_GAP_S:
+            return 0
+        self._last_deferred = now
+        return 1
+
+    def run_deferred(self) -> None:
+        """One unit of deferred work while no request runs (the server's idle loop)."""
+        if self.has_unfinished():
+            return
+        launched = self._launch(None)
+        assert launched is None  # nothing was scheduled
+
+    def finish_deferred(self) -> None:
+        """Run all deferred work now (every rank runs each unit inside a launch)."""
+        while self.runner.deferred.pending:
+            self.runner.launch(StepPlan(deferred_units=1))
 
     def _accept(self, launched: _Launched) -> list[SeqDelta]:
         """Wait for the step's tokens and apply everything that decides the next schedule."""

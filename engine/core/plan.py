@@ -92,6 +92,9 @@ class StepPlan:
     # word t // 32 set: token t allowed) constrains sample row `mask_rows[i]` of this step.
     mask_rows: list[int] = field(default_factory=list)
     token_masks: np.ndarray | None = None
+    # Units of deferred start-up work (graph capture, warm-ups: engine/runner/deferred.py) every rank runs before
+    # this step, so that tensor-parallel ranks run them at the same point.
+    deferred_units: int = 0
 
     @property
     def has_block_ops(self) -> bool:

@@ -309,9 +309,27 @@ class Scheduler:
             req.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, req, key=_order)
             return
+        self._requeue(req)
+
+    def _requeue(self, req: Request) -> None:
+        """Back to the waiting queue, to be recomputed (it stays in `requests`, counted once)."""
         self.kv.free(req.seq_id)
         req.num_computed_tokens = 0
-        self.add(req)
+        req.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, req, key=_order)
+
+    def preempt_all(self) -> int:
+        """Every running sequence back to waiting, to be recomputed (the engine recycling its KV pool: no
+        request is lost, each continues from the tokens it has); swapped ones keep their CPU blocks.  Returns
+        how many were requeued.  Only between steps: no token may be on the device."""
+        victims = list(self.running)
+        for req in victims:
+            assert req.num_pending == 0, "recycling with a token on the device"
+            self.running.remove(req)
+            req.num_preemptions += 1
+            self.num_preemptions += 1
+            self._requeue(req)
+        return len(victims)
 
     # -- after the step -----------------------------------------------------------------------
 

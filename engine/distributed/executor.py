@@ -43,6 +43,7 @@ from engine.memory.budget import KVPlan
 from engine.model.loader import ModelInfo
 from engine.model.overlap import set_overlap_tokens
 from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.deferred import DeferredWork
 from engine.runner.model_runner import ModelRunner
 from engine.runner.piecewise import PiecewiseForward
 from engine.runner.sampler import DeviceSample
@@ -57,7 +58,7 @@ GROUP_LEAVE_S = 15.0
 class TensorParallelRunner:
     """Looks like a ModelRunner to the engine core (launch, graphs); fans each plan out first."""
 
-    def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
+    def __init__(self, config: EngineConfig, info: ModelInfo, defer: bool = False) -> None:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in torch.distributed.__all__
 
         size = config.tensor_parallel_size
@@ -73,7 +74,7 @@ class TensorParallelRunner:
         self._conns: list[Connection] = []
         self._pidfds: list[int] = []
         for rank in range(1, size):
-            args = WorkerArgs(config, plain_info(info), rank, size, store.port, self._reasons, os.getpid())
+            args = WorkerArgs(config, plain_info(info), rank, size, store.port, self._reasons, os.getpid(), defer)
             proc, conn = _spawn_worker(args)
             self._procs.append(proc)
             self._conns.append(conn)
@@ -83,7 +84,7 @@ class TensorParallelRunner:
         atexit.register(self.close)
         try:
             tp = join_group(store, 0, size, device, config.tensor_parallel_overlap_tokens)
-            self.started: StartedRunner = start_runner(config, info, device, tp, self._agree)
+            self.started: StartedRunner = start_runner(config, info, device, tp, self._agree, defer=defer)
             for rank, conn in enumerate(self._conns, start=1):
                 kind, _ = self._recv(rank, conn)
                 assert kind == "ready", kind
@@ -126,6 +127,10 @@ class TensorParallelRunner:
     @property
     def pieces(self) -> PiecewiseForward | None:
         return self.local.pieces
+
+    @property
+    def deferred(self) -> DeferredWork:
+        return self.local.deferred
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -279,11 +284,13 @@ def _spawn_worker(args: WorkerArgs) -> tuple[subprocess.Popen[bytes], Connection
     return proc, conn
 
 
-def start_engine_runner(config: EngineConfig, info: ModelInfo) -> tuple[StartedRunner, Any, list[KVPlan]]:
-    """(the started rank-0 runner, the runner the core drives, every rank's KV plan)."""
+def start_engine_runner(
+    config: EngineConfig, info: ModelInfo, defer: bool = False
+) -> tuple[StartedRunner, Any, list[KVPlan]]:
+    """(the started rank-0 runner, the runner the core drives, every rank's KV plan); `defer`: see start_runner."""
     if config.tensor_parallel_size == 1:
-        up = start_runner(config, info, rank_device(config, 0))
+        up = start_runner(config, info, rank_device(config, 0), defer=defer)
         return up, up.runner, [up.kv_plan]
     check_overlap_supported(config, info)
-    tp = TensorParallelRunner(config, info)
+    tp = TensorParallelRunner(config, info, defer)
     return tp.started, tp, tp.rank_plans

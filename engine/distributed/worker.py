@@ -40,6 +40,7 @@ class WorkerArgs:
     store_port: int
     reasons_dir: str
     parent_pid: int
+    defer: bool = False  # leave graph capture and warm-ups to after serving starts (engine/runner/deferred.py)
 
 
 def reason_file(reasons_dir: str, rank: int) -> Path:
@@ -130,7 +131,7 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
             raise EOFError
         return int(answer[1])
 
-    up = start_runner(config, info, device, tp, agree)
+    up = start_runner(config, info, device, tp, agree, defer=args.defer)
     # a rank's full collection would stall every rank at the next all-reduce (engine/gc_heap.py)
     freeze_startup_heap()
     conn.send(("ready", up.graph_capture_seconds))

@@ -81,6 +81,30 @@ class KVCacheManager:
     def tokens_capacity(self, seq_id: str) -> int:
         return len(self._tables.get(seq_id, ())) * self.block_size
 
+    def num_held_blocks(self) -> int:
+        """Blocks some owner holds (live sequences, or a leak)."""
+        return self.pool.num_used
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the blocks become plain free ones); only while no sequence holds blocks."""
+        if self._tables:
+            raise RuntimeError("the prefix cache is reset only while no sequence holds KV blocks")
+        self.rebuild()
+
+    def rebuild(self) -> int:
+        """A new device pool: every block free, the prefix cache empty, blocks that leaked (held by no sequence
+        this manager knows) reclaimed; returns how many that was.  Only while no sequence holds device blocks
+        (swapped sequences keep their CPU blocks)."""
+        if self._tables:
+            raise RuntimeError(f"{len(self._tables)} sequence(s) still hold KV blocks: preempt them first")
+        leaked = self.pool.num_used
+        evictions = self.pool.evictions
+        self.pool = BlockPool(self.pool.num_blocks)
+        self.pool.evictions = evictions
+        self._keys.clear()
+        self.ops.copies.clear()
+        return leaked
+
     def take_ops(self) -> KVOps:
         ops, self.ops = self.ops, KVOps()
         return ops

@@ -53,6 +53,31 @@ class Profile:
     def fragmentation_bytes(self) -> int:
         return max(0, self.peak_reserved_bytes - self.peak_allocated_bytes)
 
+    def cacheable(self) -> dict[str, int]:
+        """What another start with the same model, GPU and settings can reuse (engine/runner/probe_cache.py):
+        not the weights' bytes or other processes' memory, which are read live."""
+        return {
+            "activation_bytes": self.activation_bytes,
+            "fragmentation_bytes": self.fragmentation_bytes,
+            "graph_bytes": self.graph_bytes,
+        }
+
+    @classmethod
+    def from_cached(cls, values: dict[str, int], weights_bytes: int) -> Profile | None:
+        try:
+            activation, fragmentation = int(values["activation_bytes"]), int(values["fragmentation_bytes"])
+            graph = int(values.get("graph_bytes") or 0)
+        except (KeyError, TypeError, ValueError):
+            return None
+        return cls(
+            weights_bytes=weights_bytes,
+            peak_allocated_bytes=0,
+            peak_reserved_bytes=fragmentation,
+            activation_bytes=activation,
+            non_torch_bytes=0,  # the baseline, read live, covers other processes and the context
+            graph_bytes=graph,
+        )
+
 
 @dataclass
 class KVPlan:
@@ -144,9 +169,11 @@ def set_allocator_defaults() -> None:
         (setter or torch.cuda.memory._set_allocator_settings)(ALLOC_CONF_DEFAULT)
 
 
-def device_baseline(device: torch.device) -> DeviceBaseline:
+def device_baseline(device: torch.device, kept_bytes: int = 0) -> DeviceBaseline:
+    """`kept_bytes`: this engine's weights held by another process (the keeper, engine/keeper/): they are
+    counted as weights, not as other processes' memory."""
     free, total = torch.cuda.mem_get_info(device)
-    return DeviceBaseline(total_bytes=total, used_before_bytes=total - free)
+    return DeviceBaseline(total_bytes=total, used_before_bytes=max(0, total - free - kept_bytes))
 
 
 def profile_graph_memory(device: torch.device, capture: Callable[[], None]) -> int:
@@ -161,8 +188,10 @@ def profile_graph_memory(device: torch.device, capture: Callable[[], None]) -> i
     return max(0, used)
 
 
-def profile_step(device: torch.device, weights_bytes: int, run_dummy_step: Callable[[], None]) -> Profile:
-    """Peak memory of one step at the largest batch the scheduler can build."""
+def profile_step(
+    device: torch.device, weights_bytes: int, run_dummy_step: Callable[[], None], kept_bytes: int = 0
+) -> Profile:
+    """Peak memory of one step at the largest batch the scheduler can build (`kept_bytes`: see device_baseline)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -178,7 +207,7 @@ def profile_step(device: torch.device, weights_bytes: int, run_dummy_step: Calla
         peak_allocated_bytes=peak_alloc,
         peak_reserved_bytes=peak_reserved,
         activation_bytes=max(0, peak_alloc - before),
-        non_torch_bytes=max(0, (total - free) - torch_reserved),
+        non_torch_bytes=max(0, (total - free) - torch_reserved - kept_bytes),
     )
 
 

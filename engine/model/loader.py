@@ -19,6 +19,7 @@ from torch import nn
 from engine.config import ConfigError, EngineConfig
 from engine.distributed.group import SINGLE, TPGroup
 from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenizer_dir
+from engine.model.device_copy import parallel_copies
 from engine.model.quant import QuantSpec, check_device, check_dtype, resolve_quantization
 from engine.model.registry import ARCHITECTURES, supported
 from engine.model.weights import ModelLoadError, finish_loading, iter_checkpoint
@@ -156,14 +157,21 @@ def load_model(
     (or, with load_format="dummy", with random weights: benchmarks of a shape need no download).
     With tensor parallelism each rank builds and reads only its shard."""
     model = build_on_meta(info, max_model_len, device, tp).to_empty(device=device)
+    fill_weights(model, info, load_format, device)
+    return model.eval()
+
+
+def fill_weights(model: nn.Module, info: ModelInfo, load_format: str, device: torch.device) -> None:
+    """Fill a model whose tensors exist (not meta) from the checkpoint, or with random weights for "dummy".
+    On a GPU the checkpoint's tensors travel on several threads (engine/model/device_copy.py)."""
     if load_format == "dummy":
         _random_weights(model, info.dtype)
-    else:
-        try:
+        return
+    try:
+        with parallel_copies(device):
             model.load_weights(iter_checkpoint(info.path))
-        except ModelLoadError as e:
-            raise ModelLoadError(_in_model(info, e)) from None
-    return model.eval()
+    except ModelLoadError as e:
+        raise ModelLoadError(_in_model(info, e)) from None
 
 
 def _in_model(info: ModelInfo, e: ModelLoadError) -> str:

@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from engine.config import ConfigError
+from engine.model.device_copy import current_copier, wait_for_copies
 from engine.model.layers.linear import CheckpointSlice
 
 
@@ -186,14 +187,19 @@ def expected_tensors(modules: dict[str, nn.Module]) -> set[tuple[str, str | None
 def copy_into(target: torch.Tensor, where: CheckpointSlice | None, tensor: CheckpointTensor, raw_name: str) -> None:
     """Copy a checkpoint tensor (or this rank's slice of it, `where`) into `target`, checking its shape and dtype."""
     check_dtype(raw_name, tensor.dtype, target.dtype)
+    copy = current_copier() or _copy_now
     if where is None:
         check_shape(raw_name, tensor.shape, tuple(target.shape))
-        target.copy_(tensor.read())
+        copy(target, tensor.read())
         return
     full = list(target.shape)
     full[where.dim] = where.full
     check_shape(raw_name, tensor.shape, tuple(full))
-    target.narrow(where.dim, where.dest, where.size).copy_(tensor.read(where.dim, where.start, where.size))
+    copy(target.narrow(where.dim, where.dest, where.size), tensor.read(where.dim, where.start, where.size))
+
+
+def _copy_now(target: torch.Tensor, source: torch.Tensor) -> None:
+    target.copy_(source)
 
 
 def check_dtype(name: str, found: str, wanted: torch.dtype) -> None:
@@ -224,7 +230,9 @@ def _checkpoint_name(name: str, shard: str | None, stacked: dict[str, tuple[str,
 
 
 def finish_loading(model: nn.Module) -> None:
-    """Let layers that hold more than the checkpoint (padding rows) set it, after every weight is in."""
+    """Let layers that hold more than the checkpoint (padding rows) set it, after every weight is in (and the
+    copies a parallel load queued have landed)."""
+    wait_for_copies()
     for m in model.modules():
         finish = getattr(m, "finish_load", None)
         if finish is not None:

@@ -14,7 +14,7 @@ start-up profiling measures that pool (engine/memory/budget.py) so it is counted
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -58,6 +58,12 @@ class DecodeGraphs:
 
     def capture(self, sizes: list[int], forward: Callable[[int], torch.Tensor]) -> None:
         """Capture `forward(size)` (which reads the static buffers) for every size, largest first."""
+        for _ in self.capture_steps(sizes, forward):
+            pass
+
+    def capture_steps(self, sizes: list[int], forward: Callable[[int], torch.Tensor]) -> Iterator[None]:
+        """`capture`, one size per step of the iteration (engine/runner/deferred.py); `sizes` lists the captured
+        ones only once all are done, so a half-captured set is never replayed."""
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for size in sorted(sizes, reverse=True):
@@ -71,6 +77,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = forward(size)
             self.graphs[size] = DecodeGraph(size, graph, logits)
+            yield
         self.sizes = sorted(self.graphs)
         torch.cuda.synchronize()
 

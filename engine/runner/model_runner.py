@@ -15,7 +15,7 @@ graphs (engine/runner/piecewise.py), unless `enforce_eager`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,8 +30,9 @@ from engine.kv.kv_cache_manager import blocks_for_tokens
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.model.layers.linear import VocabEmbedding
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
+from engine.runner.deferred import DeferredWork
 from engine.runner.logits_adjust import SequenceRows
-from engine.runner.piecewise import PieceGraphs, PiecewiseForward, supports_pieces
+from engine.runner.piecewise import PieceGraphs, PiecewiseForward, supports_pieces, token_buckets
 from engine.runner.sampler import (
     DevicePromptLogprobs,
     DeviceSample,
@@ -177,6 +178,8 @@ class ModelRunner:
         self.rows = SequenceRows(vocab_size(model), device, max_num_seqs)  # penalties, logit_bias
         # The row counts an eager step's LM head is given on CUDA (see lm_head_rows); empty elsewhere.
         self.lm_head_sizes = capture_sizes(max_num_seqs) if device.type == "cuda" else []
+        # Start-up work the server runs after it starts serving (engine/runner/deferred.py); empty off CUDA.
+        self.deferred = DeferredWork()
         # False on tensor-parallel workers: nobody reads their samples on the host, so they skip the
         # copy to pinned memory and the logprobs (which draw no random numbers: the tokens are unchanged).
         self.reads_samples = True
@@ -275,8 +278,15 @@ class ModelRunner:
     def capture_decode_graphs(self, max_num_seqs: int, only_largest: bool = False) -> float:
         """Capture one decode graph per capture size (start-up profiling: only the largest, whose
         pool the others reuse); returns the seconds it took."""
-        assert self.device.type == "cuda" and self.max_model_len is not None
         started = time.monotonic()
+        for _ in self.decode_graph_steps(max_num_seqs, only_largest):
+            pass
+        return time.monotonic() - started
+
+    def decode_graph_steps(self, max_num_seqs: int, only_largest: bool = False) -> Iterator[None]:
+        """`capture_decode_graphs` one graph per step of the iteration (engine/runner/deferred.py); steps replay
+        the graphs only once all of them are captured."""
+        assert self.device.type == "cuda" and self.max_model_len is not None
         sizes = capture_sizes(max_num_seqs)
         if only_largest:
             sizes = sizes[-1:]
@@ -300,21 +310,30 @@ class ModelRunner:
             hidden = self.model(st.input_ids[:size], st.positions[:size], self.kv_caches, meta)
             return self.model.compute_logits(hidden)
 
-        graphs.capture(sizes, forward)
+        yield from graphs.capture_steps(sizes, forward)
         self.graphs = graphs
-        return time.monotonic() - started
 
     def capture_piece_graphs(self, max_tokens: int, only_largest: bool = False, tp: TPGroup = SINGLE) -> float:
         """Capture the piecewise graphs of steps with prompt tokens (engine/runner/piecewise.py) up to
         `max_tokens` tokens, in the decode graphs' pool when there is one; returns the seconds it took (0: the
         model offers no split).  `tp`: the group whose ranks must choose the same buckets."""
+        started = time.monotonic()
+        largest = [token_buckets(max_tokens)[-1]] if only_largest else None
+        for _ in self.piece_graph_steps(max_tokens, largest, tp):
+            pass
+        return time.monotonic() - started if supports_pieces(self.model) else 0.0
+
+    def piece_graph_steps(
+        self, max_tokens: int, buckets: list[int] | None = None, tp: TPGroup = SINGLE
+    ) -> Iterator[None]:
+        """`capture_piece_graphs` one bucket per step of the iteration; `buckets`: exactly these (chosen by an
+        earlier start), else every candidate and the cheapest kept.  Steps use the pieces once all are captured."""
         assert self.device.type == "cuda"
         if not supports_pieces(self.model):
-            return 0.0
+            return
         pieces = PieceGraphs(self.model, self.kv_caches, max_tokens, self.model_dtype, self.device)
-        seconds = pieces.capture(self.graphs.pool if self.graphs is not None else None, only_largest, tp)
+        yield from pieces.capture_steps(self.graphs.pool if self.graphs is not None else None, buckets, tp)
         self.pieces = pieces
-        return seconds
 
     def use_pieces_eagerly(self, max_tokens: int) -> None:
         """Run steps with prompt tokens through the pieces without graphs (the CPU tests of the split)."""
@@ -486,6 +505,8 @@ class ModelRunner:
         in flight, whose tokens some sequences of this step take as input (their `pending_row`);
         they are copied on the device, so this step is queued before the host has read them.
         """
+        for _ in range(plan.deferred_units):
+            self.deferred.run_one()
         self.update_state(plan)
         if plan.has_block_ops:
             self.apply(plan)

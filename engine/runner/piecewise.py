@@ -23,6 +23,7 @@ graphs (the CPU tests check the split and the padding against the plain forward 
 from __future__ import annotations
 
 import time
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -199,18 +200,29 @@ class PieceGraphs(PiecewiseForward):
         """Capture every candidate's pieces, largest first, then keep the buckets `choose_buckets` picks
         (start-up profiling: only the largest, whose blocks the others reuse); returns the seconds it took."""
         started = time.monotonic()
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        buckets = self.buckets[-1:] if only_largest else candidate_buckets(self.max_tokens)
-        stream = torch.cuda.Stream()
-        self.graphs = {}
-        with torch.inference_mode():
-            for rows in sorted(buckets, reverse=True):
-                self.graphs[rows] = [self._capture(index, rows, pool, stream) for index in range(self.num_layers + 1)]
-        torch.cuda.synchronize()
-        self.buckets = sorted(self.graphs)
-        if not only_largest:
-            self.choose_buckets(tp)
+        for _ in self.capture_steps(pool, self.buckets[-1:] if only_largest else None, tp):
+            pass
         return time.monotonic() - started
+
+    def capture_steps(
+        self, pool: object | None = None, buckets: list[int] | None = None, tp: TPGroup = SINGLE
+    ) -> Iterator[None]:
+        """Capture one bucket's pieces per step of the iteration (engine/runner/deferred.py), largest first.
+        `buckets`: exactly these (the largest alone while profiling, or the ones an earlier start chose:
+        engine/runner/probe_cache.py); None: every candidate, then keep those `choose_buckets` picks."""
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        chosen = buckets is not None
+        stream = torch.cuda.Stream()
+        graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.graphs = graphs
+        for rows in sorted(buckets if chosen else candidate_buckets(self.max_tokens), reverse=True):
+            with torch.inference_mode():
+                graphs[rows] = [self._capture(index, rows, pool, stream) for index in range(self.num_layers + 1)]
+            yield
+        torch.cuda.synchronize()
+        self.buckets = sorted(graphs)
+        if not chosen:
+            self.choose_buckets(tp)
 
     def choose_buckets(self, tp: TPGroup = SINGLE) -> list[int]:
         """Keep every candidate up to MEASURED_ABOVE, and above it the cheapest (`cheapest_buckets`) by a layer's

@@ -8,9 +8,9 @@ the finished runner and the block counts the scheduler needs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import structlog
 import torch
@@ -19,8 +19,11 @@ from torch import nn
 from engine.config import ConfigError, EngineConfig
 from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
 from engine.distributed.group import SINGLE, TPGroup
+from engine.keeper.client import kept_model
+from engine.lifecycle import standby_until_exit
 from engine.memory.budget import (
     KVPlan,
+    Profile,
     device_baseline,
     plan_kv_cache,
     profile_graph_memory,
@@ -30,9 +33,11 @@ from engine.memory.budget import (
 from engine.model.cpu_packing import pack_linears
 from engine.model.loader import ModelInfo, load_model
 from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.deferred import DeferredWork, one_unit
 from engine.runner.kv_scales import calibrate_kv_scales, kv_cache_dtype
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
 from engine.runner.piecewise import PiecewiseForward
+from engine.runner.probe_cache import ProbeCache
 from engine.runner.sampler import DeviceSample, sample_on_device
 
 log = structlog.get_logger("pagekeeper.engine")
@@ -47,6 +52,9 @@ class StepRunner(Protocol):
     @property
     def pieces(self) -> PiecewiseForward | None: ...
 
+    @property
+    def deferred(self) -> DeferredWork: ...
+
     def launch(self, plan: StepPlan, previous: DeviceSample | None = None) -> DeviceSample | None: ...
 
     def close(self) -> None: ...
@@ -59,7 +67,22 @@ class StartedRunner:
     kv_plan: KVPlan
     preemption_mode: str  # "swap" or "recompute", resolved for the device
     num_cpu_blocks: int  # swap space in blocks (0: preempted sequences are recomputed)
-    graph_capture_seconds: float
+    graph_capture_seconds: float  # captured before serving (0 when deferred: see runner.deferred)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per start-up phase, in order
+    weights_source: str = "checkpoint"  # "keeper" (engine/keeper/), "checkpoint" or "dummy"
+
+
+class Phases:
+    """Seconds spent in each start-up phase (logged with engine_ready and kept for benchmarks)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._mark = time.monotonic()
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self._mark, 3)
+        self._mark = now
 
 
 def start_runner(
@@ -68,32 +91,71 @@ def start_runner(
     device: torch.device,
     tp: TPGroup = SINGLE,
     agree: Callable[[KVPlan], int] | None = None,
+    defer: bool = False,
 ) -> StartedRunner:
     """Load the model (this rank's shard) and build a runner whose KV cache fills the budget `config`
     allows.  With tensor parallelism every rank profiles its own budget and `agree` turns this
-    rank's plan into the block count all ranks use (the smallest)."""
-    baseline = profile = None
-    if device.type == "cuda":
+    rank's plan into the block count all ranks use (the smallest).
+
+    The weights come from the keeper when one serves them (engine/keeper/), else from the checkpoint.  With
+    `config.standby_after` nothing that takes device memory beyond them happens before that process (the engine
+    this one replaces) has exited.  `defer`: leave graph capture and warm-ups to `runner.deferred`, to be run
+    after serving starts (the server); otherwise they run here."""
+    phases = Phases()
+    cuda = device.type == "cuda"
+    if cuda:
         set_allocator_defaults()
-        baseline = device_baseline(device)
+        torch.cuda.init()
+        phases.mark("cuda_init")
     else:
         prepare_cpu_kernels()
-    assert config.max_model_len is not None
-    model = load_model(model_info, config.max_model_len, device, config.load_format, tp)
+        phases.mark("cpu_kernels")
+    assert config.max_model_len is not None and config.max_num_batched_tokens is not None
+    kept = kept_model(config, model_info, config.max_model_len, device, tp)
+    if config.standby_after is not None and kept is None:
+        standby_until_exit(config.standby_after)  # loading needs the memory the old engine holds
+        phases.mark("standby")
+    if kept is not None:
+        model, source, shared_bytes = kept.model, "keeper", kept.device_bytes
+        phases.mark("weights")
+        if config.standby_after is not None:
+            standby_until_exit(config.standby_after)
+            phases.mark("standby")
+        baseline = device_baseline(device, shared_bytes) if cuda else None
+    else:
+        baseline = device_baseline(device) if cuda else None
+        model = load_model(model_info, config.max_model_len, device, config.load_format, tp)
+        source, shared_bytes = "dummy" if config.load_format == "dummy" else "checkpoint", 0
+        phases.mark("weights")
     kv_dtype = kv_cache_dtype(config, model_info.dtype)
     if kv_dtype != model_info.dtype:
         calibrate_kv_scales(config, model, int(model_info.hf_config.vocab_size), model_info.dtype, device)
+        phases.mark("kv_scales")
     per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = shared_bytes or sum(p.numel() * p.element_size() for p in model.parameters())
     by_dtype = weights_by_dtype(model)  # before the CPU packing below replaces weights by opaque ones
-    if device.type == "cpu":
+    if not cuda:
         packed = pack_linears(model)  # oneDNN's blocked layout, once (engine/model/cpu_packing.py says why)
         if packed:
             log.info("cpu_linears_packed", layers=packed, dtype=str(model_info.dtype).removeprefix("torch."))
-    if device.type == "cuda":
-        profile = profile_step(device, weights, lambda: dummy_step(config, model_info, model, device))
-        if not config.enforce_eager:
-            profile.graph_bytes = graph_pool_bytes(config, model_info, model, device)
+    profile = None
+    probes = ProbeCache(
+        config,
+        _config_dict(model_info.hf_config),
+        str(model_info.dtype).removeprefix("torch."),
+        str(kv_dtype).removeprefix("torch."),
+        device,
+        tp.rank,
+    )
+    if cuda:
+        profile = cached_profile(probes, tp, weights, config.enforce_eager)
+        if profile is None:
+            step = partial(dummy_step, config, model_info, model, device)
+            profile = profile_step(device, weights, step, kept_bytes=shared_bytes)
+            if not config.enforce_eager:
+                profile.graph_bytes = graph_pool_bytes(config, model_info, model, device)
+            probes.put("profile", profile.cacheable())
+        phases.mark("profile")
     kv_plan = plan_kv_cache(
         config,
         per_block,
@@ -127,27 +189,83 @@ def start_runner(
         max_num_seqs=config.max_num_seqs,
         kv_dtype=kv_dtype,
     )
+    phases.mark("kv_cache")
     capture_seconds = 0.0
-    if device.type == "cuda" and not config.enforce_eager:
-        capture_seconds = runner.capture_decode_graphs(config.max_num_seqs)
-        assert config.max_num_batched_tokens is not None
-        capture_seconds += runner.capture_piece_graphs(config.max_num_batched_tokens, tp=tp)
-        if runner.pieces is not None and runner.pieces.costs:
+    if cuda:
+        plan_deferred_work(runner, config, tp, probes)
+        if not defer:
+            capture_seconds = runner.deferred.run_all()
+            phases.mark("graphs_and_warmup")
+    return StartedRunner(
+        runner, model, kv_plan, preemption_mode, num_cpu_blocks, capture_seconds, phases.seconds, source
+    )
+
+
+def _config_dict(hf_config: Any) -> dict[str, Any]:
+    to_dict = getattr(hf_config, "to_dict", None)
+    return dict(to_dict()) if to_dict is not None else dict(vars(hf_config))
+
+
+def everywhere(tp: TPGroup, flag: bool) -> bool:
+    """`flag` on every rank (an all-reduce of the device's): ranks that skip different start-up collectives hang."""
+    if not tp.is_parallel:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=torch.device("cuda", torch.cuda.current_device()))
+    return bool(tp.all_reduce(t).item() == tp.size)
+
+
+def cached_profile(probes: ProbeCache, tp: TPGroup, weights: int, eager: bool) -> Profile | None:
+    """The profiled step's figures from an earlier start with the same key (every rank must have them)."""
+    found = probes.get("profile")
+    profile = Profile.from_cached(found, weights) if isinstance(found, dict) else None
+    if profile is not None and not eager and not profile.graph_bytes:
+        profile = None  # measured with --enforce-eager: no graph pool figure
+    return profile if everywhere(tp, profile is not None) else None
+
+
+def plan_deferred_work(runner: ModelRunner, config: EngineConfig, tp: TPGroup, probes: ProbeCache) -> None:
+    """Queue the GPU start-up work that serving does not need: the CUDA graphs (decode graphs first, then the
+    piecewise graphs, in their pool), the LM head's row counts, the dense prefill plans, and the mixed-step
+    warm-up (only while no request holds KV blocks: it writes blocks)."""
+    assert config.max_num_batched_tokens is not None
+    work = runner.deferred
+    work.add("lm_head_rows", one_unit(runner.warm_lm_head))
+    if not config.enforce_eager:
+        work.add("decode_graphs", runner.decode_graph_steps(config.max_num_seqs))
+        found = probes.get("piece_buckets")
+        buckets = [int(b) for b in found] if isinstance(found, list) and found else None
+        if not everywhere(tp, buckets is not None):
+            buckets = None
+
+        def chosen() -> None:
+            pieces = runner.pieces
+            if pieces is None:
+                return
+            if buckets is None:
+                probes.put("piece_buckets", pieces.buckets)
             log.info(
                 "piece_buckets_chosen",
-                buckets=runner.pieces.buckets,
-                layer_ms={n: round(t, 4) for n, t in runner.pieces.costs.items()},
+                buckets=pieces.buckets,
+                cached=buckets is not None,
+                layer_ms={n: round(t, 4) for n, t in (pieces.costs or {}).items()},
             )
-    if device.type == "cuda":
-        started = time.monotonic()
-        shapes = runner.warm_dense_prefill(config.max_num_batched_tokens)
-        if shapes:
-            log.info("dense_prefill_planned", shapes=shapes, seconds=round(time.monotonic() - started, 3))
-        runner.warm_lm_head()
-        started = time.monotonic()
-        steps = warm_mixed_steps(runner, config)
-        log.info("mixed_steps_warmed", steps=steps, seconds=round(time.monotonic() - started, 3))
-    return StartedRunner(runner, model, kv_plan, preemption_mode, num_cpu_blocks, capture_seconds)
+
+        work.add("piece_graphs", runner.piece_graph_steps(config.max_num_batched_tokens, buckets, tp), on_done=chosen)
+    work.add("dense_prefill_plans", one_unit(lambda: _warm_dense(runner, config.max_num_batched_tokens)))
+    work.add("mixed_steps", one_unit(lambda: _warm_mixed(runner, config)), needs_idle=True)
+
+
+def _warm_dense(runner: ModelRunner, max_tokens: int) -> None:
+    started = time.monotonic()
+    shapes = runner.warm_dense_prefill(max_tokens)
+    if shapes:
+        log.info("dense_prefill_planned", shapes=shapes, seconds=round(time.monotonic() - started, 3))
+
+
+def _warm_mixed(runner: ModelRunner, config: EngineConfig) -> None:
+    started = time.monotonic()
+    steps = warm_mixed_steps(runner, config)
+    log.info("mixed_steps_warmed", steps=steps, seconds=round(time.monotonic() - started, 3))
 
 
 def warm_mixed_steps(runner: ModelRunner, config: EngineConfig) -> int:

@@ -42,6 +42,7 @@ from engine.chat import load_chat_template
 from engine.config import ConfigError, EngineConfig
 from engine.config_file import SECRET_ENV, engine_args, load_engine_section
 from engine.gc_heap import freeze_startup_heap
+from engine.lifecycle import LIFECYCLE, Phase
 from engine.logs import configure_logging
 from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenizer_dir
 from engine.schema import validate_section
@@ -277,7 +278,8 @@ def serve(
     # Beside the engine it replaces, this one loads and serves on half the threads (engine/server/core_share.py).
     core_share = CoreShare(engine_thread.call(torch.get_num_threads), server_config.share_cores_with)
     engine_thread.call(core_share)
-    engine = engine_thread.call(lambda: LLMEngine(engine_config))
+    # graph capture and warm-ups run after serving starts (engine/runner/deferred.py): a restart's gap ends sooner
+    engine = engine_thread.call(lambda: LLMEngine(engine_config, defer_startup_work=True))
     core = engine.core
     log_inapplicable_flags(engine_config, str(core.device))
     model_name = engine_config.model_name()
@@ -299,7 +301,7 @@ def serve(
         max_model_len=engine_config.max_model_len,
     )
     async_engine = AsyncEngine(
-        engine, metrics, server_config.health_stall_seconds, server_config.max_waiting, engine_thread
+        engine, metrics, server_config.health_stall_seconds, server_config.max_waiting, engine_thread, LIFECYCLE
     )
     bind_serving_threads(threads)
     state = ServerState(
@@ -430,6 +432,17 @@ class DrainOnTermServer(uvicorn.Server):
             control.set_in_flight_reader(lambda: tracker.in_flight)
             control.handlers["drain_exit"] = self._drain_exit
             control.handlers["stop_now"] = lambda req: self._request_stop("now", 0.0)
+            control.handlers["recycle"] = self._recycle
+
+    def _recycle(self, req: dict) -> dict:
+        """The supervisor's in-place cure: rebuild the KV pool between two steps (EngineCore.recycle)."""
+        try:
+            report = self.async_engine.recycle().result(timeout=float(req.get("timeout_s", 30.0)))
+        except ValueError as e:  # not serving
+            return {"ok": False, "error": str(e)}
+        except TimeoutError:
+            return {"ok": False, "error": "the step loop did not reach the recycle in time"}
+        return {"ok": True, **report}
 
     def _drain_exit(self, req: dict) -> dict:
         """The supervisor's handover: with a successor that serves already, keep half the threads while draining."""
@@ -443,8 +456,8 @@ class DrainOnTermServer(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.started and not self.should_exit:
             get_notifier().ready(self.serving_status)
-            if self.control is not None:
-                self.control.state = "serving"
+            if self.async_engine.lifecycle.phase == Phase.LOADING:
+                self.async_engine.lifecycle.move(Phase.SERVING)
 
     async def on_tick(self, counter: int) -> bool:
         self._last_tick = time.monotonic()
@@ -467,8 +480,11 @@ class DrainOnTermServer(uvicorn.Server):
         if self._stopping == "now" or (self._stopping == how):
             return {"ok": True, "already": self._stopping}
         self._stopping = how
+        if how == "now":
+            self.async_engine.lifecycle.move(Phase.STOPPING)
+        elif self.handover:  # at once, so that a supervisor asking next hears it (the drain itself starts on the loop)
+            self.async_engine.lifecycle.move(Phase.HANDING_OVER)
         if self.control is not None:
-            self.control.state = "stopping" if how == "now" else "draining"
             # A drain that times out then answers what is left within STOP_NOW_GRACE_S; a stop takes at most that.
             self.control.stop_deadline = time.monotonic() + timeout + STOP_NOW_GRACE_S
         loop = self._loop or asyncio.get_event_loop()
@@ -552,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(server_config.log_level, force=True)
         inherited = inherited_socket(server_config.listen_fd)
         sock = inherited or bind(server_config.host, server_config.port)
-        control = ControlSocket(server_config.control_socket, sock) if server_config.control_socket else None
+        control = ControlSocket(server_config.control_socket, sock, LIFECYCLE) if server_config.control_socket else None
         try:
             return serve(server_config, engine_config, sock, inherited=inherited is not None, control=control)
         finally:

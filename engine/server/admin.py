@@ -1,4 +1,4 @@
-"""Operational routes: /health that sees a hung step loop, /metrics, /drain, /version.
+"""Operational routes: /health that sees a hung step loop, /metrics, /drain, /recycle, /version.
 
 /health is what load balancers and the supervisor trust, so it reports the step loop's real state:
 200 only while the loop is idle or advancing; 503 "draining" while draining; 503 "stalled" when
@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.server.errors import error_responses
+from engine.server.errors import OpenAIError, error_responses
 from engine.server.state import get_state, require_admin
 
 router = APIRouter()
@@ -62,3 +62,17 @@ async def undrain(http: Request) -> dict[str, str]:
     """Admit requests again after a drain that was not followed by a restart."""
     get_state(http).async_engine.resume()
     return {"status": "ok"}
+
+
+@router.post("/recycle", dependencies=[Depends(require_admin)], responses=error_responses(403, 409))
+async def recycle(http: Request) -> JSONResponse:
+    """Rebuild the KV pool and the prefix cache in place, between two steps: running requests are requeued and
+    recomputed (none is lost).  The supervisor's cure for a pool that stays full (engine/core/engine_core.py)."""
+    import asyncio
+
+    try:
+        future = get_state(http).async_engine.recycle()
+    except ValueError as e:
+        raise OpenAIError(409, str(e), code="not_serving") from None
+    report = await asyncio.wrap_future(future)
+    return JSONResponse({"ok": True, **report})

@@ -7,7 +7,10 @@ per-request slot.  A stream's slot receives deltas (only what is new each step) 
 merges whatever piled up since it last looked, so a slow client costs the memory of its unsent
 text, and a fast one O(1) work per token however long its output grows.
 
-Drain is a state of this object: no new admissions, in-flight requests run to completion.
+What the engine admits follows its lifecycle phase (engine/lifecycle.py): serving admits, a load balancer's drain
+refuses with 503 until resumed, a handover keeps serving what reaches it, a stop fails everything at once.  A
+recycle of the KV pool (the supervisor's cheapest cure for a pool that stays full) runs on the step thread between
+two steps; requests that arrive meanwhile wait in the inbox.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import AsyncIterator, Callable, Union
 
 import structlog
 
+from engine.lifecycle import Lifecycle, Phase
 from engine.llm_engine import LLMEngine, RequestRejected, ValidRequest
 from engine.metrics import EngineMetrics
 from engine.outputs import CompletionOutput, RequestOutput
@@ -68,7 +72,12 @@ class AbortAll:
     reason: str
 
 
-Command = Union[AddRequest, AbortRequest, AbortAll]
+@dataclass(frozen=True)
+class Recycle:
+    done: Future[dict[str, object]]
+
+
+Command = Union[AddRequest, AbortRequest, AbortAll, Recycle]
 
 
 @dataclass(eq=False)
@@ -173,6 +182,7 @@ class AsyncEngine:
         health_stall_seconds: float = 30.0,
         max_waiting: int | None = None,
         engine_thread: EngineThread | None = None,
+        lifecycle: Lifecycle | None = None,
     ) -> None:
         self.engine = engine
         # the thread that built the engine runs its step loop (engine/server/engine_thread.py says why)
@@ -181,9 +191,8 @@ class AsyncEngine:
         self.metrics = metrics
         self.health_stall_seconds = health_stall_seconds
         self.max_waiting = max_waiting
-        self.draining = False  # refusing new requests (503): a load balancer's drain
-        self.handing_over = False  # serving what reaches it while the next engine takes new connections
-        self.stopping = False  # stopped without draining: every request fails with EngineStopping
+        self.lifecycle = lifecycle or Lifecycle()
+        self.lifecycle.listen(self._phase_changed)
         self.stop_reason = ""
         self.heartbeat = time.monotonic()
         self._lock = threading.Lock()
@@ -220,6 +229,24 @@ class AsyncEngine:
         """Run `hook` on the step-loop thread before every iteration, holding no lock (a test hook
         that sleeps there makes the loop hang)."""
         self._on_loop.append(hook)
+
+    @property
+    def draining(self) -> bool:
+        """Refusing new requests (503): a load balancer's drain, or a stop."""
+        return self.lifecycle.phase in (Phase.DRAINING, Phase.STOPPING)
+
+    @property
+    def handing_over(self) -> bool:
+        """Serving what reaches it while the next engine takes new connections."""
+        return self.lifecycle.phase == Phase.HANDING_OVER
+
+    @property
+    def stopping(self) -> bool:
+        """Stopped without draining: every request fails with EngineStopping."""
+        return self.lifecycle.phase == Phase.STOPPING
+
+    def _phase_changed(self, old: Phase, new: Phase) -> None:
+        self.metrics.set_draining(new in (Phase.DRAINING, Phase.HANDING_OVER, Phase.STOPPING))
 
     # -- admission and generation (event-loop side) ---------------------------------------------
 
@@ -289,11 +316,10 @@ class AsyncEngine:
 
     async def drain(self, timeout: float) -> DrainResult:
         """Stop admitting, then wait until every in-flight request finished or `timeout` passed."""
-        if not self.draining:
+        if self.lifecycle.phase in (Phase.LOADING, Phase.SERVING, Phase.RECYCLING):
+            self.lifecycle.move(Phase.DRAINING)
             log.info("drain_started", in_flight=self.num_in_flight, timeout_s=timeout)
             get_notifier().status(f"draining: {self.num_in_flight} request(s) in flight")
-        self.draining = True
-        self.metrics.set_draining(True)
         start = time.monotonic()
         at_start = self.num_in_flight
         while self._slots and time.monotonic() - start < timeout:
@@ -309,28 +335,50 @@ class AsyncEngine:
 
     def begin_handover(self) -> None:
         """Report draining (health, metric) while still admitting requests on open connections."""
-        self.handing_over = True
-        self.metrics.set_draining(True)
+        self.lifecycle.move(Phase.HANDING_OVER)
         get_notifier().status(f"handing over: {self.num_in_flight} request(s) in flight")
         log.info("handover_started", in_flight=self.num_in_flight)
 
     def abort_all(self, reason: str) -> int:
         """Refuse new requests and fail every admitted one with EngineStopping; returns how many."""
-        self.stopping = True
         self.stop_reason = reason
-        self.draining = True
-        self.metrics.set_draining(True)
+        self.lifecycle.move(Phase.STOPPING)
         count = self.num_in_flight
         self._post(AbortAll(reason))
         log.warning("aborting_in_flight", requests=count, reason=reason)
         return count
 
     def resume(self) -> None:
-        """Undo a drain (admit again)."""
-        self.draining = False
-        self.metrics.set_draining(False)
+        """Undo a drain (admit again); an engine that is handing over or stopping cannot be resumed."""
+        if self.lifecycle.phase != Phase.DRAINING:
+            return
+        self.lifecycle.move(Phase.SERVING)
         get_notifier().status("serving (drain cancelled)")
         log.info("drain_cancelled")
+
+    # -- recycling the KV pool --------------------------------------------------------------------
+
+    def recycle(self) -> Future[dict[str, object]]:
+        """Rebuild the KV pool between two steps (EngineCore.recycle); the future holds its report.  Refused
+        (ValueError) unless serving: a draining or leaving engine is not worth curing."""
+        if self.lifecycle.phase not in (Phase.SERVING, Phase.RECYCLING):
+            raise ValueError(f"the engine is {self.lifecycle.phase.value}: nothing to recycle")
+        done: Future[dict[str, object]] = Future()
+        self._post(Recycle(done))
+        return done
+
+    def _recycle(self, cmd: Recycle) -> None:
+        moved = self.lifecycle.phase == Phase.SERVING and self.lifecycle.move(Phase.RECYCLING)
+        try:
+            outputs, report = self.engine.recycle()
+            self._publish(outputs)
+            cmd.done.set_result({**report.__dict__, "in_flight": self.num_in_flight})
+        except Exception as e:  # a bug: report it to the caller, keep serving
+            log.exception("recycle_failed")
+            cmd.done.set_exception(e)
+        finally:
+            if moved and self.lifecycle.phase == Phase.RECYCLING:
+                self.lifecycle.move(Phase.SERVING)
 
     # -- health ---------------------------------------------------------------------------------
 
@@ -351,7 +399,8 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             with self._wake:
-                if not self._inbox and not self.engine.has_unfinished_requests() and not self._stop:
+                idle = not self._inbox and not self.engine.has_unfinished_requests()
+                if idle and not self._stop and not self.engine.has_deferred_work():
                     self._wake.wait(timeout=_IDLE_WAKEUP_S)
                 if self._stop:
                     return
@@ -369,6 +418,8 @@ class AsyncEngine:
                 stats = self.engine.stats()
                 with self._lock:
                     self._num_waiting = stats.waiting
+            elif self.engine.has_deferred_work():
+                self.engine.run_deferred()  # start-up work left for after serving began (engine/runner/deferred.py)
             stats.steps = self.loop_iterations  # the loop's heartbeat, idle iterations included
             self.metrics.update(stats)
             for hook in self._on_step:
@@ -378,6 +429,8 @@ class AsyncEngine:
         for cmd in commands:
             if isinstance(cmd, AbortAll):
                 self._fail_everything(EngineStopping(cmd.reason))
+            elif isinstance(cmd, Recycle):
+                self._recycle(cmd)
             elif isinstance(cmd, AbortRequest):
                 out = self.engine.abort_request(cmd.request_id)
                 if out is not None:
@@ -400,6 +453,9 @@ class AsyncEngine:
             log.exception("step_failed")
             self._fail_everything(EngineStepError(f"the engine step failed: {e}"))
             return
+        self._publish(outputs)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
         woken: list[_Slot] = []
         for out in outputs:
             slot = self._slots.get(out.request_id)

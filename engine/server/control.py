@@ -24,16 +24,20 @@ from typing import Any, Callable
 
 import structlog
 
+from engine.lifecycle import Lifecycle
+
 log = structlog.get_logger("pagekeeper.server")
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 class ControlSocket:
-    def __init__(self, path: str | os.PathLike[str], listen_sock: socket.socket) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], listen_sock: socket.socket, lifecycle: Lifecycle | None = None
+    ) -> None:
         self.path = Path(path)
         self.listen_sock = listen_sock
-        self.state = "loading"
+        self.lifecycle = lifecycle or Lifecycle()  # `state` answers its phase (engine/lifecycle.py)
         # When a drain (or stop) must be over, on time.monotonic(): a supervisor that finds the HTTP side silent
         # reads it to tell an engine draining on its own (a SIGTERM from outside) from one that hangs.
         self.stop_deadline: float | None = None
@@ -48,6 +52,10 @@ class ControlSocket:
             os.umask(old)
         self._sock.listen(16)
         threading.Thread(target=self._serve, name="engine-control", daemon=True).start()
+
+    @property
+    def state(self) -> str:
+        return self.lifecycle.phase.value
 
     def set_in_flight_reader(self, reader: Callable[[], int]) -> None:
         self._in_flight = reader
@@ -98,8 +106,8 @@ class ControlSocket:
         elif cmd in self.handlers:
             reply = self.handlers[cmd](request)
         elif cmd in ("drain_exit", "stop_now"):  # asked before the server exists: nothing is in flight
-            log.info("exit_requested_while_loading", command=cmd)
-            conn.sendall(b'{"ok": true, "state": "loading"}\n')
+            log.info("exit_requested_while_loading", command=cmd, state=self.state)
+            conn.sendall(json.dumps({"ok": True, "state": self.state}).encode() + b"\n")
             os._exit(0)
         else:
             reply = {"ok": False, "error": f"unknown command {cmd!r}"}

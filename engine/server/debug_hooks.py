@@ -25,11 +25,38 @@ _GARBAGE = b"this is {not prometheus text\nvllm_num_requests_running{{{ 1\n"
 
 
 class DebugHooks:
-    def __init__(self) -> None:
+    def __init__(self, kv: Any = None) -> None:
         self._frozen = threading.Event()
         self._freeze_until = 0.0
         self.metrics_mode = "normal"
         self.metrics_seconds = 0.0
+        self._kv = kv  # the engine's KV cache manager (engine/kv/), for the leak
+        self._leak = 0  # blocks still to leak
+        self._leave = 0  # free blocks the leak leaves
+        self._leak_pool: Any = None  # the pool the leak was asked of (a recycle makes a new one: the leak ends)
+        self.leaked = 0
+
+    def leak(self, blocks: int, leave: int) -> None:
+        self._leak, self._leave = blocks, leave
+        self._leak_pool = self._kv.pool if self._kv is not None else None
+        log.warning("kv_leak_requested", blocks=blocks, leave=leave)
+
+    def leak_blocks(self) -> None:
+        """A step-loop hook: take free blocks from the pool that no sequence will ever give back (a bug's leak),
+        leaving `leave` free, at every iteration (blocks that requests give back are taken too) until `blocks` are
+        taken or the pool is rebuilt (a recycle, which also frees them) or the engine restarts."""
+        if not self._leak or self._kv is None:
+            return
+        pool = self._kv.pool
+        if pool is not self._leak_pool:
+            self._leak = 0  # the pool was rebuilt: this leak is over
+            return
+        n = min(self._leak, pool.num_free - self._leave)
+        if n > 0:
+            pool.allocate(n)
+            self._leak -= n
+            self.leaked += n
+            log.warning("kv_blocks_leaked", blocks=n, total=self.leaked, usage=round(self._kv.usage(), 4))
 
     def freeze(self, seconds: float) -> None:
         self._freeze_until = time.monotonic() + seconds
@@ -55,6 +82,17 @@ async def freeze(http: Request, seconds: float = Query(..., gt=0.0, le=3600.0)) 
     """Stop the step loop for `seconds` (hang detection)."""
     _hooks(http).freeze(seconds)
     return {"frozen_seconds": seconds}
+
+
+@router.post("/debug/leak-kv")
+async def leak_kv(
+    http: Request,
+    blocks: int = Query(..., ge=1, le=10_000_000),
+    leave: int = Query(0, ge=0, le=10_000_000),
+) -> dict[str, int]:
+    """Leak up to `blocks` KV blocks, leaving `leave` free (the stuck-cache cure's fault)."""
+    _hooks(http).leak(blocks, leave)
+    return {"leak_blocks": blocks, "leave": leave}
 
 
 @router.post("/debug/block-http-loop")
@@ -104,10 +142,13 @@ class _MetricsFaults:
 
 
 def install(app: FastAPI, state: ServerState) -> DebugHooks:
-    hooks = DebugHooks()
+    hooks = DebugHooks(state.engine.core.kv)
     app.state.debug_hooks = hooks
     state.async_engine.add_loop_hook(hooks.hold_step_loop)
+    state.async_engine.add_loop_hook(hooks.leak_blocks)
     app.include_router(router)
     app.add_middleware(_MetricsFaults, hooks=hooks)
-    log.warning("debug_hooks_enabled", routes=["/debug/freeze", "/debug/block-http-loop", "/debug/metrics"])
+    log.warning(
+        "debug_hooks_enabled", routes=["/debug/freeze", "/debug/block-http-loop", "/debug/metrics", "/debug/leak-kv"]
+    )
     return hooks

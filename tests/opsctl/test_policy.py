@@ -3,6 +3,8 @@ cooldown, not after giving up — over synthetic observation traces."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from opsctl.policy import Observation, PolicyConfig, PolicyState, decide
 
 CFG = PolicyConfig(
@@ -52,7 +54,7 @@ def test_high_cache_needs_three_pressure_events_in_the_window():
         obs(150, cache_usage=0.96, preemptions=12),
     ]
     actions = run(trace)
-    assert [a.kind for a in actions] == ["none"] * 5 + ["drain_restart"]
+    assert [a.kind for a in actions] == ["none"] * 5 + ["recycle"]  # the cheap cure first
     assert actions[-1].reason == "high_cache"
     ev = actions[-1].evidence
     assert ev["pressure_events"] == 3 and ev["peak_cache_usage"] == 0.99 and ev["preemptions_in_window"] == 12
@@ -67,7 +69,7 @@ def test_a_full_cache_that_costs_nothing_is_not_pressure():
         obs(100 + 10 * i, cache_usage=0.99, preemptions=7, waiting=2, running=6, oldest_waiting_s=8.0) for i in range(3)
     ]
     a = decide(kept_out, READY, CFG, 120)
-    assert a.kind == "drain_restart" and a.reason == "high_cache"
+    assert a.kind == "recycle" and a.reason == "high_cache"
 
 
 def test_a_single_spike_does_not_act_even_with_both_conditions():
@@ -79,7 +81,7 @@ def test_events_outside_the_window_do_not_count():
     hot = dict(cache_usage=0.99, waiting=1, oldest_waiting_s=10.0)
     trace = [obs(100, **hot), obs(200, **hot), obs(450), obs(460, **hot)]
     assert not decide(trace, READY, CFG, 460).acts  # the first event is 360 s old
-    assert decide(trace[:2] + [obs(210, **hot)], READY, CFG, 210).kind == "drain_restart"
+    assert decide(trace[:2] + [obs(210, **hot)], READY, CFG, 210).kind == "recycle"
 
 
 def test_backlog_is_requests_that_age_and_empty_queues_do_not_count():
@@ -88,7 +90,7 @@ def test_backlog_is_requests_that_age_and_empty_queues_do_not_count():
     assert a.kind == "drain_restart" and a.reason == "backlog" and a.evidence["oldest_waiting_s"] == 33.0
     young = [obs(100 + i, waiting=9, running=4, oldest_waiting_s=0.2) for i in range(30)]
     assert all(not a.acts for a in run(young))  # a queue that is served within a step is no backlog
-    idle = [obs(100 + i, waiting=0, running=0, oldest_waiting_s=0.0) for i in range(10)]
+    idle = [obs(100 + i, waiting=0, running=0, oldest_waiting_s=0.0, cache_usage=0.0) for i in range(10)]
     assert not decide(idle, READY, CFG, 109).acts  # 0 > 2 x 0 is not a backlog
 
 
@@ -157,7 +159,7 @@ def test_hang_by_frozen_steps_while_requests_wait():
     assert decide(trace[:3], READY, CFG, 120).kind == "none"  # frozen for 20 s only
     a = decide(trace, READY, CFG, 130)
     assert a.kind == "restart" and a.reason == "hang" and a.evidence["steps_total"] == 500
-    idle = [obs(100 + 10 * i, steps_total=500, waiting=0, running=0) for i in range(10)]
+    idle = [obs(100 + 10 * i, steps_total=500, waiting=0, running=0, cache_usage=0.0) for i in range(10)]
     assert not decide(idle, READY, CFG, 190).acts  # an idle engine may keep its step count
 
 
@@ -230,7 +232,7 @@ def test_fragmentation_waits_for_the_window_and_for_low_traffic():
     assert actions[-1].reason == "fragmentation_waiting_for_low_traffic"
     quiet = trace + [obs(800, allocator_efficiency=0.6, running=1, waiting=0)]
     a = decide(quiet, READY, CFG, 800)
-    assert a.kind == "drain_restart" and a.reason == "fragmentation" and a.evidence["for_s"] == 700
+    assert a.kind == "recycle" and a.reason == "fragmentation" and a.evidence["for_s"] == 700
     recovered = trace[:-1] + [obs(760, allocator_efficiency=0.8, running=0)]
     assert not decide(recovered, READY, CFG, 760).acts
 
@@ -245,5 +247,33 @@ def test_actions_carry_what_the_supervisor_does_with_them():
     assert failed.kind == "give_up" and failed.permanent
     hot = dict(cache_usage=0.99, waiting=3, running=1, oldest_waiting_s=40)
     pressure = decide([obs(100 + 10 * i, **hot) for i in range(3)], READY, CFG, 120)
-    assert pressure.kind == "drain_restart" and pressure.drains and not pressure.counts_as_crash
+    assert pressure.kind == "recycle" and not pressure.drains and not pressure.counts_as_crash
     assert not pressure.permanent and pressure.drain_cap_s is None
+    recycled = PolicyState(started_at=0.0, ready_at=10.0, recycled_at=90.0)
+    persists = decide([obs(100 + 10 * i, **hot) for i in range(3)], recycled, CFG, 120)
+    assert persists.kind == "drain_restart" and persists.drains and not persists.counts_as_crash
+
+
+def test_blocks_held_with_nothing_running_or_waiting_are_a_leak_cured_in_place():
+    """KV usage above zero while no request runs or waits can only be blocks nobody owns: recycle the pool."""
+    idle_leak = [obs(100 + 10 * i, cache_usage=0.3, running=0, waiting=0) for i in range(3)]
+    actions = run(idle_leak)
+    assert [a.kind for a in actions] == ["none", "none", "recycle"]
+    assert actions[-1].reason == "stuck_cache" and actions[-1].evidence["polls"] == 3
+    assert not actions[-1].drains and not actions[-1].counts_as_crash
+    # the same usage with requests in flight is those requests' blocks, and an empty pool is healthy
+    assert not any(a.acts for a in run([obs(100 + 10 * i, cache_usage=0.3, running=1, waiting=0) for i in range(9)]))
+    assert not any(a.acts for a in run([obs(100 + 10 * i, cache_usage=0.0, running=0, waiting=0) for i in range(9)]))
+    # one poll with a request between them breaks the run: three consecutive polls are needed
+    broken = idle_leak[:2] + [obs(120, cache_usage=0.3, running=1, waiting=0)] + idle_leak[:2]
+    assert not any(a.acts for a in run([replace(o, t=100 + 10 * i) for i, o in enumerate(broken)]))
+
+
+def test_a_cure_that_did_not_hold_escalates_to_a_restart_within_the_window_only():
+    leak = [obs(400 + 10 * i, cache_usage=0.3, running=0, waiting=0) for i in range(3)]
+    soon = PolicyState(started_at=0.0, ready_at=10.0, recycled_at=350.0)
+    a = decide(leak, soon, CFG, 420)
+    assert a.kind == "drain_restart" and a.reason == "stuck_cache_persists" and a.drains
+    assert a.evidence["recycled_s_ago"] == 70.0
+    long_ago = PolicyState(started_at=0.0, ready_at=10.0, recycled_at=420.0 - CFG.event_window - 1)
+    assert decide(leak, long_ago, CFG, 420).kind == "recycle"  # a new leak, long after the last cure

@@ -28,6 +28,7 @@ def test_exit_codes_match_the_documented_table():
         "serving": 0,
         "starting": 4,
         "restarting": 4,
+        "recycling": 0,
         "stopping": 4,
         "draining": 5,
         "gave_up": 6,

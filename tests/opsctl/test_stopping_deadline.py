@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from engine.lifecycle import Lifecycle, Phase
 from engine.server.control import ControlSocket
 from opsctl import launcher
 from opsctl.launcher import EngineProcess
@@ -20,7 +21,7 @@ from opsctl.launcher import EngineProcess
 @pytest.fixture
 def channel(tmp_path):
     listen = socket.socket()
-    cs = ControlSocket(tmp_path / "eng.sock", listen)
+    cs = ControlSocket(tmp_path / "eng.sock", listen, Lifecycle())
     yield cs, EngineProcess(os.getpid(), tmp_path / "eng.sock", tmp_path / "eng.inflight", popen=None)
     cs.close()
     listen.close()
@@ -28,20 +29,22 @@ def channel(tmp_path):
 
 def test_serving_or_loading_is_not_stopping(channel):
     cs, engine = channel
-    for state in ("loading", "serving"):
-        cs.state = state
-        assert engine.stopping_within_deadline() is None
+    assert cs.state == "loading"
+    assert engine.stopping_within_deadline() is None
+    cs.lifecycle.move(Phase.SERVING)
+    assert engine.stopping_within_deadline() is None
 
 
 def test_stopping_is_believed_until_its_deadline_and_margin_even_after_the_socket_is_gone(channel, monkeypatch):
     monkeypatch.setattr(launcher, "STOPPING_MARGIN_S", 0.3)
     cs, engine = channel
-    cs.state, cs.stop_deadline = "draining", time.monotonic() + 0.3
-    assert engine.stopping_within_deadline() == "draining"
+    cs.lifecycle.move(Phase.HANDING_OVER)
+    cs.stop_deadline = time.monotonic() + 0.3
+    assert engine.stopping_within_deadline() == "handing_over"
     cs.close()  # an exiting engine closes it before the interpreter's silent teardown
-    assert engine.stopping_within_deadline() == "draining"  # remembered
+    assert engine.stopping_within_deadline() == "handing_over"  # remembered
     time.sleep(0.45)
-    assert engine.stopping_within_deadline() == "draining"  # past the deadline, within the margin
+    assert engine.stopping_within_deadline() == "handing_over"  # past the deadline, within the margin
     time.sleep(0.3)
     assert engine.stopping_within_deadline() is None  # past both: a silent engine may be hung again
 
@@ -49,7 +52,10 @@ def test_stopping_is_believed_until_its_deadline_and_margin_even_after_the_socke
 def test_a_later_answer_moves_the_deadline(channel, monkeypatch):
     monkeypatch.setattr(launcher, "STOPPING_MARGIN_S", 0.0)
     cs, engine = channel
-    cs.state, cs.stop_deadline = "draining", time.monotonic() - 1.0
+    cs.lifecycle.move(Phase.SERVING)
+    cs.lifecycle.move(Phase.DRAINING)
+    cs.stop_deadline = time.monotonic() - 1.0
     assert engine.stopping_within_deadline() is None  # it overran its own drain deadline
-    cs.state, cs.stop_deadline = "stopping", time.monotonic() + 5.0  # then a stop-now: a new deadline
+    cs.lifecycle.move(Phase.STOPPING)
+    cs.stop_deadline = time.monotonic() + 5.0  # then a stop-now: a new deadline
     assert engine.stopping_within_deadline() == "stopping"

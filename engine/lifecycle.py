@@ -1,0 +1,128 @@
+"""The serving lifecycle of one engine process, as one state that every part reads and writes.
+
+Before this, "is it draining?" was four flags on four objects (the async engine, the HTTP server, the control
+socket, the metrics).  Now the state lives here; each part asks it or registers to hear about changes (the
+control socket answers the supervisor from it, /health and the `vllm:engine_draining` gauge follow it, systemd
+hears a status line).
+
+    loading ──> standby ──> loading ──> serving <──> recycling
+       │                                  │   └────> draining ──> serving (resume) / stopping
+       └──────────────────────────────────┴───────> handing_over ──> stopping
+
+- loading: the model is coming up (imports, weights, KV cache);
+- standby: everything that needs no device memory is ready, and the engine waits for the one it replaces to
+  exit and free the GPU (a restart that does not reload the model, engine/keeper/);
+- serving: admitting and running requests;
+- recycling: the KV pool and prefix cache are being rebuilt in place (requests in flight are requeued, none
+  lost), admissions wait;
+- draining: a load balancer's drain: new requests get 503 until resumed;
+- handing_over: the listening socket belongs to the next engine; what reaches this one on its open
+  connections is still served, then it exits;
+- stopping: it leaves now; what is in flight is answered "restarting".
+"""
+
+from __future__ import annotations
+
+import threading
+from enum import Enum
+from typing import Callable
+
+
+class Phase(str, Enum):
+    LOADING = "loading"
+    STANDBY = "standby"
+    SERVING = "serving"
+    RECYCLING = "recycling"
+    DRAINING = "draining"
+    HANDING_OVER = "handing_over"
+    STOPPING = "stopping"
+
+    @property
+    def admits(self) -> bool:
+        """New requests are taken (recycling queues them until the pool is back)."""
+        return self in (Phase.SERVING, Phase.RECYCLING, Phase.HANDING_OVER)
+
+    @property
+    def leaving(self) -> bool:
+        """The process is on its way out (drained requests do not come back)."""
+        return self in (Phase.HANDING_OVER, Phase.STOPPING)
+
+
+# Which phase may follow which; anything else is a bug (raised, not ignored).
+_NEXT: dict[Phase, frozenset[Phase]] = {
+    Phase.LOADING: frozenset({Phase.STANDBY, Phase.SERVING, Phase.DRAINING, Phase.HANDING_OVER, Phase.STOPPING}),
+    Phase.STANDBY: frozenset({Phase.LOADING, Phase.STOPPING}),
+    Phase.SERVING: frozenset({Phase.RECYCLING, Phase.DRAINING, Phase.HANDING_OVER, Phase.STOPPING}),
+    Phase.RECYCLING: frozenset({Phase.SERVING, Phase.HANDING_OVER, Phase.STOPPING, Phase.DRAINING}),
+    Phase.DRAINING: frozenset({Phase.SERVING, Phase.HANDING_OVER, Phase.STOPPING}),
+    Phase.HANDING_OVER: frozenset({Phase.STOPPING}),
+    Phase.STOPPING: frozenset(),
+}
+
+
+class Lifecycle:
+    """The process's phase; thread-safe.  Listeners run on the thread that changed it, after the change."""
+
+    def __init__(self) -> None:
+        self._phase = Phase.LOADING
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._listeners: list[Callable[[Phase, Phase], None]] = []
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    def listen(self, listener: Callable[[Phase, Phase], None]) -> None:
+        """Call `listener(old, new)` on every change."""
+        self._listeners.append(listener)
+
+    def move(self, new: Phase) -> bool:
+        """Change to `new`; False (no change) when already there.  A transition the diagram does not allow
+        raises ValueError, except into STOPPING, which is always allowed (a second signal stops at once)."""
+        with self._changed:
+            old = self._phase
+            if old == new:
+                return False
+            if new not in _NEXT[old] and new != Phase.STOPPING:
+                raise ValueError(f"engine lifecycle: {old.value} -> {new.value} is not a transition")
+            self._phase = new
+            self._changed.notify_all()
+        for listener in self._listeners:
+            listener(old, new)
+        return True
+
+    def wait_until(self, predicate: Callable[[Phase], bool], timeout: float | None = None) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: predicate(self._phase), timeout)
+
+
+LIFECYCLE = Lifecycle()  # this process's (an engine process serves one engine)
+
+
+STANDBY_LIMIT_S = 900.0  # an engine waits this long at most for the one it replaces (its supervisor kills it first)
+
+
+def standby_until_exit(pid: int, limit_s: float = STANDBY_LIMIT_S) -> float:
+    """In STANDBY, wait for process `pid` to exit (the engine this one replaces frees the GPU); the seconds waited.
+    Raises TimeoutError past `limit_s`: a predecessor that never leaves means a supervisor that is gone."""
+    import os
+    import select
+    import time
+
+    started = time.monotonic()
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return 0.0
+    moved = LIFECYCLE.phase == Phase.LOADING and LIFECYCLE.move(Phase.STANDBY)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(limit_s * 1000):
+            raise TimeoutError(f"process {pid} (the engine this one replaces) did not exit within {limit_s:.0f} s")
+    finally:
+        os.close(fd)
+        if moved:
+            LIFECYCLE.move(Phase.LOADING)
+    return time.monotonic() - started

@@ -1,0 +1,90 @@
+"""Start-up work left for after serving begins (engine/runner/deferred.py) and when the engine core runs it: at
+once while idle, one unit per DEFERRED_GAP_S between steps under load, and a unit that writes KV blocks only while
+none is held (the prefix cache emptied first).  Outputs are unchanged by it."""
+
+from __future__ import annotations
+
+import time
+
+from engine.config import EngineConfig
+from engine.core import engine_core
+from engine.llm_engine import LLMEngine
+from engine.runner.deferred import DeferredWork, one_unit
+from engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def test_jobs_run_unit_by_unit_in_order_and_report_when_done():
+    work = DeferredWork()
+    ran: list[str] = []
+
+    def units(name: str, n: int):  # type: ignore[no-untyped-def]
+        for i in range(n):
+            ran.append(f"{name}{i}")
+            yield
+
+    done: list[str] = []
+    work.add("a", units("a", 2), on_done=lambda: done.append("a"))
+    work.add("b", one_unit(lambda: ran.append("b")), needs_idle=True)
+    assert work.pending and not work.next_needs_idle
+    assert [work.run_one() for _ in range(3)] == ["a", "a", "a"]  # the third finds the job exhausted
+    assert ran == ["a0", "a1"] and done == ["a"] and work.next_needs_idle
+    assert work.run_all() >= 0 and ran == ["a0", "a1", "b"] and not work.pending
+    assert set(work.done) == {"a", "b"} and work.run_one() is None
+
+
+def _outputs(engine: LLMEngine, tag: str) -> dict[str, list[int]]:
+    for i, prompt in enumerate(["Beautiful is", "Errors should never", "Now is better than"]):
+        engine.add_request(f"{tag}{i}", prompt, GREEDY)
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id.removeprefix(tag)] = list(o.outputs[0].token_ids)
+    return out
+
+
+def test_the_core_runs_units_when_idle_between_steps_and_kv_writers_only_when_no_block_is_held(monkeypatch):
+    engine = LLMEngine(EngineConfig(device="cpu", enable_prefix_caching=True))
+    reference = _outputs(engine, "ref-")
+    core = engine.core
+    assert core.kv.pool.num_cached > 0  # the reference run left cached prefixes
+    log: list[tuple[str, int, int]] = []
+
+    def units(name: str, n: int):  # type: ignore[no-untyped-def]
+        for _ in range(n):
+            log.append((name, core.scheduler.num_running, core.kv.num_held_blocks()))
+            yield
+
+    work = core.runner.deferred
+    work.add("graphs", units("graphs", 4))
+    work.add("warm", units("warm", 1), needs_idle=True)
+    monkeypatch.setattr(engine_core, "DEFERRED_GAP_S", 3600.0)  # under load: at most one unit per hour
+    engine.run_deferred()  # idle: a unit at once
+    assert [x[0] for x in log] == ["graphs"]
+    assert _outputs(engine, "a-") == reference  # the deferred work changes no token
+    assert [x[0] for x in log] == ["graphs"], "a unit ran under load before its gap had passed"
+    monkeypatch.setattr(engine_core, "DEFERRED_GAP_S", 0.0)
+    for i, prompt in enumerate(["Beautiful is", "Errors should never"]):
+        engine.add_request(f"b-{i}", prompt, GREEDY)
+    engine.step()
+    engine.step()
+    assert [x[0] for x in log][:3] == ["graphs", "graphs", "graphs"]
+    assert all(held > 0 for name, _, held in log[1:] if name == "graphs"), "the units ran between steps of requests"
+    while engine.has_unfinished_requests():
+        engine.step()
+    while work.pending:
+        engine.run_deferred()
+    warm = [x for x in log if x[0] == "warm"]
+    assert warm == [("warm", 0, 0)], "the KV writer ran while blocks were held"
+    assert core.kv.pool.num_cached == 0, "the prefix cache was emptied before the KV writer ran"
+    assert _outputs(engine, "c-") == reference
+
+
+def test_finish_deferred_runs_everything_now():
+    engine = LLMEngine(EngineConfig(device="cpu"))
+    ran = []
+    engine.core.runner.deferred.add("x", one_unit(lambda: ran.append(time.monotonic())))
+    engine.core.finish_deferred()
+    assert len(ran) == 1 and not engine.core.has_deferred_work()

@@ -1,0 +1,75 @@
+"""The engine's one lifecycle state (engine/lifecycle.py): allowed moves, listeners, and the standby wait."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from engine import lifecycle
+from engine.lifecycle import Lifecycle, Phase
+
+
+def test_moves_follow_the_diagram_and_listeners_hear_each_change():
+    lc = Lifecycle()
+    heard: list[tuple[str, str]] = []
+    lc.listen(lambda old, new: heard.append((old.value, new.value)))
+    assert lc.move(Phase.SERVING) and not lc.move(Phase.SERVING)  # a repeat is no change
+    lc.move(Phase.RECYCLING)
+    lc.move(Phase.SERVING)
+    lc.move(Phase.DRAINING)
+    lc.move(Phase.SERVING)  # resume
+    lc.move(Phase.HANDING_OVER)
+    with pytest.raises(ValueError, match="handing_over -> serving"):
+        lc.move(Phase.SERVING)  # an engine that gave its socket away never serves again
+    lc.move(Phase.STOPPING)
+    assert heard == [
+        ("loading", "serving"),
+        ("serving", "recycling"),
+        ("recycling", "serving"),
+        ("serving", "draining"),
+        ("draining", "serving"),
+        ("serving", "handing_over"),
+        ("handing_over", "stopping"),
+    ]
+    assert Phase.RECYCLING.admits and not Phase.DRAINING.admits and Phase.HANDING_OVER.leaving
+
+
+def test_stopping_is_always_allowed_and_final():
+    lc = Lifecycle()
+    lc.move(Phase.STOPPING)  # from loading: a second signal while the model loads
+    with pytest.raises(ValueError):
+        lc.move(Phase.SERVING)
+
+
+def test_wait_until_wakes_on_the_change():
+    lc = Lifecycle()
+    threading.Timer(0.2, lambda: lc.move(Phase.SERVING)).start()
+    started = time.monotonic()
+    assert lc.wait_until(lambda p: p == Phase.SERVING, timeout=5)
+    assert time.monotonic() - started < 4
+    assert not lc.wait_until(lambda p: p == Phase.STOPPING, timeout=0.05)
+
+
+def test_standby_waits_for_the_predecessor_to_exit_and_says_so(monkeypatch):
+    lc = Lifecycle()
+    monkeypatch.setattr(lifecycle, "LIFECYCLE", lc)
+    heard: list[str] = []
+    lc.listen(lambda old, new: heard.append(new.value))
+    old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    waited = lifecycle.standby_until_exit(old.pid)
+    old.wait()
+    assert 0.2 < waited < 10
+    assert heard == ["standby", "loading"]
+    assert lifecycle.standby_until_exit(old.pid) == 0.0  # gone (reaped): nothing to wait for
+    forever = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(TimeoutError, match="did not exit"):
+            lifecycle.standby_until_exit(forever.pid, limit_s=0.2)
+        assert lc.phase == Phase.LOADING
+    finally:
+        forever.kill()
+        forever.wait()
