@@ -1,75 +1,184 @@
 """Measured all-reduce time and bandwidth between the GPUs of this host (NCCL), one process per GPU.
 
-    python -m benchmarks.allreduce --tp 2 --sizes 2097152 134217728
+    python -m benchmarks.allreduce --tp 2 4 --sizes 2097152 134217728
+    python -m benchmarks.allreduce --tp 2 --device cpu --sizes 65536     # gloo on the CPU (smoke run)
 
-The tensor-parallel roofline (benchmarks/tensor_parallel.py) counts the time of the all-reduces a
-forward pass does at the sizes it does them; this measures exactly that, with CUDA events, in bf16.
-Prints one JSON object: per size, the median seconds, the algorithm bandwidth (bytes / time) and the
-bus bandwidth (algbw x 2 (n - 1) / n, the per-link figure nccl-tests reports).
+The tensor-parallel bounds (benchmarks/tp_bounds.py) charge each all-reduce a forward pass does the time measured
+here for its size, so what is measured is the fastest this host does it, the way the engine does it: a round
+of back-to-back all-reduces timed with CUDA events after every rank has synchronised (a lone all-reduce timed
+per call also times the other ranks' late arrival, which made small messages look several times slower), the
+fastest of several rounds, launched eagerly and replayed from a CUDA graph (as the engine's decode steps do);
+the smaller of the two is `seconds`.  One spawn of max(tp) processes measures every group size (ranks 0..tp-1
+form each group).  Prints (and with --out writes) one JSON object: per group size, per message size, the
+seconds, the algorithm bandwidth (bytes / time) and the bus bandwidth (algbw x 2 (n - 1) / n, the per-link
+figure nccl-tests reports).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import statistics
 import sys
 import tempfile
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
+ROUNDS = 5
+INIT_TIMEOUT = timedelta(seconds=120)
 
-def _rank(rank: int, size: int, store_path: str, sizes: list[int], out: str) -> None:
+
+def ops_per_round(nbytes: int) -> int:
+    """Enough back-to-back all-reduces that a round takes a millisecond or more, at most 50."""
+    return max(10, min(50, (64 << 20) // max(nbytes, 1)))
+
+
+def _time_round(fn: Any, ops: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / ops
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) / ops
+
+
+def _measure_size(group: Any, nbytes: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
-    device = torch.device(f"cuda:{rank}")
-    store = dist.FileStore(store_path, size)
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=size, device_id=device)
+    x = torch.ones(max(1, nbytes // torch.empty((), dtype=dtype).element_size()), dtype=dtype, device=device)
+    ops = ops_per_round(nbytes)
+
+    def eager() -> None:
+        for _ in range(ops):
+            dist.all_reduce(x, group=group)
+
+    def sync() -> None:
+        dist.all_reduce(torch.ones(1, device=device), group=group)  # every rank here before the round starts
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(3):
+        dist.all_reduce(x, group=group)
+    row: dict[str, Any] = {"ops_per_round": ops}
+    times = []
+    for _ in range(ROUNDS):
+        sync()
+        times.append(_time_round(eager, ops, device))
+    row["eager_s"] = min(times)
+    if device.type == "cuda":
+        try:
+            graph = _capture(lambda: dist.all_reduce(x, group=group), ops, device)
+            times = []
+            for _ in range(ROUNDS):
+                sync()
+                times.append(_time_round(graph.replay, ops, device))
+            row["graph_s"] = min(times)
+            del graph
+        except Exception as e:  # a failed capture leaves the eager figure
+            row["graph_error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return row
+
+
+def _capture(step: Any, ops: int, device: torch.device) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the graph, on a side stream, as torch.cuda.graphs recommends
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(ops):
+            step()
+    torch.cuda.synchronize(device)
+    return graph
+
+
+def _rank(rank: int, world: int, store_path: str, tps: list[int], sizes: list[int], device_kind: str, out: str) -> None:
+    import torch.distributed as dist
+
+    if device_kind == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device(f"cuda:{rank}")
+        dtype = torch.bfloat16
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(
+            "nccl", store=store, rank=rank, world_size=world, device_id=device, timeout=INIT_TIMEOUT
+        )
+    else:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        torch.set_num_threads(1)
+        device, dtype = torch.device("cpu"), torch.float32
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=INIT_TIMEOUT)
     results: dict[str, Any] = {}
-    for nbytes in sizes:
-        x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
-        for _ in range(5):
-            dist.all_reduce(x)
-        times = []
-        for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dist.all_reduce(x)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        t = statistics.median(times)
-        algbw = nbytes / t
-        results[str(nbytes)] = {
-            "seconds": t,
-            "algbw_GBps": round(algbw / 1e9, 1),
-            "busbw_GBps": round(algbw * 2 * (size - 1) / size / 1e9, 1),
-        }
+    for tp in sorted(tps):
+        group = None if tp == world else dist.new_group(list(range(tp)))  # every rank takes part in making it
+        if rank < tp:
+            rows: dict[str, Any] = {}
+            for nbytes in sizes:
+                row = _measure_size(group, nbytes, device, dtype)
+                t = min(row.get("graph_s", math.inf), row["eager_s"])
+                algbw = nbytes / t
+                rows[str(nbytes)] = {
+                    "seconds": t,
+                    "algbw_GBps": round(algbw / 1e9, 2),
+                    "busbw_GBps": round(algbw * 2 * (tp - 1) / tp / 1e9, 2),
+                    **{k: v for k, v in row.items() if k != "ops_per_round"},
+                }
+            results[str(tp)] = rows
+        dist.barrier(group=None, device_ids=[rank] if device_kind == "cuda" else None)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-def measure(tp: int, sizes: list[int]) -> dict[str, Any]:
-    """{size in bytes: {seconds, algbw_GBps, busbw_GBps}} for an all-reduce over `tp` GPUs."""
+def measure(tps: list[int] | int, sizes: list[int], device: str = "cuda") -> dict[str, Any]:
+    """{str(tp): {str(size in bytes): {seconds, algbw_GBps, busbw_GBps, eager_s, graph_s}}} for each group size
+    (one int: that group size's table alone, as before)."""
     import torch.multiprocessing as mp
 
+    single = isinstance(tps, int)
+    groups = [tps] if isinstance(tps, int) else sorted(set(tps))
+    world = max(groups)
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "out.json")
-        mp.start_processes(_rank, args=(tp, os.path.join(d, "store"), sizes, out), nprocs=tp, start_method="spawn")
-        return json.loads(Path(out).read_text())
+        mp.start_processes(
+            _rank,
+            args=(world, os.path.join(d, "store"), groups, sorted(set(sizes)), device, out),
+            nprocs=world,
+            start_method="spawn",
+        )
+        result: dict[str, Any] = json.loads(Path(out).read_text())
+    return result[str(groups[0])] if single else result
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--tp", type=int, nargs="+", default=[2])
     p.add_argument("--sizes", type=int, nargs="+", default=[2 << 20, 128 << 20])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--out", type=Path, help="also write the JSON here")
     args = p.parse_args(argv)
-    print(json.dumps(measure(args.tp, args.sizes), indent=2))
+    if any(tp < 2 for tp in args.tp) or any(s < 1 for s in args.sizes):
+        p.error("--tp takes group sizes >= 2 and --sizes byte counts >= 1")
+    if args.device == "cuda" and torch.cuda.device_count() < max(args.tp):
+        print(f"benchmarks.allreduce needs {max(args.tp)} CUDA GPUs", file=sys.stderr)
+        return 2
+    result = measure(args.tp, args.sizes, args.device)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
     return 0
 
 

@@ -145,6 +145,14 @@ class EngineConfig:
             "CUDA_VISIBLE_DEVICES; on CPU, N processes over gloo)."
         ),
     )
+    tensor_parallel_overlap_tokens: int = field(
+        default=0,
+        metadata=_flag(
+            "With --tensor-parallel-size > 1: steps of at least this many tokens run as two micro-batches, each "
+            "one's all-reduces overlapping the other's matrix products (Llama family; never inside a CUDA graph, "
+            "so on a GPU only steps above 1,024 tokens split). 0: off."
+        ),
+    )
     fragmentation_buffer_factor: float = field(
         default=2.0,
         metadata=_flag("KV budget keeps max(150 MiB, factor x profiled allocator fragmentation) in reserve."),
@@ -201,6 +209,15 @@ class EngineConfig:
         if self.max_num_on_the_fly_batches is not None:
             _positive("--max-num-on-the-fly-batches", self.max_num_on_the_fly_batches)
         _positive("--tensor-parallel-size", self.tensor_parallel_size)
+        if self.tensor_parallel_overlap_tokens < 0 or self.tensor_parallel_overlap_tokens == 1:
+            raise ConfigError(
+                f"--tensor-parallel-overlap-tokens must be 0 (off) or >= 2, got {self.tensor_parallel_overlap_tokens}"
+            )
+        if self.tensor_parallel_overlap_tokens and self.tensor_parallel_size == 1:
+            raise ConfigError(
+                "--tensor-parallel-overlap-tokens overlaps the all-reduces of tensor-parallel ranks: it needs "
+                "--tensor-parallel-size 2 or more; leave it out with one rank"
+            )
         if self.max_model_len is not None:
             _positive("--max-model-len", self.max_model_len)
         if self.max_num_batched_tokens is not None:

@@ -35,12 +35,13 @@ from typing import Any, NoReturn
 import structlog
 import torch
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.core.plan import StepPlan
 from engine.distributed.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
 from engine.distributed.worker import WorkerArgs, reason_file
 from engine.memory.budget import KVPlan
 from engine.model.loader import ModelInfo
+from engine.model.overlap import set_overlap_tokens
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.deferred import DeferredWork
 from engine.runner.model_runner import ModelRunner
@@ -82,7 +83,7 @@ class TensorParallelRunner:
         threading.Thread(target=self._watch, daemon=True, name="tp-watchdog").start()
         atexit.register(self.close)
         try:
-            tp = join_group(store, 0, size, device)
+            tp = join_group(store, 0, size, device, config.tensor_parallel_overlap_tokens)
             self.started: StartedRunner = start_runner(config, info, device, tp, self._agree, defer=defer)
             for rank, conn in enumerate(self._conns, start=1):
                 kind, _ = self._recv(rank, conn)
@@ -136,13 +137,26 @@ class TensorParallelRunner:
         return self.local.kv_caches
 
     def launch(self, plan: StepPlan, previous: DeviceSample | None = None) -> DeviceSample | None:
-        data = pickle.dumps((plan, previous is not None), protocol=pickle.HIGHEST_PROTOCOL)
+        self._broadcast((plan, previous is not None))
+        return self.local.launch(plan, previous)
+
+    def set_overlap_tokens(self, tokens: int) -> None:
+        """Change --tensor-parallel-overlap-tokens on every rank from the next step on, so that a benchmark
+        compares the overlapped and the plain steps on one engine (one start, one memory plan).  Start the
+        engine with the overlap on (a threshold above every step keeps it idle): NCCL's stream priority is
+        chosen when the group is created, and the start-up profile then measures the plain steps, whose
+        activations are the larger."""
+        set_overlap_tokens(self.local.model, tokens)  # checks it first
+        self._broadcast(("overlap_tokens", tokens))
+
+    def _broadcast(self, message: object) -> None:
+        """`message` to every worker, in the order of the steps (each worker reads its pipe in order)."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self._conns, start=1):
             try:
                 conn.send_bytes(data)
             except (BrokenPipeError, OSError):
                 self._rank_failed(rank)
-        return self.local.launch(plan, previous)
 
     # -- failure and shutdown ------------------------------------------------------------------------
 
@@ -217,6 +231,17 @@ class TensorParallelRunner:
         shutil.rmtree(self._reasons, ignore_errors=True)
 
 
+def check_overlap_supported(config: EngineConfig, info: ModelInfo) -> None:
+    """--tensor-parallel-overlap-tokens on a model whose forward cannot split is refused, not ignored."""
+    from engine.model.registry import ARCHITECTURES
+
+    if config.tensor_parallel_overlap_tokens and not getattr(ARCHITECTURES[info.architecture], "SPLITS_STEPS", False):
+        raise ConfigError(
+            f"--tensor-parallel-overlap-tokens: {info.architecture} does not split its steps into micro-batches "
+            "(the Llama family does); leave the flag out"
+        )
+
+
 def plain_info(info: ModelInfo) -> ModelInfo:
     """`info` with its HF config as a namespace of the config's own values (see WorkerArgs.info)."""
     return dataclasses.replace(info, hf_config=SimpleNamespace(**info.hf_config.to_dict()))
@@ -266,5 +291,6 @@ def start_engine_runner(
     if config.tensor_parallel_size == 1:
         up = start_runner(config, info, rank_device(config, 0), defer=defer)
         return up, up.runner, [up.kv_plan]
+    check_overlap_supported(config, info)
     tp = TensorParallelRunner(config, info, defer)
     return tp.started, tp, tp.rank_plans

@@ -3,6 +3,10 @@
 Layers hold a TPGroup instead of reading a process-wide global, so a model built for one rank
 says so in its constructor, and a single-GPU model (`SINGLE`) never touches torch.distributed:
 with size 1 every collective is the identity and costs nothing.
+
+`start_all_reduce` is the same sum started without waiting for it (`Reduction.wait` finishes it):
+a step split into two micro-batches (engine/model/overlap.py) sums one micro-batch's partial
+outputs while the other's matrix products run.
 """
 
 from __future__ import annotations
@@ -13,11 +17,30 @@ from typing import Any
 import torch
 
 
+@dataclass
+class Reduction:
+    """An all-reduce in flight over `tensor` (in place); `wait` returns the sum.  On CUDA waiting orders the
+    current stream after the collective's (the host does not block); on the CPU (gloo) the host waits."""
+
+    tensor: torch.Tensor
+    work: Any = None  # the collective's handle (None: nothing to wait for)
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.tensor
+
+
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # the torch.distributed process group (None: the default group)
+    # --tensor-parallel-overlap-tokens: steps of at least this many tokens run as two micro-batches whose
+    # all-reduces overlap each other's matrix products (0: never); the model keeps its own copy, which a
+    # benchmark may change between steps (engine/distributed/executor.py, set_overlap_tokens)
+    overlap_tokens: int = 0
 
     @property
     def is_parallel(self) -> bool:
@@ -31,6 +54,14 @@ class TPGroup:
 
         dist.all_reduce(x, group=self.group)
         return x
+
+    def start_all_reduce(self, x: torch.Tensor) -> Reduction:
+        """Start summing `x` over the ranks, in place; `x` must not be read or written before `wait()`."""
+        if self.size == 1:
+            return Reduction(x)
+        import torch.distributed as dist
+
+        return Reduction(x, dist.all_reduce(x, group=self.group, async_op=True))
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `x` along the last dimension, in rank order (vocab-parallel logits)."""

@@ -51,16 +51,45 @@ def cpu_threads_per_rank(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
-def join_group(store: Any, rank: int, size: int, device: torch.device) -> TPGroup:
+def join_group(store: Any, rank: int, size: int, device: torch.device, overlap_tokens: int = 0) -> TPGroup:
+    """Join the group; `overlap_tokens` (--tensor-parallel-overlap-tokens) > 0 also puts NCCL's collectives on a
+    high-priority stream, so that an all-reduce issued beside a GEMM (engine/model/overlap.py) is scheduled on
+    the SMs the GEMM frees instead of queueing behind all of its blocks."""
     import torch.distributed as dist
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group(
-            "nccl", store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT, device_id=device
+            "nccl",
+            store=store,
+            rank=rank,
+            world_size=size,
+            timeout=COLLECTIVE_TIMEOUT,
+            device_id=device,
+            pg_options=_nccl_options(overlap_tokens > 0),
         )
     else:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback, whatever the hostname resolves to
         torch.set_num_threads(cpu_threads_per_rank(size))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    return TPGroup(rank, size, None)
+    return TPGroup(rank, size, None, overlap_tokens)
+
+
+def _nccl_options(high_priority: bool) -> Any:
+    """NCCL's options with a high-priority stream, or None (the defaults)."""
+    if not high_priority:
+        return None
+    import torch.distributed as dist
+
+    try:  # the form torch.distributed.init_process_group's own documentation gives
+        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    except (AttributeError, TypeError) as e:  # a torch without it: the overlap still runs, on a normal stream
+        import structlog
+
+        structlog.get_logger("pagekeeper.engine").warning("nccl_high_priority_stream_unavailable", error=str(e))
+        return None
+    try:
+        options._timeout = COLLECTIVE_TIMEOUT  # the group's own (torch warns when the two differ)
+    except AttributeError:
+        pass
+    return options

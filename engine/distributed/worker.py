@@ -113,6 +113,7 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
     from engine.gc_heap import freeze_startup_heap
     from engine.logs import configure_logging
     from engine.memory.budget import KVPlan
+    from engine.model.overlap import set_overlap_tokens
     from engine.runner.sampler import DeviceSample
     from engine.runner.startup import start_runner
 
@@ -120,7 +121,7 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
     config = args.config
     device = rank_device(config, args.rank)
     store = TCPStore("127.0.0.1", args.store_port, args.size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-    tp = join_group(store, args.rank, args.size, device)
+    tp = join_group(store, args.rank, args.size, device, config.tensor_parallel_overlap_tokens)
     info = args.info
 
     def agree(plan: KVPlan) -> int:
@@ -142,6 +143,9 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
             message = pickle.loads(conn.recv_bytes())
             if message is None:
                 break
+            if isinstance(message[0], str):  # ("overlap_tokens", n): rank 0's set_overlap_tokens, between steps
+                set_overlap_tokens(runner.model, message[1])
+                continue
             plan, use_previous = message
             last = runner.launch(plan, last if use_previous else None)
     del last

@@ -11,7 +11,9 @@ flip (greedy tokens of a 512-wide test model first differed at one token in 128)
 MKL: the reference path's float32 numbers are what the parity tests compare with transformers.
 
 A packed weight replaces the layer's parameter (no second copy of the model in memory); the layer's forward is
-replaced by the packed product, with the tensor-parallel all-reduce / all-gather its own forward would do.
+replaced by the packed product, with the tensor-parallel all-gather its own forward would do; a row-parallel
+layer of a tensor-parallel model keeps its forward (the sum over the ranks, then the bias) and has its `partial`
+product replaced.
 """
 
 from __future__ import annotations
@@ -89,20 +91,14 @@ def _pack_column(layer: MergedLinear) -> None:
 
 
 def _pack_row(layer: RowLinear) -> None:
-    tp = layer.tp
-    if not tp.is_parallel:
+    if not layer.tp.is_parallel:
         product = _packed_product(layer.weight, layer.bias)
         _replace_weight(layer, product)
         layer.forward = product  # type: ignore[method-assign]
         return
-    partial = _packed_product(layer.weight, None)  # the bias is added once, after the sum
+    partial = _packed_product(layer.weight, None)  # the bias is added once, after the sum (RowLinear.forward)
     _replace_weight(layer, partial)
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        y = tp.all_reduce(partial(x))
-        return y if layer.bias is None else y + layer.bias
-
-    layer.forward = forward  # type: ignore[method-assign]
+    layer.partial = partial  # type: ignore[method-assign]
 
 
 def _pack_head(head: VocabEmbedding) -> None:

@@ -19,6 +19,7 @@ from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.model.layers.linear import MergedLinear, RowLinear, VocabEmbedding
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import RotaryEmbedding, rope_settings
+from engine.model.overlap import overlaps, two_batch_forward
 from engine.model.weights import load_named_weights
 
 
@@ -121,6 +122,10 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.fused_backend(x.device).silu_mul(self.gate_up_proj(x)))
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the sum over the ranks (engine/model/overlap.py)."""
+        return self.down_proj.partial(kernels.fused_backend(x.device).silu_mul(self.gate_up_proj(x)))
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, s: LlamaShape, rotary: RotaryEmbedding, tp: TPGroup) -> None:
@@ -165,6 +170,8 @@ class LlamaInner(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Stacked checkpoint names map onto the fused layers: (fused module, shard) per source name."""
 
+    SPLITS_STEPS = True  # a tensor-parallel step may run as two micro-batches (engine/model/overlap.py)
+
     STACKED = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -186,6 +193,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(s.head_dim, max_positions, s.rope_theta, s.rope_scaling, device)
         self.model = LlamaInner(s, self.rotary, tp)
         self.lm_head = None if s.tie_word_embeddings else VocabEmbedding(s.vocab_size, s.hidden_size, tp)
+        self.tp = tp
+        # Steps of at least this many tokens run as two micro-batches whose all-reduces overlap (0: never)
+        self.overlap_tokens = tp.overlap_tokens if tp.is_parallel else 0
+        self.overlapped_steps = 0  # forwards run as two micro-batches (benchmarks and tests read it)
 
     # KV cache geometry on this rank, read by the runner to size and shape the cache.
     @property
@@ -203,6 +214,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
+        if overlaps(self.overlap_tokens, input_ids.shape[0], input_ids):
+            self.overlapped_steps += 1
+            return two_batch_forward(self, input_ids, positions, kv_caches, meta)
         x = self.model.embed_tokens(input_ids)
         residual = None
         for layer, cache in zip(self.model.layers, kv_caches):

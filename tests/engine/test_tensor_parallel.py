@@ -69,7 +69,7 @@ def _bytes_per_block(cfg, tp: int) -> int:
     return 2 * cfg.num_hidden_layers * max(1, kv // tp) * head_dim * BLOCK * 4
 
 
-def _engine(path, cfg, tp: int) -> LLM:
+def _engine(path, cfg, tp: int, **extra) -> LLM:
     """A KV pool per rank that holds the longest request alone and little more: the batch must preempt."""
     blocks = -(-(max(LENGTHS) + MAX_TOKENS) // BLOCK) + 2
     llm = LLM(
@@ -82,6 +82,7 @@ def _engine(path, cfg, tp: int) -> LLM:
         enable_prefix_caching=True,
         kv_cache_memory_bytes=blocks * _bytes_per_block(cfg, tp),
         seed=11,
+        **extra,
     )
     assert llm.llm_engine.core.kv.num_blocks == blocks
     return llm
@@ -141,6 +142,33 @@ def test_tensor_parallel_matches_one_rank_and_transformers(models, name, tp):
     assert greedy_n == expected, f"--tensor-parallel-size {tp} differs from transformers"
     assert sampled_n == sampled_1, "seeded sampling differs between 1 and N ranks"
     assert preemptions > 0 and hits > 0 and ranks == tp
+
+
+def test_overlapped_micro_batches_match_one_rank_and_switch_on_every_rank(models):
+    """--tensor-parallel-overlap-tokens (engine/model/overlap.py) over gloo: started with a threshold no step
+    reaches (the plain steps), then switched to 2 tokens on every rank between two generate calls, so that every
+    step of two or more tokens (chunks, mixed steps, decodes of several sequences) runs as two micro-batches.  A
+    rank that missed the switch would issue other all-reduces than its peer and the step would fail."""
+    path, (prompts, expected, cfg) = models("llama+3")
+    one = _engine(path, cfg, 1)
+    greedy_1, sampled_1 = _run(one, prompts)
+    one.close()
+    llm = _engine(path, cfg, 2, tensor_parallel_overlap_tokens=1 << 20)
+    try:
+        runner = llm.llm_engine.core.runner
+        model = runner.local.model
+        plain = _run(llm, prompts)
+        assert model.overlapped_steps == 0
+        runner.set_overlap_tokens(2)
+        split = _run(llm, prompts)
+        steps = model.overlapped_steps
+    finally:
+        llm.close()
+    print(f"overlapped forwards on rank 0: {steps}")
+    assert greedy_1 == expected and plain[0] == expected
+    assert split[0] == expected, "the overlapped steps' greedy tokens differ from transformers"
+    assert split[1] == sampled_1, "seeded sampling with overlapped steps differs from one rank"
+    assert steps > 20
 
 
 def test_a_start_up_that_cannot_fit_says_why_and_stops_every_rank(tmp_path):

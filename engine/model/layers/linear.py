@@ -69,7 +69,14 @@ class RowLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:
             return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return self.finish(self.tp.all_reduce(self.partial(x)))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the product, before the sum over the ranks and without the bias."""
+        return F.linear(x, self.weight)
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """The summed product plus the bias (added once, after the sum)."""
         return y if self.bias is None else y + self.bias
 
     def checkpoint_slice(self, leaf: str, shard_id: str | None) -> CheckpointSlice | None:
@@ -93,10 +100,13 @@ class VocabEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:
             return F.embedding(ids, self.weight)
+        return self.tp.all_reduce(self.partial(ids))
+
+    def partial(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of `ids` this rank holds, zeros for the others (the sum over the ranks is the lookup)."""
         local = ids - self.part.start
         mine = (local >= 0) & (local < self.part.size)
-        out = F.embedding(local.clamp(0, self.part.size - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        return self.tp.all_reduce(out)
+        return F.embedding(local.clamp(0, self.part.size - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = hidden @ self.weight.t()

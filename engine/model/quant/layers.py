@@ -163,6 +163,13 @@ class QuantRowLinear(_QuantLinear):
             y = self.tp.all_reduce(y)
         return self._add_bias(y)
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the product, before the sum over the ranks (RowLinear.partial)."""
+        return self.scheme.apply(self, x)
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        return self._add_bias(y)
+
 
 def make_scheme(spec: QuantSpec) -> LinearScheme:
     if spec.method == "awq":
