@@ -33,7 +33,7 @@ from engine.memory.budget import (
 from engine.model.cpu_packing import pack_linears
 from engine.model.layers.attention import PagedAttention
 from engine.model.loader import ModelInfo, load_model
-from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.deferred import DeferredWork, one_unit
 from engine.runner.kv_scales import calibrate_kv_scales, kv_cache_dtype
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -410,35 +410,44 @@ def dummy_step(config: EngineConfig, model_info: ModelInfo, model: nn.Module, de
 
 
 def warm_kernels(config: EngineConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> None:
-    """A prompt step and a decode step of one short sequence on a throwaway cache of a few blocks, so that what a
-    first step pays once per process is paid here: cuBLAS's handle and kernels (about 2 s on an H100 host with a
-    warm disk), the Triton kernels' load from their disk cache, and at tensor parallelism NCCL's communicators.
-    Tiny on purpose: an engine standing by may take almost no device memory (the old one still holds it)."""
+    """Small steps on a throwaway cache of a few blocks, so that what the first steps of a process pay once is paid
+    here: cuBLAS's handle and the GEMM kernels of each decode batch size and of each row count the LM head meets
+    (about 2 s on an H100 host, which a restart's first requests waited for), the Triton kernels' loads from their
+    disk cache, and at tensor parallelism NCCL's communicators.  Small on purpose: an engine standing by may take
+    little device memory (the old engine still holds it): one block per sequence, at most 64 sequences."""
     bs = config.block_size
     n = min(2 * bs - 1, (config.max_model_len or 2 * bs) - 1)
     vocab = int(model_info.hf_config.vocab_size)
+    sizes = [size for size in capture_sizes(config.max_num_seqs) if size <= 64]
+    blocks = max(2, sizes[-1] if sizes else 1)
     runner = ModelRunner(
         model,
-        2,
+        blocks,
         bs,
         model_info.dtype,
         device,
         config.seed,
-        max_num_seqs=1,
+        max_num_seqs=config.max_num_seqs,
         kv_dtype=kv_cache_dtype(config, model_info.dtype),
     )
     greedy = SamplingSpec(temperature=0.0)
     ids = [(7 * j + 3) % vocab for j in range(n)]
     prompt = StepPlan(num_batched_tokens=n, new_seqs=[NewSeq("warm", greedy)])
     prompt.seqs.append(SeqStep("warm", 0, n, ids, table_blocks=[0, 1], sample_ids=["warm"]))
-    token = runner.execute(prompt)
-    decode = StepPlan(num_batched_tokens=1)
-    next_id = int(token.token_ids[0]) if token is not None else 0
-    decode.seqs.append(SeqStep("warm", n, 1, [next_id], table_start=2, sample_ids=["warm"]))
-    runner.execute(decode)
+    runner.execute(prompt)
     runner.update_state(StepPlan(finished=["warm"]))
+    for size in sizes:  # decode steps of each batch size a graph will be captured for (one token of context)
+        step = StepPlan(num_batched_tokens=size)
+        for i in range(size):
+            sid = f"warm-{size}-{i}"
+            step.new_seqs.append(NewSeq(sid, greedy))
+            step.seqs.append(SeqStep(sid, 0, 1, [(11 * i + 5) % vocab], table_blocks=[i], sample_ids=[sid]))
+        runner.execute(step)
+        runner.update_state(StepPlan(finished=[s.seq_id for s in step.seqs]))
+    runner.warm_lm_head()
     del runner
-    torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def sample_worst_case(runner: ModelRunner, num_seqs: int, vocab: int, dtype: torch.dtype) -> None:
