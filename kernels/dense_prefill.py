@@ -152,12 +152,20 @@ def warm(
     """Run every shape of `dense_shapes` once, so that the kernel's per-shape planning happens at start-up and
     never in a step; returns how many shapes."""
     shapes = dense_shapes(bucket, max_tokens)
-    with _backend(device):
-        for batch, length in shapes:
-            q = torch.zeros(batch, length, num_heads, head_dim, dtype=dtype, device=device)
-            kv = torch.zeros(batch, length, num_kv_heads, head_dim, dtype=dtype, device=device)
-            _attend(q, kv, kv, head_dim**-0.5, num_heads != num_kv_heads)
+    for shape in shapes:
+        warm_shape(dtype, num_heads, num_kv_heads, head_dim, device, shape)
     return len(shapes)
+
+
+def warm_shape(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, shape: tuple[int, int]
+) -> None:
+    """Run one (batch, length) of `dense_shapes` once (the kernel plans it)."""
+    batch, length = shape
+    with _backend(device):
+        q = torch.zeros(batch, length, num_heads, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(batch, length, num_kv_heads, head_dim, dtype=dtype, device=device)
+        _attend(q, kv, kv, head_dim**-0.5, num_heads != num_kv_heads)
 
 
 def _backend(device: torch.device) -> contextlib.AbstractContextManager:
@@ -229,6 +237,7 @@ __all__ = [
     "batch_pieces",
     "is_planned_length",
     "remember_cudnn_refusal",
+    "warm_shape",
     "dense_prefill",
     "dense_shapes",
     "warm",

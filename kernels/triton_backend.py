@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import structlog
 import torch
 
 from kernels.cache_ops import copy_blocks, gather_blocks, scatter_blocks, write_kv
-from kernels.dense_prefill import DenseChunks, cudnn_refusal, dense_prefill, is_planned_length, warm
+from kernels.dense_prefill import (
+    DenseChunks,
+    cudnn_refusal,
+    dense_prefill,
+    dense_shapes,
+    is_planned_length,
+    warm_shape,
+)
 from kernels.paged_attention import num_decode_splits, paged_attention_decode, paged_attention_prefill
 from kernels.reference import kv_cache_shape
 
@@ -27,6 +34,7 @@ __all__ = [
     "paged_attention",
     "dense_prefill_lengths",
     "warm_dense_prefill",
+    "warm_dense_prefill_steps",
     "copy_blocks",
     "gather_blocks",
     "scatter_blocks",
@@ -84,10 +92,18 @@ def warm_dense_prefill(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, max_tokens: int
 ) -> int:
     """Plan every shape a step of at most `max_tokens` tokens can give cuDNN; returns how many."""
-    with _on_device(torch.empty(0, device=device)):
-        shapes = warm(dtype, num_heads, num_kv_heads, head_dim, device, DENSE_PREFILL_MIN_TOKENS, max_tokens)
+    return sum(1 for _ in warm_dense_prefill_steps(dtype, num_heads, num_kv_heads, head_dim, device, max_tokens))
+
+
+def warm_dense_prefill_steps(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, max_tokens: int
+) -> Iterator[None]:
+    """`warm_dense_prefill` one shape per step of the iteration; chunks go to cuDNN once every shape is planned."""
+    for shape in dense_shapes(DENSE_PREFILL_MIN_TOKENS, max_tokens):
+        with _on_device(torch.empty(0, device=device)):
+            warm_shape(dtype, num_heads, num_kv_heads, head_dim, device, shape)
+        yield
     _WARMED.add((dtype, num_heads, num_kv_heads, head_dim, str(device)))
-    return shapes
 
 
 def paged_attention(

@@ -60,6 +60,10 @@ class _Launched:
 # Between two units of deferred start-up work (engine/runner/deferred.py) while requests run: each unit (one graph,
 # one bucket of piecewise graphs) holds the step loop for tens to a few hundred milliseconds.
 DEFERRED_GAP_S = 0.25
+# An engine that starts under load (a restart: the queued connections arrive at once) serves this long before the
+# first unit: its first steps answer the requests that waited through the restart, and a unit before them would
+# lengthen the restart's gap.  Idle, the units run at once.
+DEFERRED_AFTER_LOAD_S = 3.0
 
 
 class EngineCore:
@@ -100,6 +104,7 @@ class EngineCore:
         self.step = self._step_pipelined if self.pipeline_depth == 2 else self._step_in_turn
         self._in_flight: _Launched | None = None  # queued on the device, tokens not yet read
         self._last_deferred = 0.0
+        self._deferred_start: float | None = None  # when deferred units may run under load (DEFERRED_AFTER_LOAD_S)
         # seconds per start-up phase: reading the checkpoint's config, the tokenizer, then the runner's (startup.py)
         self.phases = {
             "inspect_model": round(inspected - started, 3),
@@ -270,8 +275,11 @@ class EngineCore:
             self.kv.reset_prefix_cache()
             return 1
         now = time.monotonic()
-        if not idle and now - self._last_deferred < DEFERRED_GAP_S:
-            return 0
+        if not idle:
+            if self._deferred_start is None:
+                self._deferred_start = now + DEFERRED_AFTER_LOAD_S  # the first step under load
+            if now < self._deferred_start or now - self._last_deferred < DEFERRED_GAP_S:
+                return 0
         self._last_deferred = now
         return 1
 

@@ -266,10 +266,14 @@ class ModelRunner:
     def warm_dense_prefill(self, max_tokens: int) -> int:
         """Have the dense kernel plan every shape a step of `max_tokens` can give it, now rather than in a
         step (cuDNN plans per shape: tens of milliseconds each); returns how many shapes (0: no dense path)."""
-        warm = getattr(self.backend, "warm_dense_prefill", None)
+        return sum(1 for _ in self.warm_dense_prefill_steps(max_tokens))
+
+    def warm_dense_prefill_steps(self, max_tokens: int) -> Iterator[None]:
+        """`warm_dense_prefill` one shape per step of the iteration (engine/runner/deferred.py)."""
+        warm = getattr(self.backend, "warm_dense_prefill_steps", None)
         if self.dense_lengths is None or warm is None or self._attn_heads is None:
-            return 0
-        return warm(self.model_dtype, *self._attn_heads, self.device, max_tokens)
+            return
+        yield from warm(self.model_dtype, *self._attn_heads, self.device, max_tokens)
 
     def lm_head_rows(self, n: int) -> int:
         """How many rows an eager step hands the LM head to sample `n`: on CUDA the smallest decode-graph size
@@ -285,15 +289,19 @@ class ModelRunner:
 
     def warm_lm_head(self) -> int:
         """Meet every row count `lm_head_rows` gives, now rather than in a step; returns how many (0 off CUDA)."""
+        return sum(1 for _ in self.warm_lm_head_steps())
+
+    def warm_lm_head_steps(self) -> Iterator[None]:
+        """`warm_lm_head` one row count per step of the iteration (engine/runner/deferred.py)."""
         if not self.lm_head_sizes:
-            return 0
+            return
         width = next(m.weight.shape[1] for m in self.model.modules() if isinstance(m, VocabEmbedding))
         hidden = torch.zeros(max(self.lm_head_sizes), width, dtype=self.model_dtype, device=self.device)
-        with torch.inference_mode():
-            for size in self.lm_head_sizes:
+        for size in self.lm_head_sizes:
+            with torch.inference_mode():
                 self.model.compute_logits(hidden[:size])
-        torch.cuda.synchronize(self.device)
-        return len(self.lm_head_sizes)
+            torch.cuda.synchronize(self.device)
+            yield
 
     # -- CUDA graphs -----------------------------------------------------------------------------
 

@@ -260,7 +260,7 @@ def plan_deferred_work(runner: ModelRunner, config: EngineConfig, tp: TPGroup, p
     # (ModelRunner), so capture waits until that thread is done (here: the core's `ready` gate; a tensor-parallel
     # worker, which runs the unit when rank 0 says, waits in the unit itself).
     swap_ready = runner.swap_space_ready
-    work.add("lm_head_rows", one_unit(runner.warm_lm_head))
+    work.add("lm_head_rows", runner.warm_lm_head_steps())
     if not config.enforce_eager:
         work.add("decode_graphs", _after_swap(runner, runner.decode_graph_steps(config.max_num_seqs)), ready=swap_ready)
         found = probes.get("piece_buckets")
@@ -283,20 +283,13 @@ def plan_deferred_work(runner: ModelRunner, config: EngineConfig, tp: TPGroup, p
 
         pieces = _after_swap(runner, runner.piece_graph_steps(config.max_num_batched_tokens, buckets, tp))
         work.add("piece_graphs", pieces, on_done=chosen, ready=swap_ready)
-    work.add("dense_prefill_plans", one_unit(lambda: _warm_dense(runner, config.max_num_batched_tokens)))
+    work.add("dense_prefill_plans", runner.warm_dense_prefill_steps(config.max_num_batched_tokens))
     work.add("mixed_steps", one_unit(lambda: _warm_mixed(runner, config)), needs_idle=True)
 
 
 def _after_swap(runner: ModelRunner, units: Iterator[None]) -> Iterator[None]:
     runner.cpu_caches  # noqa: B018 - blocks until the swap space is allocated (never during a capture)
     yield from units
-
-
-def _warm_dense(runner: ModelRunner, max_tokens: int) -> None:
-    started = time.monotonic()
-    shapes = runner.warm_dense_prefill(max_tokens)
-    if shapes:
-        log.info("dense_prefill_planned", shapes=shapes, seconds=round(time.monotonic() - started, 3))
 
 
 def _warm_mixed(runner: ModelRunner, config: EngineConfig) -> None:

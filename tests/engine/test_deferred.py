@@ -60,17 +60,23 @@ def test_the_core_runs_units_when_idle_between_steps_and_kv_writers_only_when_no
     work = core.runner.deferred
     work.add("graphs", units("graphs", 4))
     work.add("warm", units("warm", 1), needs_idle=True)
-    monkeypatch.setattr(engine_core, "DEFERRED_GAP_S", 3600.0)  # under load: at most one unit per hour
+    monkeypatch.setattr(engine_core, "DEFERRED_GAP_S", 0.0)
+    monkeypatch.setattr(engine_core, "DEFERRED_AFTER_LOAD_S", 3600.0)  # load first: the requests go first
     engine.run_deferred()  # idle: a unit at once
     assert [x[0] for x in log] == ["graphs"]
     assert _outputs(engine, "a-") == reference  # the deferred work changes no token
-    assert [x[0] for x in log] == ["graphs"], "a unit ran under load before its gap had passed"
+    assert [x[0] for x in log] == ["graphs"], "a unit ran under load before the engine had served its first steps"
+    core._deferred_start, core._last_deferred = None, 0.0  # a new start under load, the last unit long ago
+    monkeypatch.setattr(engine_core, "DEFERRED_AFTER_LOAD_S", 0.0)
+    monkeypatch.setattr(engine_core, "DEFERRED_GAP_S", 3600.0)  # under load: at most one unit per hour
+    assert _outputs(engine, "g-") == reference
+    assert [x[0] for x in log] == ["graphs", "graphs"], "a second unit ran before its gap had passed"
     monkeypatch.setattr(engine_core, "DEFERRED_GAP_S", 0.0)
     for i, prompt in enumerate(["Beautiful is", "Errors should never"]):
         engine.add_request(f"b-{i}", prompt, GREEDY)
     engine.step()
     engine.step()
-    assert [x[0] for x in log][:3] == ["graphs", "graphs", "graphs"]
+    assert [x[0] for x in log][:4] == ["graphs", "graphs", "graphs", "graphs"]
     assert all(held > 0 for name, _, held in log[1:] if name == "graphs"), "the units ran between steps of requests"
     while engine.has_unfinished_requests():
         engine.step()
