@@ -231,35 +231,39 @@ class EngineConfig:
         if self.preemption_mode not in (None, "swap", "recompute"):
             raise ConfigError(f"--preemption-mode must be swap or recompute, got {self.preemption_mode!r}")
 
-    def resolve_limits(self, model_max_len: int, sliding_window: int | None = None) -> None:
-        """Fill max_model_len and max_num_batched_tokens once the checkpoint's limits are known."""
+    def resolve(self, model_max_len: int, sliding_window: int | None = None) -> ResolvedConfig:
+        """These settings with the checkpoint's limits filled in, once, as a frozen value (ConfigError when a
+        limit cannot work with the checkpoint): max_model_len (default: the model's, capped at its sliding window,
+        whose attention is not implemented), max_num_batched_tokens and max_num_seqs."""
         limit = model_max_len
         if sliding_window is not None and sliding_window < limit:
             # Attention over a window shorter than the context is not implemented: cap the context
             # at the window so that full attention is exact.
             limit = sliding_window
-        if self.max_model_len is None:
-            self.max_model_len = limit
-        elif self.max_model_len > limit:
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len > limit:
             why = "its sliding window" if limit == sliding_window else "max_position_embeddings"
             raise ConfigError(
-                f"--max-model-len {self.max_model_len} exceeds the model's limit of {limit} tokens "
+                f"--max-model-len {max_model_len} exceeds the model's limit of {limit} tokens "
                 f"({why}); use --max-model-len {limit} or less"
             )
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = (
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = (
                 DEFAULT_MAX_NUM_BATCHED_TOKENS
                 if self.enable_chunked_prefill
-                else max(self.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+                else max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
             )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if not self.enable_chunked_prefill and batched < max_model_len:
             raise ConfigError(
-                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than --max-model-len "
-                f"({self.max_model_len}) with chunked prefill off, so a long prompt could never be scheduled; "
+                f"--max-num-batched-tokens ({batched}) is smaller than --max-model-len "
+                f"({max_model_len}) with chunked prefill off, so a long prompt could never be scheduled; "
                 "raise --max-num-batched-tokens, lower --max-model-len, or --enable-chunked-prefill"
             )
         # Every scheduled sequence takes at least one token of the step's budget.
-        self.max_num_seqs = min(self.max_num_seqs, self.max_num_batched_tokens)
+        return ResolvedConfig(self, max_model_len, batched, min(self.max_num_seqs, batched))
 
     def pipeline_depth(self, device_type: str) -> int:
         """Steps in flight: --max-num-on-the-fly-batches capped at 2, or by device when left out.  Measured on a
@@ -351,3 +355,30 @@ def _cli_type(f: dataclasses.Field) -> Any:
     if "int" in text:
         return int
     return str
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """An engine's settings once its checkpoint is known (`EngineConfig.resolve`): every limit filled in, fixed
+    for the engine's life.  It is built once, after the checkpoint's config is read, and everything from there on
+    takes it: no component derives a limit again or checks that one is set.  Every other setting reads through to
+    the EngineConfig it was resolved from (`settings`), which is left as it was given."""
+
+    settings: EngineConfig
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "settings":  # not yet set while unpickling
+            raise AttributeError(name)
+        return getattr(self.settings, name)
+
+    def engine_config(self) -> EngineConfig:
+        """The settings with the resolved limits written in (for a process that resolves them again)."""
+        return dataclasses.replace(
+            self.settings,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+        )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from engine.bad_words import BadWordsMatcher, tokenize_bad_words
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ResolvedConfig
 from engine.core.deltas import SeqDelta
 from engine.core.engine_core import EngineCore, RecycleReport
 from engine.core.plan import SamplingSpec
@@ -58,17 +58,16 @@ class ValidRequest:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, defer_startup_work: bool = False) -> None:
-        self.config = config
         # read before the model: a --generation-config that is not there fails in a second, not after the load
         self.generation_defaults = load_generation_defaults(config)
         self.core = EngineCore(config, defer_startup_work)
+        self.config: ResolvedConfig = self.core.config  # the limits the checkpoint gave
         self.tokenizer = self.core.tokenizer
         self.outputs = OutputProcessor(self.tokenizer)
-        assert config.max_model_len is not None
         self.limits = Limits(
             int(self.core.model_info.hf_config.vocab_size),
-            config.max_model_len,
-            config.block_size,
+            self.config.max_model_len,
+            self.config.block_size,
             self.core.kv.num_blocks,
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.limits.vocab_size, self.core.eos_token_ids)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ResolvedConfig
 from engine.core.deltas import SeqDelta
 from engine.core.plan import StepPlan
 from engine.core.request import Request, RequestStatus
@@ -70,10 +70,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig, defer_startup_work: bool = False) -> None:
         configure_logging()
         started = time.monotonic()
-        self.config = config
         self.device = torch.device(config.resolved_device())
         self.model_info: ModelInfo = inspect_model(config)
-        config.resolve_limits(self.model_info.max_position_embeddings, self.model_info.sliding_window)
+        # every limit fixed from here on (engine/config.py: ResolvedConfig)
+        self.config: ResolvedConfig = config.resolve(
+            self.model_info.max_position_embeddings, self.model_info.sliding_window
+        )
         inspected = time.monotonic()
         self.tokenizer = load_tokenizer(config)
         tokenizer_loaded = time.monotonic()
@@ -81,7 +83,7 @@ class EngineCore:
             check_tensor_parallel(self.model_info, config.tensor_parallel_size)  # before any process starts
         from engine.distributed.executor import start_engine_runner
 
-        up, runner, self.rank_plans = start_engine_runner(config, self.model_info, defer_startup_work)
+        up, runner, self.rank_plans = start_engine_runner(self.config, self.model_info, defer_startup_work)
         self.runner: StepRunner = runner
         self.model, self.kv_plan = up.model, up.kv_plan
         self.preemption_mode = up.preemption_mode
@@ -90,11 +92,10 @@ class EngineCore:
             self.kv_plan.usable_blocks, config.block_size, config.enable_prefix_caching, up.num_cpu_blocks
         )
         self.eos_token_ids = frozenset(self.model_info.eos_token_ids)
-        assert config.max_num_batched_tokens is not None
         self.scheduler = Scheduler(
             self.kv,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
             config.enable_chunked_prefill,
             self.preemption_mode,
             self.eos_token_ids,
@@ -120,7 +121,7 @@ class EngineCore:
             kv_cache_dtype=self.kv_plan.kv_dtype,
             weights_bytes=self.kv_plan.weights_by_dtype,
             device=str(self.device),
-            max_model_len=config.max_model_len,
+            max_model_len=self.config.max_model_len,
             block_size=config.block_size,
             tensor_parallel_size=config.tensor_parallel_size,
             num_blocks=self.kv_plan.usable_blocks,

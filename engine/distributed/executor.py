@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 import structlog
 import torch
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, ResolvedConfig
 from engine.core.plan import StepPlan
 from engine.distributed.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
 from engine.distributed.worker import WorkerArgs, reason_file
@@ -58,7 +58,7 @@ GROUP_LEAVE_S = 15.0
 class TensorParallelRunner:
     """Looks like a ModelRunner to the engine core (launch, graphs); fans each plan out first."""
 
-    def __init__(self, config: EngineConfig, info: ModelInfo, defer: bool = False) -> None:
+    def __init__(self, config: ResolvedConfig, info: ModelInfo, defer: bool = False) -> None:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in torch.distributed.__all__
 
         size = config.tensor_parallel_size
@@ -231,7 +231,7 @@ class TensorParallelRunner:
         shutil.rmtree(self._reasons, ignore_errors=True)
 
 
-def check_overlap_supported(config: EngineConfig, info: ModelInfo) -> None:
+def check_overlap_supported(config: EngineConfig | ResolvedConfig, info: ModelInfo) -> None:
     """--tensor-parallel-overlap-tokens on a model whose forward cannot split is refused, not ignored."""
     from engine.model.registry import ARCHITECTURES
 
@@ -285,7 +285,7 @@ def _spawn_worker(args: WorkerArgs) -> tuple[subprocess.Popen[bytes], Connection
 
 
 def start_engine_runner(
-    config: EngineConfig, info: ModelInfo, defer: bool = False
+    config: ResolvedConfig, info: ModelInfo, defer: bool = False
 ) -> tuple[StartedRunner, Any, list[KVPlan]]:
     """(the started rank-0 runner, the runner the core drives, every rank's KV plan); `defer`: see start_runner."""
     if config.tensor_parallel_size == 1:

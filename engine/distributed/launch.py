@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, ResolvedConfig
 from engine.distributed.group import TPGroup
 
 # A collective that waits longer than this means a rank is gone or stuck: NCCL/gloo raise, the rank
@@ -23,7 +23,7 @@ from engine.distributed.group import TPGroup
 COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 
 
-def rank_device(config: EngineConfig, rank: int) -> torch.device:
+def rank_device(config: EngineConfig | ResolvedConfig, rank: int) -> torch.device:
     """The device of `rank`; ConfigError when the GPUs are too few or a single one was named."""
     device = config.resolved_device()
     size = config.tensor_parallel_size

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, ResolvedConfig
 from engine.model.loader import ModelInfo
 
 PARENT_POLL_S = 0.5
@@ -31,7 +31,7 @@ PARENT_POLL_S = 0.5
 
 @dataclass
 class WorkerArgs:
-    config: EngineConfig  # resolved (max_model_len, max_num_batched_tokens filled in by rank 0)
+    config: ResolvedConfig  # as rank 0 resolved it
     # What rank 0 read from the checkpoint, its HF config as a plain namespace: a worker never imports
     # transformers (about 3 s of CPU per rank at every start).
     info: ModelInfo

@@ -17,7 +17,7 @@ import structlog
 import torch
 from torch import nn
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ResolvedConfig
 from engine.distributed.group import SINGLE, TPGroup
 from engine.keeper.arena import TensorView, open_shared, replace_tensors, unique_tensors, view_of
 from engine.keeper.protocol import request, weights_key
@@ -46,7 +46,7 @@ class KeptModel:
 
 
 def kept_model(
-    config: EngineConfig,
+    config: EngineConfig | ResolvedConfig,
     info: ModelInfo,
     max_model_len: int,
     device: torch.device,

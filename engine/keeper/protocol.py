@@ -16,12 +16,12 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ResolvedConfig
 
 MAX_FDS = 250  # SCM_RIGHTS carries at most 253 descriptors in one message
 
 
-def weights_key(config: EngineConfig, dtype: str, quantization: str | None) -> str:
+def weights_key(config: EngineConfig | ResolvedConfig, dtype: str, quantization: str | None) -> str:
     """What makes two loads give the same weights: the checkpoint's files (path, sizes, modification times), the
     dtype and quantization they were loaded as, the load format, the tensor-parallel split and the GPUs
     visible.  max_model_len is not in it: the rotary tables that depend on it belong to each engine."""

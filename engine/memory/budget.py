@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, ResolvedConfig
 from engine.kv.kv_cache_manager import blocks_for_tokens
 
 MIN_FRAGMENTATION_BUFFER = 150 * 2**20
@@ -212,7 +212,7 @@ def profile_step(
 
 
 def plan_kv_cache(
-    config: EngineConfig,
+    config: ResolvedConfig,
     bytes_per_block: int,
     device: torch.device,
     baseline: DeviceBaseline | None = None,
@@ -220,7 +220,6 @@ def plan_kv_cache(
     kv_dtype: str = "",
     weights_by_dtype: dict[str, int] | None = None,
 ) -> KVPlan:
-    assert config.max_model_len is not None and config.max_num_batched_tokens is not None
     plan = KVPlan(
         num_blocks=0,
         bytes_per_block=bytes_per_block,

@@ -138,8 +138,7 @@ def estimate(config: EngineConfig, gpus: list[tuple[int, int]] | None = None) ->
     from engine.model.loader import inspect_model
 
     info = inspect_model(config)
-    config.resolve_limits(info.max_position_embeddings, info.sliding_window)
-    assert config.max_model_len is not None
+    limits = config.resolve(info.max_position_embeddings, info.sliding_window)
     gpus = gpus or []
     ranks = []
     source = ""
@@ -159,7 +158,7 @@ def estimate(config: EngineConfig, gpus: list[tuple[int, int]] | None = None) ->
         elif config.resolved_device() == "cpu":
             import psutil
 
-            useful = config.max_num_seqs * blocks_for_tokens(config.max_model_len, config.block_size)
+            useful = limits.max_num_seqs * blocks_for_tokens(limits.max_model_len, config.block_size)
             budget = min(
                 int(psutil.virtual_memory().available * config.cpu_kv_cache_fraction / config.tensor_parallel_size),
                 useful * per_token * config.block_size,
@@ -181,7 +180,7 @@ def estimate(config: EngineConfig, gpus: list[tuple[int, int]] | None = None) ->
     return MemoryEstimate(
         architecture=info.architecture,
         dtype=str(info.dtype).removeprefix("torch."),
-        max_model_len=config.max_model_len,
+        max_model_len=limits.max_model_len,
         block_size=config.block_size,
         weight_bytes=first.weight_bytes,
         kv_bytes_per_token=first.kv_bytes_per_token,

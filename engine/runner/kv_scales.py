@@ -26,7 +26,7 @@ import structlog
 import torch
 from torch import nn
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ResolvedConfig
 from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
 from engine.model.layers.attention import PagedAttention
 from engine.runner.model_runner import ModelRunner
@@ -41,7 +41,7 @@ CALIBRATION_LEN = 512
 CALIBRATION_SEED = 20
 
 
-def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+def kv_cache_dtype(config: EngineConfig | ResolvedConfig, model_dtype: torch.dtype) -> torch.dtype:
     """The KV cache's storage dtype: float8_e4m3fn for --kv-cache-dtype fp8, else the model's."""
     return FP8 if config.kv_cache_fp8 else model_dtype
 
@@ -59,10 +59,9 @@ def _attention_layers(model: nn.Module) -> list[PagedAttention]:
 
 @torch.inference_mode()
 def calibrate_kv_scales(
-    config: EngineConfig, model: nn.Module, vocab: int, dtype: torch.dtype, device: torch.device
+    config: ResolvedConfig, model: nn.Module, vocab: int, dtype: torch.dtype, device: torch.device
 ) -> dict[str, float]:
     """Run the calibration pass and set every attention layer's `kv_scale`; returns a summary for the log."""
-    assert config.max_model_len is not None and config.max_num_batched_tokens is not None
     length = min(config.max_model_len, CALIBRATION_LEN)
     seqs = max(1, min(CALIBRATION_SEQS, config.max_num_batched_tokens // length))
     gen = torch.Generator().manual_seed(CALIBRATION_SEED)

@@ -24,7 +24,7 @@ from typing import Any
 import structlog
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ResolvedConfig
 
 log = structlog.get_logger("pagekeeper.engine")
 
@@ -68,7 +68,7 @@ class ProbeCache:
 
     def __init__(
         self,
-        config: EngineConfig,
+        config: EngineConfig | ResolvedConfig,
         model_config: dict[str, Any],
         dtype: str,
         kv_dtype: str,

@@ -16,7 +16,7 @@ import structlog
 import torch
 from torch import nn
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, ResolvedConfig
 from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
 from engine.distributed.group import SINGLE, TPGroup
 from engine.keeper.client import kept_model
@@ -87,7 +87,7 @@ class Phases:
 
 
 def start_runner(
-    config: EngineConfig,
+    config: ResolvedConfig,
     model_info: ModelInfo,
     device: torch.device,
     tp: TPGroup = SINGLE,
@@ -111,7 +111,6 @@ def start_runner(
     else:
         prepare_cpu_kernels()
         phases.mark("cpu_kernels")
-    assert config.max_model_len is not None and config.max_num_batched_tokens is not None
     kept = kept_model(config, model_info, config.max_model_len, device, tp)
     if config.standby_after is not None and kept is None:
         standby_until_exit(config.standby_after)  # loading needs the memory the old engine holds
@@ -249,11 +248,10 @@ def cached_profile(probes: ProbeCache, tp: TPGroup, weights: int, eager: bool) -
     return profile if everywhere(tp, profile is not None) else None
 
 
-def plan_deferred_work(runner: ModelRunner, config: EngineConfig, tp: TPGroup, probes: ProbeCache) -> None:
+def plan_deferred_work(runner: ModelRunner, config: ResolvedConfig, tp: TPGroup, probes: ProbeCache) -> None:
     """Queue the GPU start-up work that serving does not need: the CUDA graphs (decode graphs first, then the
     piecewise graphs, in their pool), the LM head's row counts, the dense prefill plans, and the mixed-step
     warm-up (only while no request holds KV blocks: it writes blocks)."""
-    assert config.max_num_batched_tokens is not None
     work = runner.deferred
     # A CUDA graph capture forbids, in any thread of the process, host allocations that may synchronize the device
     # (cudaHostAlloc among them): the swap space's pinned blocks are allocated on a thread of their own first
@@ -292,13 +290,13 @@ def _after_swap(runner: ModelRunner, units: Iterator[None]) -> Iterator[None]:
     yield from units
 
 
-def _warm_mixed(runner: ModelRunner, config: EngineConfig) -> None:
+def _warm_mixed(runner: ModelRunner, config: ResolvedConfig) -> None:
     started = time.monotonic()
     steps = warm_mixed_steps(runner, config)
     log.info("mixed_steps_warmed", steps=steps, seconds=round(time.monotonic() - started, 3))
 
 
-def warm_mixed_steps(runner: ModelRunner, config: EngineConfig) -> int:
+def warm_mixed_steps(runner: ModelRunner, config: ResolvedConfig) -> int:
     """Run the shapes of mixed steps (decodes batched with chunks that extend a cached context) once, now.
 
     Neither the profiled step (fresh prompts only) nor the decode graphs launch the attention kernels as a mixed
@@ -309,7 +307,6 @@ def warm_mixed_steps(runner: ModelRunner, config: EngineConfig) -> int:
     small grid), and many decodes (no split) with chunks whose 128-row tiles fill the GPU; each runs through
     the path real steps take (piecewise graphs or eager).  The KV they write lands in blocks no request holds
     yet, and is overwritten before any request reads it.  Returns the number of steps run."""
-    assert config.max_num_batched_tokens is not None and config.max_model_len is not None
     bs, budget, longest = config.block_size, config.max_num_batched_tokens, config.max_model_len
     # (decodes, their context, chunks, the chunks' context): a long decode context splits (few decodes), a batch
     # of decodes that fills the GPU does not; 3 x 300 rows of 128-row tiles fill it, one 40-row chunk does not
@@ -364,10 +361,9 @@ def weights_by_dtype(model: nn.Module) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def dummy_step(config: EngineConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> None:
+def dummy_step(config: ResolvedConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> None:
     """The largest step the scheduler can build (max_num_batched_tokens over as many sequences as
     max_model_len requires), on a throwaway KV cache: what start-up profiling measures."""
-    assert config.max_num_batched_tokens is not None and config.max_model_len is not None
     bs = config.block_size
     lengths, left = [], config.max_num_batched_tokens
     while left > 0 and len(lengths) < config.max_num_seqs:
@@ -402,7 +398,7 @@ def dummy_step(config: EngineConfig, model_info: ModelInfo, model: nn.Module, de
     del runner
 
 
-def warm_kernels(config: EngineConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> None:
+def warm_kernels(config: ResolvedConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> None:
     """Small steps on a throwaway cache of a few blocks, so that what the first steps of a process pay once is paid
     here: cuBLAS's handle and the GEMM kernels of each decode batch size and of each row count the LM head meets
     (about 2 s on an H100 host, which a restart's first requests waited for), the Triton kernels' loads from their
@@ -471,12 +467,11 @@ def _capture_largest_graphs(runner: ModelRunner, max_num_seqs: int, max_tokens: 
     runner.capture_piece_graphs(max_tokens, only_largest=True)
 
 
-def graph_pool_bytes(config: EngineConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> int:
+def graph_pool_bytes(config: ResolvedConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> int:
     """Memory the graphs keep: the largest decode graph and the largest bucket of the piecewise graphs
     (engine/runner/piecewise.py) captured once in their shared pool over a throwaway cache of one sequence
     (the pool's size does not depend on the cache's; the other graphs reuse its blocks), with the piecewise
     graphs' fixed buffers."""
-    assert config.max_model_len is not None and config.max_num_batched_tokens is not None
     max_tokens = config.max_num_batched_tokens
     blocks = -(-config.max_model_len // config.block_size)
     runner = ModelRunner(

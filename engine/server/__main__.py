@@ -325,15 +325,14 @@ def serve(
         "num_cpu_blocks": str(core.kv.num_cpu_blocks),
         "gpu_memory_utilization": str(engine_config.gpu_memory_utilization),
         "enable_prefix_caching": str(engine_config.enable_prefix_caching),
-        "max_model_len": str(engine_config.max_model_len),
+        "max_model_len": str(core.config.max_model_len),
     }
-    assert engine_config.max_model_len is not None  # resolved when the engine loaded the checkpoint
     metrics = EngineMetrics(
         model_name,
         cache_info,
         fragmentation_buffer_bytes=core.kv_plan.fragmentation_buffer_bytes,
         names=server_config.metrics_names,
-        max_model_len=engine_config.max_model_len,
+        max_model_len=core.config.max_model_len,
     )
     async_engine = AsyncEngine(
         engine, metrics, server_config.health_stall_seconds, server_config.max_waiting, engine_thread, LIFECYCLE

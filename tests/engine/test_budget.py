@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, ResolvedConfig
 from engine.memory.budget import MIN_FRAGMENTATION_BUFFER, DeviceBaseline, Profile, plan_kv_cache
 from engine.runner.startup import dummy_step
 
@@ -15,10 +15,8 @@ GIB = 2**30
 CUDA = torch.device("cuda")
 
 
-def _config(**kw) -> EngineConfig:
-    c = EngineConfig(**kw)
-    c.resolve_limits(4096)
-    return c
+def _config(**kw) -> ResolvedConfig:
+    return EngineConfig(**kw).resolve(4096)
 
 
 def test_profiled_budget_subtracts_weights_activations_others_and_the_buffer():
