@@ -152,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Do not log the throughput / queue / KV cache line every 10 s while there is work.",
     )
     s.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="Serve no /docs, /redoc or /openapi.json (they need no API key): for a server reachable by others.",
+    )
+    s.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=("critical", "error", "warning", "info", "debug", "trace"),
@@ -319,7 +324,8 @@ def serve(
     if not server_config.disable_log_stats:
         async_engine.add_step_hook(StatsLogger(engine.stats, interval_from_env()))
     inflight = InflightFile(server_config.inflight_file) if server_config.inflight_file else None
-    tracker = HttpTracker(BodyLimit(build_app(state), server_config.max_request_body_bytes), inflight)
+    app = build_app(state, docs=not server_config.disable_fastapi_docs)
+    tracker = HttpTracker(BodyLimit(app, server_config.max_request_body_bytes), inflight)
     max_connections = server_config.max_connections or connection_limit()
     protocol = guarded_protocol(max_connections, server_config.header_timeout)
 

@@ -77,11 +77,15 @@ def _openapi_with_model_names(app: FastAPI, names: list[str]) -> Callable[[], di
     return build
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, docs: bool = True) -> FastAPI:
+    """`docs` False (--disable-fastapi-docs): no /docs, /redoc or /openapi.json, which answer without the API key."""
     app = FastAPI(
         title="pagekeeper",
         version=admin.package_version(),
         description="OpenAI-compatible LLM server with PagedAttention",
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
     )
     app.state.pk = state
     app.include_router(openai_api.router)

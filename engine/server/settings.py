@@ -41,6 +41,7 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
     disable_log_stats: bool = False
+    disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json (vLLM's flag)
     cpu_reserved_cores: Annotated[int, Field(ge=0)] | None = None  # None: 1 on a CPU engine with >= 2 cores
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "warning"
     listen_fd: int | None = None
