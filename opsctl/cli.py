@@ -91,7 +91,7 @@ def _send(ctx: Ctx, cmd: str, args: dict[str, Any] | None = None, timeout: float
     except control.SupervisorNotRunning as e:
         _fail(f"the supervisor is not running ({e}); start it with `opsctl start`", EXIT_NOT_RUNNING)
     if not reply.get("ok"):
-        _fail(reply.get("error", "the supervisor refused the command"))
+        _fail(one_line(reply.get("error")) or "the supervisor refused the command")
     return reply
 
 

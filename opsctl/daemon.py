@@ -165,9 +165,10 @@ class Supervisor:
             self.last_tick = time.monotonic()
             try:
                 cmd.reply = self._run_command(cmd)
-            except Exception as e:  # a failed command must not kill the daemon
-                log.exception("command_failed", command=cmd.name)
-                cmd.reply = {"ok": False, "error": str(e)}
+            except Exception as e:  # a failed command must not kill the daemon; its reason is one line
+                reason = " ".join(str(e).split()) or type(e).__name__
+                log.error("command_failed", command=cmd.name, error=reason, error_type=type(e).__name__)
+                cmd.reply = {"ok": False, "error": reason}
             if not self.stopping and not self.retired:
                 self.history.append(self.observe())  # status right after a command is the new state
             cmd.done.set()
@@ -399,13 +400,16 @@ class Supervisor:
             }
         timeout = float(cmd.args.get("drain_timeout") or self.sup.drain_timeout)
         if cmd.name == "drain":  # a load balancer's drain: the engine answers 503 until resumed
+            wait = float(cmd.args["timeout"]) if cmd.args.get("timeout") is not None else timeout
             self._set_busy(EngineState.DRAINING)
-            try:
-                return {"ok": True, "drain": self.engine.drain(float(cmd.args.get("timeout") or timeout))}
+            try:  # over the engine's control socket where there is one: no HTTP credential needed
+                reply = self.launcher.admin("drain", wait + 15, timeout_s=wait)
+                return {"ok": True, "drain": reply["drain"] if reply is not None else self.engine.drain(wait)}
             finally:
                 self._set_busy(None)
         if cmd.name == "resume":
-            return {"ok": True, "resume": self.engine.resume()}
+            reply = self.launcher.admin("resume", 15)
+            return {"ok": True, "resume": reply["resume"] if reply is not None else self.engine.resume()}
         if cmd.name == "restart":
             with self.lock:  # one step from gave_up to restarting: status never sees the engine in between
                 self.state = replace(self.state, gave_up=False)

@@ -110,6 +110,12 @@ class Launcher(ABC):
         (a SIGTERM from outside stops it accepting).  None: nothing says so, and silence may be a hang."""
         return None
 
+    def admin(self, cmd: str, timeout: float, **args: object) -> dict | None:
+        """`opsctl drain` / `resume` ("drain", "resume") over the engine's private control socket: its reply, or
+        RuntimeError with the reason in one line.  None where this launcher has no such channel (systemd): the
+        engine's HTTP `/drain` serves then, with the admin key once an API key is set."""
+        return None
+
     def exit_summary(self) -> str | None:
         return self._last_exit
 
@@ -493,6 +499,18 @@ class ProcessLauncher(Launcher):
         return retired
 
     # -- observing --------------------------------------------------------------------------------
+
+    def admin(self, cmd: str, timeout: float, **args: object) -> dict | None:
+        engine = self.engine
+        if engine is None or not engine.alive():
+            raise RuntimeError("the engine is not running")
+        try:
+            reply = engine.request(cmd, timeout=timeout, **args)
+        except (OSError, ValueError) as e:
+            raise RuntimeError(f"the engine's control socket did not answer {cmd!r}: {e}") from None
+        if not reply.get("ok"):
+            raise RuntimeError(f"the engine refused {cmd!r}: {reply.get('error', 'no reason given')}")
+        return reply
 
     def pid(self) -> int | None:
         return self.engine.pid if self.engine is not None else None

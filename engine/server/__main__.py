@@ -45,7 +45,7 @@ from engine.gc_heap import freeze_startup_heap
 from engine.logs import configure_logging
 from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenizer_dir
 from engine.schema import validate_section
-from engine.server.control import ControlSocket
+from engine.server.control import ControlSocket, admin_handlers
 from engine.server.core_share import CoreShare
 from engine.server.handover import RESTARTING_MESSAGE, HandoverDrain, HttpTracker, InflightFile
 from engine.server.limits import AcceptErrorsCondensed, BodyLimit, connection_limit, guarded_protocol
@@ -436,6 +436,7 @@ class DrainOnTermServer(uvicorn.Server):
             control.set_in_flight_reader(lambda: tracker.in_flight)
             control.handlers["drain_exit"] = self._drain_exit
             control.handlers["stop_now"] = lambda req: self._request_stop("now", 0.0)
+            control.handlers.update(admin_handlers(async_engine, lambda: self._loop))  # opsctl drain / resume
 
     def _drain_exit(self, req: dict) -> dict:
         """The supervisor's handover: with a successor that serves already, keep half the threads while draining."""
