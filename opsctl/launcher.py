@@ -22,10 +22,12 @@ there; see systemd/).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,6 +38,7 @@ from pathlib import Path
 import psutil
 import structlog
 
+from engine.config import ConfigError
 from engine.server import control
 from engine.server.handover import InflightFile
 from engine.server.sockets import bind
@@ -46,6 +49,7 @@ from opsctl.constants import (
     EXIT_CONFIG_ERROR,
     STOP_NOW_GRACE_S,
 )
+from opsctl.instances import instance_holding
 from opsctl.runtime import open_private, write_private
 
 log = structlog.get_logger("pagekeeper.supervisor")
@@ -321,7 +325,21 @@ class ProcessLauncher(Launcher):
         self.engine: EngineProcess | None = None
         self._lost_at_exit = 0
         self._serial = 0
-        self.sock = self._adopt() or bind(host, port, hint="change [engine] port")
+        self.sock = self._adopt() or self._bind(host, port)
+
+    @staticmethod
+    def _bind(host: str, port: int) -> socket.socket:
+        """The engines' listening socket; a port another pagekeeper instance holds is refused naming that one."""
+        try:
+            return bind(host, port, hint="change [engine] port", host_hint="change [engine] host")
+        except ConfigError as e:
+            cause = e.__cause__
+            owner = instance_holding(port) if isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE else None
+            if owner is None:
+                raise
+            raise ConfigError(
+                f"[engine] port {port} is already used by {owner}; give this instance another [engine] port"
+            ) from None
 
     # -- adoption ---------------------------------------------------------------------------------
 

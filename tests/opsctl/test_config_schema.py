@@ -41,6 +41,9 @@ CASES = [  # (section, key, TOML value)
     ("supervisor", "unit", '"pagekeeper"'),
     ("supervisor", "drain_timeout", "-5"),
     ("supervisor", "poll_intervall", "10"),  # a typo is an unknown key, not a silent default
+    ("engine", "host", '"999.1.1.1"'),  # it passed, and the bind's failed lookup blamed the port
+    ("engine", "host", '"my host"'),
+    ("supervisor", "metrics_host", '"1.2.3"'),
     ("engine", "port", '"abc"'),
     ("engine", "port", "70000"),
     ("engine", "port", "0"),

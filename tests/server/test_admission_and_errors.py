@@ -288,6 +288,18 @@ def test_a_taken_port_is_a_clear_exit_2():
         r = _run(["--port", str(s.getsockname()[1])])
     assert r.returncode == 2
     assert "cannot listen on 127.0.0.1" in r.stderr and "--port" in r.stderr
+    assert f"(held by pid {os.getpid()}: " in r.stderr  # who holds it: here, this test
+
+
+def test_a_malformed_or_foreign_host_is_a_clear_exit_2_naming_the_host():
+    r = _run(["--host", "999.1.1.1", "--port", str(free_port())])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert '--host "999.1.1.1": not an IPv4 or IPv6 address or a host name' in r.stderr
+    port = free_port()
+    r = _run(["--host", "192.0.2.1", "--port", str(port)])  # TEST-NET-1: well formed, never this machine's
+    print(r.stderr.strip())
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"cannot listen on 192.0.2.1:{port}" in r.stderr and r.stderr.strip().endswith("; use --host")
 
 
 def test_a_max_model_len_that_cannot_fit_is_a_clear_exit_2():
