@@ -181,13 +181,15 @@ def _wait_until_serving(ctx: Ctx, proc: subprocess.Popen | None, timeout: float,
     start = time.monotonic()
     tty = sys.stderr.isatty()
     last_state = None
+    answered = False  # the supervisor has answered once: a silence after that is it going away, not starting
     while True:
         waited = time.monotonic() - start
         if proc is not None and proc.poll() is not None:
             _supervisor_exited(ctx, proc.returncode, timeout - waited)
             proc = None  # another supervisor won the race for this runtime dir: follow that one
         st = _status_or_none(runtime)
-        state = st.engine.state if st else "starting supervisor"
+        answered = answered or st is not None
+        state = st.engine.state if st else ("supervisor exiting" if answered else "starting supervisor")
         if st is not None and state == EngineState.SERVING:
             if tty:
                 click.echo("", err=True)

@@ -30,7 +30,7 @@ from opsctl.exporter import serve as serve_metrics
 from opsctl.launcher import Launcher, RestartFailed, Retired
 from opsctl.logrotate import rotate_if_large
 from opsctl.policy import Action, Observation, PolicyState, decide
-from opsctl.probes import EngineProbe, GpuProbe, GpuReading, ProcessProbe, ProcessReading
+from opsctl.probes import EngineProbe, EngineReading, GpuProbe, GpuReading, ProcessProbe, ProcessReading
 from opsctl.runtime import write_last_failure
 from opsctl.state import EngineState, StateTracker, derive
 from opsctl.status import (
@@ -153,15 +153,20 @@ class Supervisor:
         return self.exit_code
 
     def _wait_and_serve_commands(self, seconds: float) -> None:
+        """Serve commands until the next poll is due; a starting engine that exits meanwhile makes it due now (an
+        engine that exits 2 on a bad setting is reported in a second, not at the next poll, seconds later)."""
         deadline = time.monotonic() + seconds
+        watch = self.launcher.exit_watch_s if self.state.ready_at is None and not self.retired else None
         while not self.stopping:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
             try:
-                cmd = self.commands.get(timeout=left)
+                cmd = self.commands.get(timeout=min(left, watch) if watch else left)
             except queue.Empty:
-                return
+                if watch and self.launcher.pid() is not None and not self.launcher.alive():
+                    return
+                continue
             self.last_tick = time.monotonic()
             try:
                 cmd.reply = self._run_command(cmd)
@@ -186,8 +191,17 @@ class Supervisor:
             alive = self._settle_exit()
         if not alive:
             proc = ProcessReading(alive=False)
-        reading = self.engine.read() if alive else None
-        if reading is not None and reading.health == "draining":
+        if alive and self.state.ready_at is None and self.launcher.loading():
+            # Nothing answers HTTP while the model loads (the held socket queues the probe until its timeout, which
+            # kept this loop from seeing an engine that exited meanwhile for probe_timeout seconds).
+            reading: EngineReading | None = EngineReading(
+                health="unreachable", health_detail="loading", metrics_error="engine loading"
+            )
+        else:
+            reading = self.engine.read() if alive else None
+        if reading is not None and reading.health_detail == "loading":
+            pass
+        elif reading is not None and reading.health == "draining":
             self.launcher.draining_on_its_own()  # remembers its deadline while it still says it
         elif reading is not None and reading.health in ("timeout", "unreachable"):
             if not self.launcher.alive():
@@ -330,8 +344,9 @@ class Supervisor:
                 hint="fix the cause, then `opsctl restart`",
             )
         if permanent and not self.ever_served:
-            # Nothing to supervise until a person changes something: say why and leave.
-            write_last_failure(self.sup.runtime_path(), detail)
+            # Nothing to supervise until a person changes something: say why (the engine's own line names the
+            # setting) and leave.
+            write_last_failure(self.sup.runtime_path(), self.launcher.exit_error() or detail)
             self.exit_code = EXIT_PERMANENT
             self.stopping = True
 

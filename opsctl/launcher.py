@@ -34,6 +34,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import structlog
@@ -86,6 +87,9 @@ class Launcher(ABC):
     and a systemd unit that the supervisor must know about are attributes here, never type checks."""
 
     name: str
+    # While the engine starts, the supervisor checks `alive()` this often between polls (None: only at polls, for a
+    # launcher whose alive() is not cheap).
+    exit_watch_s: float | None = None
     overlap: bool = False  # a restart starts the new engine before the old one leaves (handover = "overlap")
     engine_outlives_supervisor: bool = False  # the supervisor's own exit (a signal) leaves the engine running
     drain_timeout_per_command: bool = True  # `--drain-timeout` can bound one restart/stop's drain
@@ -93,6 +97,7 @@ class Launcher(ABC):
     def __init__(self) -> None:
         self._last_exit: str | None = None  # how the engine last exited, for status and the give-up reason
         self._last_code: int | None = None
+        self._last_error: str | None = None  # the engine's own line about why, when it wrote one
 
     @abstractmethod
     def start(self) -> None: ...
@@ -114,6 +119,11 @@ class Launcher(ABC):
         (a SIGTERM from outside stops it accepting).  None: nothing says so, and silence may be a hang."""
         return None
 
+    def loading(self) -> bool:
+        """The engine is still starting: it checks its settings, loads its model, and its HTTP side cannot answer
+        yet (a probe would wait for its timeout)."""
+        return False
+
     def admin(self, cmd: str, timeout: float, **args: object) -> dict | None:
         """`opsctl drain` / `resume` ("drain", "resume") over the engine's private control socket: its reply, or
         RuntimeError with the reason in one line.  None where this launcher has no such channel (systemd): the
@@ -123,6 +133,10 @@ class Launcher(ABC):
     def exit_summary(self) -> str | None:
         return self._last_exit
 
+    def exit_error(self) -> str | None:
+        """The engine's own one-line reason for its last exit (an exit 2 names the setting to fix), or None."""
+        return self._last_error
+
     def exit_is_permanent(self) -> bool:
         """The engine exited with 2: a mistake a person must fix, never retried."""
         return self._last_code == EXIT_CONFIG_ERROR
@@ -131,6 +145,7 @@ class Launcher(ABC):
         """The exit has been dealt with (a restart): the next one is news."""
         self._last_exit = None
         self._last_code = None
+        self._last_error = None
 
 
 def tail(path: Path | None, max_bytes: int = _LOG_TAIL_BYTES) -> str:
@@ -305,6 +320,7 @@ def stop_unsupervised(engine: EngineProcess, drain: bool, timeout: float) -> Ret
 
 class ProcessLauncher(Launcher):
     name = "process"
+    exit_watch_s = 0.2  # alive() is a waitpid
 
     def __init__(
         self,
@@ -315,8 +331,12 @@ class ProcessLauncher(Launcher):
         log_file: Path,
         overlap: bool,
         env: dict[str, str] | None = None,
+        explain: Callable[[str], str] | None = None,
     ) -> None:
+        """`explain`: rewords the engine's error line for the person who configured it (the config file's keys
+        for the flags the supervisor passed: opsctl/supervisor.py)."""
         self.engine_args = engine_args
+        self.explain = explain
         self.runtime = runtime
         self.log_file = log_file
         self.overlap = overlap
@@ -496,8 +516,8 @@ class ProcessLauncher(Launcher):
                 self.retire(new, drain=False, timeout=0)
                 code = new.returncode()
                 raise RestartFailed(
-                    f"the new engine did not come up ({_describe(code)}: "
-                    f"{last_error_line(tail(self.log_file))}); the old one keeps serving"
+                    f"the new engine did not come up ({_describe(code)}: {self._engine_error()}); "
+                    "the old one keeps serving"
                 )
             self.engine = new
             self._record()
@@ -517,6 +537,12 @@ class ProcessLauncher(Launcher):
         return retired
 
     # -- observing --------------------------------------------------------------------------------
+
+    def loading(self) -> bool:
+        """Its control socket says "loading", or is not there yet (the engine makes it once its flags are checked
+        and its port bound)."""
+        engine = self.engine
+        return engine is not None and engine.alive() and engine.state() in (None, "loading")
 
     def admin(self, cmd: str, timeout: float, **args: object) -> dict | None:
         engine = self.engine
@@ -555,15 +581,22 @@ class ProcessLauncher(Launcher):
         code = engine.returncode()
         self._last_code = code
         self._lost_at_exit = engine.in_flight()
-        detail = last_error_line(tail(self.log_file))
+        detail = self._engine_error()
         what = _describe(code) if not engine.adopted else "exited (adopted engine: exit status unknown)"
         self._last_exit = f"{what}: {detail}" if detail else what
+        self._last_error = detail or None
         log.info("engine_exited", pid=engine.pid, how=what, in_flight=self._lost_at_exit)
         engine.cleanup()
 
     def forget_exit(self) -> None:
         super().forget_exit()
         self._lost_at_exit = 0
+
+    def _engine_error(self) -> str:
+        """The engine log's line about why it stopped, without its own "error: " (whoever shows it adds theirs),
+        in the terms of the configuration it was started from."""
+        line = last_error_line(tail(self.log_file)).removeprefix("error: ")
+        return self.explain(line) if self.explain is not None and line else line
 
     def log_path(self) -> Path | None:
         return self.log_file

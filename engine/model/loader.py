@@ -167,8 +167,9 @@ def load_model(
 
 
 def _in_model(info: ModelInfo, e: ModelLoadError) -> str:
-    text = str(e)
-    return text if text.startswith(str(info.path)) else f"--model {info.path}: {text}"
+    """The error after the flag that chose the checkpoint, so that a config file's reader is pointed at its key
+    (engine/config_file.py, in_config_terms) even when the message names a file inside the directory."""
+    return f"--model {info.path}: {e}"
 
 
 def check_checkpoint(info: ModelInfo) -> int:

@@ -40,7 +40,7 @@ import uvicorn
 
 from engine.chat import load_chat_template
 from engine.config import ConfigError, EngineConfig
-from engine.config_file import SECRET_ENV, engine_args, load_engine_section
+from engine.config_file import SECRET_ENV, engine_args, error_in_file_terms, load_engine_section
 from engine.gc_heap import freeze_startup_heap
 from engine.logs import configure_logging
 from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenizer_dir
@@ -554,6 +554,7 @@ class DrainOnTermServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         server_config, engine_config = parse_args(argv)
         configure_logging(server_config.log_level, force=True)
@@ -566,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             if control is not None:
                 control.close()
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {error_in_file_terms(str(e), argv)}", file=sys.stderr)  # a --config file's keys, not flags
         return 2
 
 

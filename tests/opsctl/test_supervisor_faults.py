@@ -137,6 +137,50 @@ def test_an_engine_that_exits_2_is_started_once_and_start_says_why(deploy):
     assert not (d.runtime / "supervisor.sock").exists()
 
 
+@pytest.mark.parametrize("case", ["model", "truncated", "max_model_len", "api_key_file"])
+def test_an_engine_side_config_error_names_the_config_key(deploy, tmp_path, checkpoint, case):
+    """The engine's own checks name the flags opsctl passed it; `opsctl start` tells them as the config file's keys,
+    in one line without a doubled prefix (it said `error: exit code 2: error: --model /nonexistent: ...`), and its
+    progress never goes back to "starting supervisor" after the engine exited."""
+    import shutil
+
+    engine: dict = {}
+    if case == "model":
+        engine["model"] = "/nonexistent"
+        wanted = '[engine] model = "/nonexistent": no such directory; '
+    elif case == "truncated":
+        model = tmp_path / "truncated"
+        shutil.copytree(checkpoint("llama"), model)
+        weights = next(model.glob("*.safetensors"))
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        engine["model"] = str(model)
+        wanted = f'[engine] model = "{model}": {weights}: not a readable safetensors file'
+    elif case == "max_model_len":
+        engine["max_model_len"] = 100000
+        wanted = (
+            "[engine] max_model_len = 100000 exceeds the model's limit of 256 tokens (max_position_embeddings); "
+            "use [engine] max_model_len = 256 or less"
+        )
+    else:
+        engine["api_key_file"] = str(tmp_path / "missing.key")
+        wanted = f'[engine] api_key_file = "{tmp_path / "missing.key"}": No such file or directory'
+    d = deploy(engine=engine)
+    started = time.monotonic()
+    r = d.opsctl("start")
+    took = time.monotonic() - started
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    print(f"{case}: exit {r.returncode} after {took:.1f} s: {r.stderr.strip()}")
+    assert r.returncode == 2 and len(errors) == 1, r.stdout + r.stderr
+    assert errors[0].startswith(f"error: {d.config.resolve()}: {wanted}"), errors[0]
+    assert "--" not in errors[0].replace(str(tmp_path), "") and "exit code" not in errors[0]
+    progress = [ln.split(": ", 1)[1].rsplit(" (", 1)[0] for ln in r.stderr.splitlines() if ln.startswith("starting: ")]
+    if "exited" in progress:
+        assert "starting supervisor" not in progress[progress.index("exited") :], progress
+    st = d.opsctl("status")
+    assert st.returncode == 3 and wanted in st.stdout, st.stdout
+    assert d.log("engine.log").count("--- engine start") == 1  # exit 2: never retried
+
+
 def test_an_engine_that_keeps_crashing_ends_in_a_reported_crash_loop(deploy, tmp_path):
     # exit 1 (a bug, not a config mistake) is retried until the crash-loop guard gives up
     crasher = tmp_path / "sitecustomize.py"
