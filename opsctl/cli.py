@@ -314,8 +314,10 @@ def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeo
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     st = _wait_until_serving(ctx, proc, timeout or cfg.supervisor.ready_timeout, "starting")
-    verb = "adopted the engine that was serving" if adopting else "serving"
-    click.echo(f"pagekeeper is {verb} {st.engine.model} at {st.engine.url}")
+    if adopting:
+        click.echo(f"pagekeeper adopted the engine serving {st.engine.model} at {st.engine.url}")
+    else:
+        click.echo(f"pagekeeper is serving {st.engine.model} at {st.engine.url}")
     click.echo(f"  supervisor pid {st.supervisor.pid}, metrics {st.supervisor.metrics_url}, logs: opsctl logs")
 
 

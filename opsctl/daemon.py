@@ -12,6 +12,7 @@ the process around this loop (lock, signals, wiring) is opsctl/supervisor.py.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import threading
@@ -24,14 +25,14 @@ import structlog
 
 from engine.config import ConfigError
 from opsctl.config import PagekeeperConfig
-from opsctl.constants import EXIT_PERMANENT, EXIT_SETTLE_S, SUPERVISOR_LOG_NAME
+from opsctl.constants import EXIT_PERMANENT, EXIT_SETTLE_S, RESTARTS_NAME, SUPERVISOR_LOG_NAME
 from opsctl.exporter import SupervisorMetrics
 from opsctl.exporter import serve as serve_metrics
 from opsctl.launcher import Launcher, RestartFailed, Retired
 from opsctl.logrotate import rotate_if_large
 from opsctl.policy import Action, Observation, PolicyState, decide
 from opsctl.probes import EngineProbe, EngineReading, GpuProbe, GpuReading, ProcessProbe, ProcessReading
-from opsctl.runtime import write_last_failure
+from opsctl.runtime import write_last_failure, write_private
 from opsctl.state import EngineState, StateTracker, derive
 from opsctl.status import (
     CrashLoopStatus,
@@ -82,6 +83,7 @@ class Supervisor:
         self.started_wall = time.time()
         self.engine_started_wall = time.time()
         self.restart_log: list[RestartRecord] = []
+        self.restarts_forgotten = 0  # restarts counted in the total whose records are no longer kept
         self.last_decision: Decision | None = None
         self.last_gpu: list[GpuReading] = []
         self.last_reading: dict[str, Any] = {}
@@ -140,7 +142,9 @@ class Supervisor:
         )
         if self.launcher.alive():  # adopted from a predecessor: it has served already
             self.ever_served = True
+            self._load_restarts()
         else:
+            (self.sup.runtime_path() / RESTARTS_NAME).unlink(missing_ok=True)  # a new start counts from 0
             self._start_engine()
         due = time.monotonic()
         while not self.stopping:
@@ -384,6 +388,47 @@ class Supervisor:
             self._set_busy(None)
         self.metrics.restarts.labels(reason).inc()
         self.metrics.last_restart.set(time.time())
+        self._save_restarts()
+
+    # -- the restart count outlives this supervisor ----------------------------------------------
+
+    KEPT_RESTART_RECORDS = 1000
+
+    def _save_restarts(self) -> None:
+        """The restarts so far, in the runtime dir: a supervisor that adopts this engine after this one died goes on
+        counting (status, and the crash-loop guard's window) instead of starting from 0."""
+        wall, mono = time.time(), time.monotonic()
+        with self.lock:
+            if len(self.restart_log) > self.KEPT_RESTART_RECORDS:  # the count is kept, not every record
+                self.restarts_forgotten += len(self.restart_log) - self.KEPT_RESTART_RECORDS
+                self.restart_log = self.restart_log[-self.KEPT_RESTART_RECORDS :]
+            document = {
+                "total": self.restarts_forgotten + len(self.restart_log),
+                "records": [vars(r) for r in self.restart_log],
+                "crash_loop": [wall - (mono - t) for t in self.state.restarts],  # wall clock: monotonic is per boot
+            }
+        try:
+            write_private(self.sup.runtime_path() / RESTARTS_NAME, json.dumps(document))
+        except (OSError, ConfigError) as e:  # a full disk must not fail a restart that happened
+            log.warning("restarts_not_saved", error=str(e))
+
+    def _load_restarts(self) -> None:
+        try:
+            document = json.loads((self.sup.runtime_path() / RESTARTS_NAME).read_text())
+            records = [RestartRecord(**r) for r in document["records"]]
+            total = int(document["total"])
+            crashes = [float(t) for t in document["crash_loop"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # none saved (or unreadable): counting starts here
+        wall, mono = time.time(), time.monotonic()
+        window = [mono - (wall - t) for t in crashes if wall - t <= self.sup.restart_window]
+        with self.lock:
+            self.restart_log = records
+            self.restarts_forgotten = max(0, total - len(records))
+            self.state = replace(self.state, restarts=tuple(window))
+        if records:
+            self.metrics.last_restart.set(records[-1].time)
+        log.info("restarts_carried_over", total=total, counted_for_crash_loop=len(window))
 
     def _start_engine(self) -> None:
         self.launcher.start()
@@ -509,7 +554,7 @@ class Supervisor:
                 gpu=GpuStatus(self.gpu.available, self.gpu.reason, list(self.last_gpu)),
                 last_decision=self.last_decision,
                 restarts=RestartsStatus(
-                    total=len(self.restart_log),
+                    total=self.restarts_forgotten + len(self.restart_log),
                     recent=self.restart_log[-10:],
                     counted_for_crash_loop=len(self.state.restarts),
                 ),

@@ -508,6 +508,7 @@ class ProcessLauncher(Launcher):
             self._note_exit()
             lost = self._lost_at_exit
             self.forget_exit()
+            self.engine = None  # its exit is noted and dealt with: start() must not note (and log) it again
             self.start()
             return Retired.of(engine_exited=lost)
         if self.overlap:

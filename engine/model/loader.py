@@ -106,16 +106,25 @@ def _eos_ids(path: Path, hf_config: Any) -> list[int]:
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
+    """The checkpoint's tokenizer.  Its own length limit is lifted: the engine checks every prompt against
+    max_model_len itself (a 400 naming the field), and transformers' "Token indices sequence length is longer than
+    the specified maximum" warning for a prompt it is about to refuse only added a plain line to the log."""
     from transformers import AutoTokenizer
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
+    from engine.logs import route_library_logger
+
+    route_library_logger("transformers")  # its warnings as our JSON lines, where we log JSON
     source = config.tokenizer or config.model_path()
     require_tokenizer_dir(source)
     try:
-        return AutoTokenizer.from_pretrained(
+        tokenizer = AutoTokenizer.from_pretrained(
             str(Path(source).expanduser()), trust_remote_code=config.trust_remote_code, local_files_only=True
         )
     except (OSError, ValueError) as e:
         raise ConfigError(f"tokenizer at {source} could not be loaded: {e}; pass --tokenizer DIR") from e
+    tokenizer.model_max_length = VERY_LARGE_INTEGER
+    return tokenizer
 
 
 @contextlib.contextmanager

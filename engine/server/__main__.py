@@ -332,6 +332,7 @@ def serve(
     config = uvicorn.Config(
         tracker,
         log_level=server_config.uvicorn_log_level,
+        log_config=None,  # uvicorn's lines go through our JSON renderer (engine/logs.py), not its own plain format
         access_log=False,
         timeout_graceful_shutdown=5,
         lifespan="off",

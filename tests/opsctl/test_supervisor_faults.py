@@ -181,6 +181,38 @@ def test_an_engine_side_config_error_names_the_config_key(deploy, tmp_path, chec
     assert d.log("engine.log").count("--- engine start") == 1  # exit 2: never retried
 
 
+def test_a_killed_engine_is_one_exit_and_an_adopting_supervisor_keeps_the_count(deploy):
+    """kill -9 of the engine is logged as one `engine_exited` (it was two: the restart noted it again), and the
+    restart it caused is still counted after the supervisor dies and a new one adopts the engine (the count went
+    back to 0); `opsctl start` says so in words ("pagekeeper is adopted the engine ..." before)."""
+    d = deploy()
+    st = _start(d)
+    old = st["engine"]["pid"]
+    os.kill(old, signal.SIGKILL)
+    st, _ = d.wait_for(
+        lambda s: s["engine"]["state"] == "serving" and s["engine"]["pid"] not in (None, old), 90, "a new engine"
+    )
+    log = [json.loads(ln) for ln in d.log("supervisor.log").splitlines() if ln.startswith("{")]
+    exits = [e for e in log if e["event"] == "engine_exited"]
+    print(f"engine_exited lines for the kill: {exits}")
+    assert [(e["pid"], e["how"]) for e in exits] == [(old, "killed by SIGKILL")]
+    assert st["restarts"]["total"] == 1 and st["restarts"]["counted_for_crash_loop"] == 1
+    engine, supervisor = st["engine"]["pid"], st["supervisor"]["pid"]
+    os.kill(supervisor, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(supervisor) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    again = d.opsctl("start")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.splitlines()[0] == f"pagekeeper adopted the engine serving {MODEL} at {d.url}", again.stdout
+    st, _ = d.wait_for(lambda s: s["engine"]["state"] == "serving", 60, "the adopted engine serving")
+    assert st["engine"]["pid"] == engine and st["supervisor"]["pid"] != supervisor
+    restarts = st["restarts"]
+    print(f"after the adoption: {restarts}")
+    assert restarts["total"] == 1 and restarts["counted_for_crash_loop"] == 1
+    assert [r["reason"] for r in restarts["recent"]] == ["engine_exited"]
+
+
 def test_an_engine_that_keeps_crashing_ends_in_a_reported_crash_loop(deploy, tmp_path):
     # exit 1 (a bug, not a config mistake) is retried until the crash-loop guard gives up
     crasher = tmp_path / "sitecustomize.py"

@@ -104,3 +104,25 @@ def test_disable_fastapi_docs_leaves_no_docs_and_the_key_guards_only_the_api(lau
         assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401
     ok = httpx.get(disabled.url + "/v1/models", headers={"Authorization": "Bearer sk-docs-test"})
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "pagekeeper-default"
+
+
+def test_every_line_of_the_engines_log_is_json(launch):
+    """A log collector reads JSON lines: transformers' warning about a prompt past the tokenizer's length and
+    uvicorn's about a malformed request were plain lines among them."""
+    import socket
+
+    server = launch("--uvicorn-log-level", "info")
+    body = {"model": "pagekeeper-default", "prompt": "Hello there " * 200, "max_tokens": 4}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 400
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        s.recv(1024)
+    assert httpx.get(server.url + "/health").status_code == 200
+    server.terminate()
+    lines = [ln for ln in server.log().splitlines() if ln.strip()]
+    plain = [ln for ln in lines if not ln.startswith("{")]
+    events = [json.loads(ln) for ln in lines if ln.startswith("{")]
+    print(f"{len(lines)} lines, plain: {plain}; uvicorn's: {[e['event'] for e in events if e.get('logger')]}")
+    assert not plain
+    assert any("Invalid HTTP request" in e["event"] and e["logger"] == "uvicorn.error" for e in events)
+    assert any("Started server process" in e["event"] for e in events)  # --uvicorn-log-level info still reaches it
