@@ -160,7 +160,9 @@ class Supervisor:
         """Serve commands until the next poll is due; a starting engine that exits meanwhile makes it due now (an
         engine that exits 2 on a bad setting is reported in a second, not at the next poll, seconds later)."""
         deadline = time.monotonic() + seconds
-        watch = self.launcher.exit_watch_s if self.state.ready_at is None and not self.retired else None
+        watch = None  # only an engine that is starting and alive now: one already gone waits for the next poll
+        if self.state.ready_at is None and not self.retired and not self.state.gave_up and self.launcher.exit_watch_s:
+            watch = self.launcher.exit_watch_s if self.launcher.alive() else None
         while not self.stopping:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -168,7 +170,7 @@ class Supervisor:
             try:
                 cmd = self.commands.get(timeout=min(left, watch) if watch else left)
             except queue.Empty:
-                if watch and self.launcher.pid() is not None and not self.launcher.alive():
+                if watch and not self.launcher.alive():
                     return
                 continue
             self.last_tick = time.monotonic()

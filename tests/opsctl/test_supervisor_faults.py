@@ -238,8 +238,12 @@ def test_an_engine_that_keeps_crashing_ends_in_a_reported_crash_loop(deploy, tmp
     # a kubelet's liveness probe (the Helm chart's) now fails: restarting the container is the next level's job
     livez = httpx.get(st["supervisor"]["metrics_url"].replace("/metrics", "/livez"), timeout=5)
     assert livez.status_code == 503 and livez.text.startswith("gave up: ") and "exit code 1" in livez.text
+    supervisor = psutil.Process(st["supervisor"]["pid"])
+    busy_before = sum(supervisor.cpu_times()[:2])
     time.sleep(2)  # and it stays given up, no more restarts
     assert d.status()["restarts"]["total"] == 2
+    busy = sum(supervisor.cpu_times()[:2]) - busy_before
+    assert busy < 0.5, f"a supervisor that gave up used {busy:.2f} CPU-s in 2 s"  # it waits for its polls, idle
 
 
 def test_garbage_metrics_slow_metrics_and_no_nvml_are_reported_not_fatal(deploy):
