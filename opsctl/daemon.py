@@ -197,15 +197,15 @@ class Supervisor:
             alive = self._settle_exit()
         if not alive:
             proc = ProcessReading(alive=False)
-        if alive and self.state.ready_at is None and self.launcher.loading():
-            # Nothing answers HTTP while the model loads (the held socket queues the probe until its timeout, which
-            # kept this loop from seeing an engine that exited meanwhile for probe_timeout seconds).
-            reading: EngineReading | None = EngineReading(
-                health="unreachable", health_detail="loading", metrics_error="engine loading"
-            )
-        else:
-            reading = self.engine.read() if alive else None
-        if reading is not None and reading.health_detail == "loading":
+        # Nothing answers HTTP while the engine starts (the held socket queues a probe until its timeout, which kept
+        # this loop from seeing an engine that exited meanwhile for probe_timeout seconds): it is not probed then.
+        loading = alive and self.state.ready_at is None and self.launcher.loading()
+        reading: EngineReading | None = None
+        if loading:
+            reading = EngineReading(health="unreachable", health_detail="loading", metrics_error="engine loading")
+        elif alive:
+            reading = self.engine.read()
+        if loading:
             pass
         elif reading is not None and reading.health == "draining":
             self.launcher.draining_on_its_own()  # remembers its deadline while it still says it
