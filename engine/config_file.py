@@ -10,10 +10,13 @@ each mistake is one line naming the key, the value and what is allowed.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import os
 import re
 import stat
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +88,54 @@ def validate_engine_section(values: dict[str, Any], source: str) -> dict[str, An
     try:
         EngineConfig.from_kwargs(**engine_part)  # the engine's own ranges and combinations
     except ConfigError as e:  # its messages name flags; in a file the keys are what a person edits
-        keys = re.sub(r"--([a-z0-9-]+)", lambda m: m.group(1).replace("-", "_"), str(e))
-        raise ConfigError(f"{source}: [engine] {keys}") from None
+        text = in_config_terms(str(e), values)
+        raise ConfigError(f"{source}: {text if '[engine]' in text else '[engine] ' + text}") from None
     return {**server_part, **engine_part}
+
+
+_FLAG = re.compile(r"--([a-z0-9][a-z0-9-]*)")
+_NUMBER = re.compile(r" (-?[0-9][0-9._]*)(?=[ :;,)]|$)")
+_VALUE_ENDS = " :;,)"
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value) if isinstance(value, str) else str(value)
+
+
+def in_config_terms(message: str, values: Mapping[str, Any], keys: Collection[str] | None = None) -> str:
+    """An engine error that names flags, told in the terms of the config file the values came from: the one
+    mapping from a flag to its key, wherever an engine error is shown for a config-file value (the file's own
+    checks here, the engine reading `--config`, opsctl showing why the engine it started exited).
+
+    `--model /x: no such directory` becomes `[engine] model = "/x": no such directory` (the flag followed by the
+    value `values` holds for it, or a number: `use --max-model-len 256` becomes `use [engine] max_model_len = 256`),
+    any other `--max-model-len` `[engine] max_model_len`.  `keys`: the keys to reword (default every [engine] key);
+    a flag given on a command line stays a flag."""
+    known = EngineConfig.field_names() | set(SERVER_KEYS)
+    wanted = known if keys is None else known & set(keys)
+    out: list[str] = []
+    pos = 0
+    for m in _FLAG.finditer(message):
+        key = m.group(1).replace("-", "_")
+        if m.start() < pos or key not in wanted:
+            continue
+        out.append(message[pos : m.start()])
+        text, end = f"[engine] {key}", m.end()
+        value = values.get(key)
+        if value is not None and not isinstance(value, bool):
+            for shown in (str(value), json.dumps(str(value))):  # as engine_args passed it, or quoted by the schema
+                after = message[end : end + len(shown) + 2]
+                if after.startswith(" " + shown) and (len(after) == len(shown) + 1 or after[-1] in _VALUE_ENDS):
+                    text, end = f"[engine] {key} = {_toml(value)}", end + 1 + len(shown)
+                    break
+        if text == f"[engine] {key}" and (number := _NUMBER.match(message, end)):
+            text, end = f"[engine] {key} = {number.group(1)}", number.end()
+        out.append(text)
+        pos = end
+    out.append(message[pos:])
+    return "".join(out)
 
 
 def engine_args(values: dict[str, Any]) -> list[str]:
@@ -112,6 +160,24 @@ def engine_args(values: dict[str, Any]) -> list[str]:
 def engine_env(values: dict[str, Any]) -> dict[str, str]:
     """The section's keys as the environment variables the server reads."""
     return {env: str(values[key]) for key, env in SECRET_ENV.items() if values.get(key)}
+
+
+def error_in_file_terms(message: str, argv: Sequence[str]) -> str:
+    """An error of `python -m engine.server ARGV` as the person who wrote its `--config` file reads it: the values
+    that came from the file (no flag on the command line overrode them) named by their keys, after the file's
+    path.  Without a file, or when the error concerns no value of it, the message is unchanged."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    path = pre.parse_known_args(list(argv))[0].config
+    if not path:
+        return message
+    try:
+        section = load_engine_section(path)
+    except ConfigError:
+        return message  # the file itself is the error: its message names it already
+    given = {arg[2:].split("=", 1)[0].replace("-", "_").removeprefix("no_") for arg in argv if arg.startswith("--")}
+    text = in_config_terms(message, section, [key for key in section if key not in given])
+    return message if text == message else f"{Path(path).resolve()}: {text}"
 
 
 def load_engine_section(path: str | os.PathLike[str]) -> dict[str, Any]:

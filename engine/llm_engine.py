@@ -144,9 +144,13 @@ class LLMEngine:
             if bad:
                 raise RequestRejected(field, f"{field} has token id {bad[0]}; the vocabulary is [0, {vocab})")
         limit = lim.max_model_len
+        if len(ids) >= limit:  # the prompt itself is too long, whatever max_tokens says: the prompt is named
+            raise RequestRejected(
+                "prompt",
+                f"the prompt has {len(ids)} tokens; this model's maximum context length is {limit} tokens "
+                "(max_model_len), the output included: shorten the prompt",
+            )
         if params.max_tokens is None:
-            if len(ids) >= limit:
-                raise RequestRejected("prompt", f"the prompt has {len(ids)} tokens; max_model_len is {limit}")
             max_tokens = limit - len(ids)
             if "max_tokens" in self.generation_defaults:  # the checkpoint's max_new_tokens, within what fits
                 max_tokens = max(1, min(max_tokens, int(self.generation_defaults["max_tokens"])))
@@ -155,8 +159,9 @@ class LLMEngine:
             if len(ids) + max_tokens > limit:
                 raise RequestRejected(
                     "max_tokens",
-                    f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
-                    f"exceeds max_model_len {limit}; shorten the prompt or lower max_tokens",
+                    f"the prompt has {len(ids)} tokens and max_tokens asks for {max_tokens} more, "
+                    f"{len(ids) + max_tokens} in all; this model's maximum context length is {limit} tokens "
+                    f"(max_model_len): lower max_tokens to {limit - len(ids)} or shorten the prompt",
                 )
         # The last sampled token never needs KV, so a sequence holds at most prompt + max_tokens - 1.
         blocks = blocks_for_tokens(len(ids) + max_tokens - 1, lim.block_size)

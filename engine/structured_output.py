@@ -14,10 +14,18 @@ The host keeps one matcher per sequence: the scheduler asks it for the next toke
 a step (sent with the plan, so tensor-parallel ranks apply the same mask) and feeds it every token it
 accepts.  A mask needs the previous token, so while a constrained sequence runs, the engine core
 reads each step's tokens before it plans the next (no async overlap for that time).
+
+An object schema that names its properties admits no others unless it says `additionalProperties` itself
+(`close_objects`).  JSON Schema's own default admits any extra key, and a model that may add keys writes new ones
+until max_tokens (a forced tool call came back as `{"city": "...", "ood to explain, it may be ...`).  This is
+vLLM's default: its default backend compiles schemas in xgrammar's strict mode, which treats such an object as
+closed, and its llguidance backend does the same with `disable_additional_properties`.  A schema that wants extra
+keys says `"additionalProperties": true` (or gives their schema).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from typing import Any, Protocol
@@ -75,6 +83,42 @@ class GrammarMatcher:
             self.rejected = self.finished = True
             return
         self.finished = bool(self._m.is_stopped())
+
+
+# Keywords whose value maps names to subschemas, and those whose value is a subschema or a list of them.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = (
+    "additionalProperties", "unevaluatedProperties", "propertyNames", "items", "prefixItems", "additionalItems",
+    "unevaluatedItems", "contains", "not", "if", "then", "else", "allOf", "anyOf", "oneOf",
+)  # fmt: skip
+
+
+def close_objects(schema: Any) -> Any:
+    """A copy of `schema` in which every object that names its properties and says nothing of others admits none
+    (`"additionalProperties": false`), at any depth; see the module's docstring for why."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = close_objects(out[key])
+    names_properties = isinstance(out.get("properties"), dict) or isinstance(out.get("patternProperties"), dict)
+    if names_properties and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _closed_schema_text(text: str) -> str:
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return text  # not JSON: llguidance says what is wrong with it
+    return json.dumps(close_objects(schema))
 
 
 class GrammarUnavailable(ValueError):
@@ -146,7 +190,9 @@ class GrammarCompiler:
                 return self._cache[key]
             try:
                 if fmt == "json":  # compact JSON: a model cannot spend its tokens on whitespace
-                    grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_COMPACT)
+                    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                        _closed_schema_text(text), defaults=_COMPACT
+                    )
                 else:
                     grammar = llguidance.grammar_from(fmt, text)
                 error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)

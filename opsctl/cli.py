@@ -91,7 +91,7 @@ def _send(ctx: Ctx, cmd: str, args: dict[str, Any] | None = None, timeout: float
     except control.SupervisorNotRunning as e:
         _fail(f"the supervisor is not running ({e}); start it with `opsctl start`", EXIT_NOT_RUNNING)
     if not reply.get("ok"):
-        _fail(reply.get("error", "the supervisor refused the command"))
+        _fail(one_line(reply.get("error")) or "the supervisor refused the command")
     return reply
 
 
@@ -181,13 +181,15 @@ def _wait_until_serving(ctx: Ctx, proc: subprocess.Popen | None, timeout: float,
     start = time.monotonic()
     tty = sys.stderr.isatty()
     last_state = None
+    answered = False  # the supervisor has answered once: a silence after that is it going away, not starting
     while True:
         waited = time.monotonic() - start
         if proc is not None and proc.poll() is not None:
             _supervisor_exited(ctx, proc.returncode, timeout - waited)
             proc = None  # another supervisor won the race for this runtime dir: follow that one
         st = _status_or_none(runtime)
-        state = st.engine.state if st else "starting supervisor"
+        answered = answered or st is not None
+        state = st.engine.state if st else ("supervisor exiting" if answered else "starting supervisor")
         if st is not None and state == EngineState.SERVING:
             if tty:
                 click.echo("", err=True)
@@ -312,8 +314,10 @@ def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeo
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     st = _wait_until_serving(ctx, proc, timeout or cfg.supervisor.ready_timeout, "starting")
-    verb = "adopted the engine that was serving" if adopting else "serving"
-    click.echo(f"pagekeeper is {verb} {st.engine.model} at {st.engine.url}")
+    if adopting:
+        click.echo(f"pagekeeper adopted the engine serving {st.engine.model} at {st.engine.url}")
+    else:
+        click.echo(f"pagekeeper is serving {st.engine.model} at {st.engine.url}")
     click.echo(f"  supervisor pid {st.supervisor.pid}, metrics {st.supervisor.metrics_url}, logs: opsctl logs")
 
 

@@ -22,6 +22,7 @@ from pydantic import Field
 from engine.config import ConfigError
 from engine.config_file import SECTIONS, SERVER_KEYS, engine_args, engine_env, read_config_file, validate_engine_section
 from engine.schema import validate_section
+from engine.server.settings import Host
 from opsctl.instances import DEFAULT_INSTANCE, INSTANCE_PATTERN, config_path_for, engine_unit_for, runtime_dir_for
 from opsctl.policy import PolicyConfig
 
@@ -45,7 +46,7 @@ class SupervisorConfig(PolicyConfig):
     spare_engine: Literal["auto", "on", "off"] = "auto"
     instance: Annotated[str, Field(pattern=INSTANCE_PATTERN)] = DEFAULT_INSTANCE
     unit: Annotated[str, Field(pattern=r"^[A-Za-z0-9:_.@\\-]+\.service$")] | None = None  # None: from the instance
-    metrics_host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
+    metrics_host: Host = "127.0.0.1"
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9400  # 0 = any free port (reported in status)
     runtime_dir: Annotated[str, Field(min_length=1)] | None = None
     history_size: Annotated[int, Field(ge=2, le=10_000_000)] | None = None  # None: enough for every window

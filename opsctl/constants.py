@@ -17,6 +17,7 @@ ENGINE_LOG_NAME = "engine.log"  # process launcher only (journald under systemd)
 SUPERVISOR_LOG_NAME = "supervisor.log"
 ENGINE_STATE_NAME = "engine.json"  # the engine that serves (pid, control socket): a successor adopts it
 INSTANCE_FILE_NAME = "instance.json"  # the ports an instance claims (opsctl/instances.py)
+RESTARTS_NAME = "restarts.json"  # the restarts so far: a supervisor that adopts the engine goes on counting
 
 # -- exit codes ------------------------------------------------------------------------------------
 EXIT_CONFIG_ERROR = 2  # the engine's "a person must fix this": never retried

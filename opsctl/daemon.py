@@ -12,6 +12,7 @@ the process around this loop (lock, signals, wiring) is opsctl/supervisor.py.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import threading
@@ -24,14 +25,14 @@ import structlog
 
 from engine.config import ConfigError
 from opsctl.config import PagekeeperConfig
-from opsctl.constants import EXIT_PERMANENT, EXIT_SETTLE_S, SUPERVISOR_LOG_NAME
+from opsctl.constants import EXIT_PERMANENT, EXIT_SETTLE_S, RESTARTS_NAME, SUPERVISOR_LOG_NAME
 from opsctl.exporter import SupervisorMetrics
 from opsctl.exporter import serve as serve_metrics
 from opsctl.launcher import Launcher, RestartFailed, Retired
 from opsctl.logrotate import rotate_if_large
 from opsctl.policy import Action, Observation, PolicyState, decide
-from opsctl.probes import EngineProbe, GpuProbe, GpuReading, ProcessProbe, ProcessReading
-from opsctl.runtime import write_last_failure
+from opsctl.probes import EngineProbe, EngineReading, GpuProbe, GpuReading, ProcessProbe, ProcessReading
+from opsctl.runtime import write_last_failure, write_private
 from opsctl.state import EngineState, StateTracker, derive
 from opsctl.status import (
     CrashLoopStatus,
@@ -84,6 +85,7 @@ class Supervisor:
         self.started_wall = time.time()
         self.engine_started_wall = time.time()
         self.restart_log: list[RestartRecord] = []
+        self.restarts_forgotten = 0  # restarts counted in the total whose records are no longer kept
         self.last_decision: Decision | None = None
         self.last_gpu: list[GpuReading] = []
         self.last_reading: dict[str, Any] = {}
@@ -142,7 +144,9 @@ class Supervisor:
         )
         if self.launcher.alive():  # adopted from a predecessor: it has served already
             self.ever_served = True
+            self._load_restarts()
         else:
+            (self.sup.runtime_path() / RESTARTS_NAME).unlink(missing_ok=True)  # a new start counts from 0
             self._start_engine()
         due = time.monotonic()
         while not self.stopping:
@@ -155,21 +159,29 @@ class Supervisor:
         return self.exit_code
 
     def _wait_and_serve_commands(self, seconds: float) -> None:
+        """Serve commands until the next poll is due; a starting engine that exits meanwhile makes it due now (an
+        engine that exits 2 on a bad setting is reported in a second, not at the next poll, seconds later)."""
         deadline = time.monotonic() + seconds
+        watch = None  # only an engine that is starting and alive now: one already gone waits for the next poll
+        if self.state.ready_at is None and not self.retired and not self.state.gave_up and self.launcher.exit_watch_s:
+            watch = self.launcher.exit_watch_s if self.launcher.alive() else None
         while not self.stopping:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
             try:
-                cmd = self.commands.get(timeout=left)
+                cmd = self.commands.get(timeout=min(left, watch) if watch else left)
             except queue.Empty:
-                return
+                if watch and not self.launcher.alive():
+                    return
+                continue
             self.last_tick = time.monotonic()
             try:
                 cmd.reply = self._run_command(cmd)
-            except Exception as e:  # a failed command must not kill the daemon
-                log.exception("command_failed", command=cmd.name)
-                cmd.reply = {"ok": False, "error": str(e)}
+            except Exception as e:  # a failed command must not kill the daemon; its reason is one line
+                reason = " ".join(str(e).split()) or type(e).__name__
+                log.error("command_failed", command=cmd.name, error=reason, error_type=type(e).__name__)
+                cmd.reply = {"ok": False, "error": reason}
             if not self.stopping and not self.retired:
                 self.history.append(self.observe())  # status right after a command is the new state
             cmd.done.set()
@@ -187,8 +199,17 @@ class Supervisor:
             alive = self._settle_exit()
         if not alive:
             proc = ProcessReading(alive=False)
-        reading = self.engine.read() if alive else None
-        if reading is not None and reading.health == "draining":
+        # Nothing answers HTTP while the engine starts (the held socket queues a probe until its timeout, which kept
+        # this loop from seeing an engine that exited meanwhile for probe_timeout seconds): it is not probed then.
+        loading = alive and self.state.ready_at is None and self.launcher.loading()
+        reading: EngineReading | None = None
+        if loading:
+            reading = EngineReading(health="unreachable", health_detail="loading", metrics_error="engine loading")
+        elif alive:
+            reading = self.engine.read()
+        if loading:
+            pass
+        elif reading is not None and reading.health == "draining":
             self.launcher.draining_on_its_own()  # remembers its deadline while it still says it
         elif reading is not None and reading.health in ("timeout", "unreachable"):
             if not self.launcher.alive():
@@ -365,8 +386,9 @@ class Supervisor:
                 hint="fix the cause, then `opsctl restart`",
             )
         if permanent and not self.ever_served:
-            # Nothing to supervise until a person changes something: say why and leave.
-            write_last_failure(self.sup.runtime_path(), detail)
+            # Nothing to supervise until a person changes something: say why (the engine's own line names the
+            # setting) and leave.
+            write_last_failure(self.sup.runtime_path(), self.launcher.exit_error() or detail)
             self.exit_code = EXIT_PERMANENT
             self.stopping = True
 
@@ -404,6 +426,47 @@ class Supervisor:
             self._set_busy(None)
         self.metrics.restarts.labels(reason).inc()
         self.metrics.last_restart.set(time.time())
+        self._save_restarts()
+
+    # -- the restart count outlives this supervisor ----------------------------------------------
+
+    KEPT_RESTART_RECORDS = 1000
+
+    def _save_restarts(self) -> None:
+        """The restarts so far, in the runtime dir: a supervisor that adopts this engine after this one died goes on
+        counting (status, and the crash-loop guard's window) instead of starting from 0."""
+        wall, mono = time.time(), time.monotonic()
+        with self.lock:
+            if len(self.restart_log) > self.KEPT_RESTART_RECORDS:  # the count is kept, not every record
+                self.restarts_forgotten += len(self.restart_log) - self.KEPT_RESTART_RECORDS
+                self.restart_log = self.restart_log[-self.KEPT_RESTART_RECORDS :]
+            document = {
+                "total": self.restarts_forgotten + len(self.restart_log),
+                "records": [vars(r) for r in self.restart_log],
+                "crash_loop": [wall - (mono - t) for t in self.state.restarts],  # wall clock: monotonic is per boot
+            }
+        try:
+            write_private(self.sup.runtime_path() / RESTARTS_NAME, json.dumps(document))
+        except (OSError, ConfigError) as e:  # a full disk must not fail a restart that happened
+            log.warning("restarts_not_saved", error=str(e))
+
+    def _load_restarts(self) -> None:
+        try:
+            document = json.loads((self.sup.runtime_path() / RESTARTS_NAME).read_text())
+            records = [RestartRecord(**r) for r in document["records"]]
+            total = int(document["total"])
+            crashes = [float(t) for t in document["crash_loop"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # none saved (or unreadable): counting starts here
+        wall, mono = time.time(), time.monotonic()
+        window = [mono - (wall - t) for t in crashes if wall - t <= self.sup.restart_window]
+        with self.lock:
+            self.restart_log = records
+            self.restarts_forgotten = max(0, total - len(records))
+            self.state = replace(self.state, restarts=tuple(window))
+        if records:
+            self.metrics.last_restart.set(records[-1].time)
+        log.info("restarts_carried_over", total=total, counted_for_crash_loop=len(window))
 
     def _start_engine(self) -> None:
         self.launcher.start()
@@ -435,13 +498,16 @@ class Supervisor:
             }
         timeout = float(cmd.args.get("drain_timeout") or self.sup.drain_timeout)
         if cmd.name == "drain":  # a load balancer's drain: the engine answers 503 until resumed
+            wait = float(cmd.args["timeout"]) if cmd.args.get("timeout") is not None else timeout
             self._set_busy(EngineState.DRAINING)
-            try:
-                return {"ok": True, "drain": self.engine.drain(float(cmd.args.get("timeout") or timeout))}
+            try:  # over the engine's control socket where there is one: no HTTP credential needed
+                reply = self.launcher.admin("drain", wait + 15, timeout_s=wait)
+                return {"ok": True, "drain": reply["drain"] if reply is not None else self.engine.drain(wait)}
             finally:
                 self._set_busy(None)
         if cmd.name == "resume":
-            return {"ok": True, "resume": self.engine.resume()}
+            reply = self.launcher.admin("resume", 15)
+            return {"ok": True, "resume": reply["resume"] if reply is not None else self.engine.resume()}
         if cmd.name == "restart":
             with self.lock:  # one step from gave_up to restarting: status never sees the engine in between
                 self.state = replace(self.state, gave_up=False)
@@ -526,7 +592,7 @@ class Supervisor:
                 gpu=GpuStatus(self.gpu.available, self.gpu.reason, list(self.last_gpu)),
                 last_decision=self.last_decision,
                 restarts=RestartsStatus(
-                    total=len(self.restart_log),
+                    total=self.restarts_forgotten + len(self.restart_log),
                     recent=self.restart_log[-10:],
                     counted_for_crash_loop=len(self.state.restarts),
                 ),

@@ -124,6 +124,37 @@ def running_instances(near: Path) -> list[InstanceRecord]:
     return records
 
 
+def _runtime_dir_of(argv: list[str]) -> Path | None:
+    """The runtime dir a pagekeeper process belongs to, from its command line: a supervisor's --runtime-dir, an
+    engine's control socket (which opsctl puts in the runtime dir)."""
+    for flag, of in (("--runtime-dir", Path), ("--control-socket", lambda v: Path(v).parent)):
+        if flag in argv[:-1]:
+            return of(argv[argv.index(flag) + 1])
+    return None
+
+
+def instance_holding(port: int) -> str | None:
+    """Which pagekeeper instance listens on `port` (its supervisor holds the engine's socket, its engines share it):
+    "instance 'x' (runtime dir D, config C, supervisor pid P)", or None when no pagekeeper process of this user does.
+    Instances whose runtime dirs are not siblings (each given its own --runtime-dir) do not see each other's
+    instance.json, so a clash on the port is found from the process that holds it."""
+    from engine.server.sockets import command_line, listening_pids
+
+    for pid in listening_pids(port):
+        runtime = _runtime_dir_of(command_line(pid))
+        if runtime is None:
+            continue
+        try:
+            record = InstanceRecord(**json.loads((runtime / INSTANCE_FILE_NAME).read_text()))
+        except (OSError, ValueError, TypeError):
+            return f"the pagekeeper instance with runtime dir {runtime} (pid {pid})"
+        return (
+            f"instance {record.instance!r} (runtime dir {runtime}, config {record.config}, "
+            f"supervisor pid {record.supervisor_pid})"
+        )
+    return None
+
+
 def _same_address(a: str, b: str) -> bool:
     wildcard = ("", "0.0.0.0", "::")
     return a == b or a in wildcard or b in wildcard

@@ -22,20 +22,24 @@ there; see systemd/).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import structlog
 
+from engine.config import ConfigError
 from engine.server import control
 from engine.server.handover import InflightFile
 from engine.server.sockets import bind
@@ -46,6 +50,7 @@ from opsctl.constants import (
     EXIT_CONFIG_ERROR,
     STOP_NOW_GRACE_S,
 )
+from opsctl.instances import instance_holding
 from opsctl.keeper import KeeperProcess
 from opsctl.runtime import open_private, write_private
 
@@ -84,6 +89,9 @@ class Launcher(ABC):
     and a systemd unit that the supervisor must know about are attributes here, never type checks."""
 
     name: str
+    # While the engine starts, the supervisor checks `alive()` this often between polls (None: only at polls, for a
+    # launcher whose alive() is not cheap).
+    exit_watch_s: float | None = None
     overlap: bool = False  # a restart starts the new engine before the old one leaves (handover = "overlap")
     engine_outlives_supervisor: bool = False  # the supervisor's own exit (a signal) leaves the engine running
     drain_timeout_per_command: bool = True  # `--drain-timeout` can bound one restart/stop's drain
@@ -91,6 +99,7 @@ class Launcher(ABC):
     def __init__(self) -> None:
         self._last_exit: str | None = None  # how the engine last exited, for status and the give-up reason
         self._last_code: int | None = None
+        self._last_error: str | None = None  # the engine's own line about why, when it wrote one
 
     @abstractmethod
     def start(self) -> None: ...
@@ -135,8 +144,23 @@ class Launcher(ABC):
         (a SIGTERM from outside stops it accepting).  None: nothing says so, and silence may be a hang."""
         return None
 
+    def loading(self) -> bool:
+        """The engine is still starting: it checks its settings, loads its model, and its HTTP side cannot answer
+        yet (a probe would wait for its timeout)."""
+        return False
+
+    def admin(self, cmd: str, timeout: float, **args: object) -> dict | None:
+        """`opsctl drain` / `resume` ("drain", "resume") over the engine's private control socket: its reply, or
+        RuntimeError with the reason in one line.  None where this launcher has no such channel (systemd): the
+        engine's HTTP `/drain` serves then, with the admin key once an API key is set."""
+        return None
+
     def exit_summary(self) -> str | None:
         return self._last_exit
+
+    def exit_error(self) -> str | None:
+        """The engine's own one-line reason for its last exit (an exit 2 names the setting to fix), or None."""
+        return self._last_error
 
     def exit_is_permanent(self) -> bool:
         """The engine exited with 2: a mistake a person must fix, never retried."""
@@ -146,6 +170,7 @@ class Launcher(ABC):
         """The exit has been dealt with (a restart): the next one is news."""
         self._last_exit = None
         self._last_code = None
+        self._last_error = None
 
 
 def tail(path: Path | None, max_bytes: int = _LOG_TAIL_BYTES) -> str:
@@ -321,6 +346,7 @@ def stop_unsupervised(engine: EngineProcess, drain: bool, timeout: float) -> Ret
 
 class ProcessLauncher(Launcher):
     name = "process"
+    exit_watch_s = 0.2  # alive() is a waitpid
 
     def __init__(
         self,
@@ -333,12 +359,16 @@ class ProcessLauncher(Launcher):
         env: dict[str, str] | None = None,
         keeper: KeeperProcess | None = None,
         spare: bool = False,
+        explain: Callable[[str], str] | None = None,
     ) -> None:
+        """`explain`: rewords the engine's error line for the person who configured it (the config file's keys
+        for the flags the supervisor passed: opsctl/supervisor.py)."""
         self.engine_args = engine_args
         # A spare engine standing by behind the serving one (`maintain` starts it): it wakes by itself when the
         # serving engine exits (a crash, a kill, a restart's drain), and is then promoted instead of a start.
         self.spare_enabled = spare and not overlap
         self.spare: EngineProcess | None = None
+        self.explain = explain
         self.runtime = runtime
         self.log_file = log_file
         self.overlap = overlap
@@ -348,7 +378,21 @@ class ProcessLauncher(Launcher):
         self.engine: EngineProcess | None = None
         self._lost_at_exit = 0
         self._serial = 0
-        self.sock = self._adopt() or bind(host, port, hint="change [engine] port")
+        self.sock = self._adopt() or self._bind(host, port)
+
+    @staticmethod
+    def _bind(host: str, port: int) -> socket.socket:
+        """The engines' listening socket; a port another pagekeeper instance holds is refused naming that one."""
+        try:
+            return bind(host, port, hint="change [engine] port", host_hint="change [engine] host")
+        except ConfigError as e:
+            cause = e.__cause__
+            owner = instance_holding(port) if isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE else None
+            if owner is None:
+                raise
+            raise ConfigError(
+                f"[engine] port {port} is already used by {owner}; give this instance another [engine] port"
+            ) from None
 
     # -- adoption ---------------------------------------------------------------------------------
 
@@ -582,7 +626,7 @@ class ProcessLauncher(Launcher):
             self._note_exit()
             lost = self._lost_at_exit
             self.forget_exit()
-            self.engine = None  # noted: not an exit to report again
+            self.engine = None  # its exit is noted and dealt with: start() must not note (and log) it again
             if not self._promote_spare():  # the spare woke at the exit and is taking the GPU already
                 self.start()
             return Retired.of(engine_exited=lost)
@@ -602,8 +646,8 @@ class ProcessLauncher(Launcher):
                 self.retire(new, drain=False, timeout=0)
                 code = new.returncode()
                 raise RestartFailed(
-                    f"the new engine did not come up ({_describe(code)}: "
-                    f"{last_error_line(tail(self.log_file))}); the old one keeps serving"
+                    f"the new engine did not come up ({_describe(code)}: {self._engine_error()}); "
+                    "the old one keeps serving"
                 )
             self.engine = new
             self._record()
@@ -643,6 +687,24 @@ class ProcessLauncher(Launcher):
 
     # -- observing --------------------------------------------------------------------------------
 
+    def loading(self) -> bool:
+        """Its control socket says "loading", or is not there yet (the engine makes it once its flags are checked
+        and its port bound)."""
+        engine = self.engine
+        return engine is not None and engine.alive() and engine.state() in (None, "loading")
+
+    def admin(self, cmd: str, timeout: float, **args: object) -> dict | None:
+        engine = self.engine
+        if engine is None or not engine.alive():
+            raise RuntimeError("the engine is not running")
+        try:
+            reply = engine.request(cmd, timeout=timeout, **args)
+        except (OSError, ValueError) as e:
+            raise RuntimeError(f"the engine's control socket did not answer {cmd!r}: {e}") from None
+        if not reply.get("ok"):
+            raise RuntimeError(f"the engine refused {cmd!r}: {reply.get('error', 'no reason given')}")
+        return reply
+
     def pid(self) -> int | None:
         return self.engine.pid if self.engine is not None else None
 
@@ -668,15 +730,22 @@ class ProcessLauncher(Launcher):
         code = engine.returncode()
         self._last_code = code
         self._lost_at_exit = engine.in_flight()
-        detail = last_error_line(tail(self.log_file))
+        detail = self._engine_error()
         what = _describe(code) if not engine.adopted else "exited (adopted engine: exit status unknown)"
         self._last_exit = f"{what}: {detail}" if detail else what
+        self._last_error = detail or None
         log.info("engine_exited", pid=engine.pid, how=what, in_flight=self._lost_at_exit)
         engine.cleanup()
 
     def forget_exit(self) -> None:
         super().forget_exit()
         self._lost_at_exit = 0
+
+    def _engine_error(self) -> str:
+        """The engine log's line about why it stopped, without its own "error: " (whoever shows it adds theirs),
+        in the terms of the configuration it was started from."""
+        line = last_error_line(tail(self.log_file)).removeprefix("error: ")
+        return self.explain(line) if self.explain is not None and line else line
 
     def log_path(self) -> Path | None:
         return self.log_file

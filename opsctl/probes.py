@@ -92,12 +92,9 @@ class EngineProbe:
         return "error", f"HTTP {r.status_code}"
 
     def drain(self, timeout: float) -> dict[str, Any]:
-        """A load balancer's drain: the engine answers 503 to new requests until resumed."""
-        r = self.client.post(
-            self.url + "/drain", params={"timeout": timeout}, timeout=timeout + 10, headers=self.admin_headers
-        )
-        r.raise_for_status()
-        return r.json()
+        """A load balancer's drain over HTTP (the systemd launcher; the process launcher uses the engine's control
+        socket): the engine answers 503 to new requests until resumed."""
+        return self._admin("POST", {"timeout": timeout}, timeout + 10)
 
     def recycle(self, timeout: float) -> dict[str, Any]:
         """Rebuild the engine's KV pool in place, over HTTP (when the launcher has no private channel to it)."""
@@ -108,8 +105,24 @@ class EngineProbe:
         return dict(r.json())
 
     def resume(self) -> dict[str, Any]:
-        r = self.client.delete(self.url + "/drain", headers=self.admin_headers)
-        r.raise_for_status()
+        return self._admin("DELETE", {}, self.client.timeout.read or 10)
+
+    def _admin(self, method: str, params: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """/drain with the admin key; a refusal or a failure is one RuntimeError line that says what to change."""
+        try:
+            r = self.client.request(
+                method, self.url + "/drain", params=params, timeout=timeout, headers=self.admin_headers
+            )
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"{method} /drain failed: {type(e).__name__}: {e}") from None
+        if r.status_code in (401, 403):
+            raise RuntimeError(
+                f"the engine refused {method} /drain (HTTP {r.status_code}): under systemd the supervisor drains "
+                "it over HTTP, which with [engine] api_key set needs the admin key too: set [engine] admin_key_file "
+                "(or PAGEKEEPER_ADMIN_KEY in /etc/pagekeeper/engine.env)"
+            )
+        if r.status_code != 200:
+            raise RuntimeError(f"{method} /drain answered HTTP {r.status_code}: {r.text.strip()[:200]}")
         return r.json()
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 
 from engine.config import ConfigError
-from engine.config_file import SECRET_ENV
+from engine.config_file import SECRET_ENV, in_config_terms
 from engine.logs import configure_logging
 from engine.server.settings import read_secret
 from opsctl.config import PagekeeperConfig, load_config
@@ -107,7 +107,17 @@ def build_launcher(cfg: PagekeeperConfig, runtime: Path, gpu: GpuProbe) -> Launc
         env=cfg.engine_env(),
         keeper=keeper,
         spare=spare,
+        explain=lambda line: engine_error_in_config_terms(line, cfg),
     )
+
+
+def engine_error_in_config_terms(line: str, cfg: PagekeeperConfig) -> str:
+    """The engine names the flags it was given; every one came from the config's [engine] section, which is what a
+    person edits: `--model /x: no such directory` is told as `FILE: [engine] model = "/x": no such directory`."""
+    text = in_config_terms(line, cfg.engine)
+    if text == line or cfg.source == "built-in defaults":
+        return text
+    return f"{cfg.source}: {text}"
 
 
 def _admin_key(cfg: PagekeeperConfig) -> str | None:

@@ -108,7 +108,10 @@ def _eos_ids(path: Path, hf_config: Any) -> list[int]:
 
 def load_tokenizer(config: EngineConfig) -> Any:
     """The tokenizer on the `tokenizers` library where engine/model/hf_tokenizer.py can build it as transformers
-    would, else transformers' AutoTokenizer (imported only then)."""
+    would, else transformers' AutoTokenizer (imported only then).  Transformers' own length limit is lifted: the
+    engine checks every prompt against max_model_len itself (a 400 naming the field), and its "Token indices
+    sequence length is longer than the specified maximum" warning for a prompt it is about to refuse only added a
+    plain line to the log."""
     source = config.tokenizer or config.model_path()
     require_tokenizer_dir(source)
     directory = Path(source).expanduser()
@@ -120,13 +123,19 @@ def load_tokenizer(config: EngineConfig) -> Any:
             return tokenizer
     log.debug("tokenizer_loaded_by_transformers", tokenizer=str(directory), reason=why)
     from transformers import AutoTokenizer
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
+    from engine.logs import route_library_logger
+
+    route_library_logger("transformers")  # its warnings as our JSON lines, where we log JSON
     try:
-        return AutoTokenizer.from_pretrained(
+        tokenizer = AutoTokenizer.from_pretrained(
             str(directory), trust_remote_code=config.trust_remote_code, local_files_only=True
         )
     except (OSError, ValueError) as e:
         raise ConfigError(f"tokenizer at {source} could not be loaded: {e}; pass --tokenizer DIR") from e
+    tokenizer.model_max_length = VERY_LARGE_INTEGER
+    return tokenizer
 
 
 @contextlib.contextmanager
@@ -191,8 +200,9 @@ def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def _in_model(info: ModelInfo, e: ModelLoadError) -> str:
-    text = str(e)
-    return text if text.startswith(str(info.path)) else f"--model {info.path}: {text}"
+    """The error after the flag that chose the checkpoint, so that a config file's reader is pointed at its key
+    (engine/config_file.py, in_config_terms) even when the message names a file inside the directory."""
+    return f"--model {info.path}: {e}"
 
 
 def check_checkpoint(info: ModelInfo) -> int:

@@ -44,13 +44,13 @@ import uvicorn
 
 from engine.chat import load_chat_template
 from engine.config import ConfigError, EngineConfig
-from engine.config_file import SECRET_ENV, engine_args, load_engine_section
+from engine.config_file import SECRET_ENV, engine_args, error_in_file_terms, load_engine_section
 from engine.gc_heap import freeze_startup_heap
 from engine.lifecycle import LIFECYCLE, Phase
 from engine.logs import configure_logging
 from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenizer_dir
 from engine.schema import validate_section
-from engine.server.control import ControlSocket
+from engine.server.control import ControlSocket, admin_handlers
 from engine.server.core_share import CoreShare
 from engine.server.handover import RESTARTING_MESSAGE, HandoverDrain, HttpTracker, InflightFile
 from engine.server.limits import AcceptErrorsCondensed, BodyLimit, connection_limit, guarded_protocol
@@ -155,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-log-stats",
         action="store_true",
         help="Do not log the throughput / queue / KV cache line every 10 s while there is work.",
+    )
+    s.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="Serve no /docs, /redoc or /openapi.json (they need no API key): for a server reachable by others.",
     )
     s.add_argument(
         "--uvicorn-log-level",
@@ -355,13 +360,15 @@ def serve(
     if not server_config.disable_log_stats:
         async_engine.add_step_hook(StatsLogger(engine.stats, interval_from_env()))
     inflight = InflightFile(server_config.inflight_file) if server_config.inflight_file else None
-    tracker = HttpTracker(BodyLimit(build_app(state), server_config.max_request_body_bytes), inflight)
+    app = build_app(state, docs=not server_config.disable_fastapi_docs)
+    tracker = HttpTracker(BodyLimit(app, server_config.max_request_body_bytes), inflight)
     max_connections = server_config.max_connections or connection_limit()
     protocol = guarded_protocol(max_connections, server_config.header_timeout)
 
     config = uvicorn.Config(
         tracker,
         log_level=server_config.uvicorn_log_level,
+        log_config=None,  # uvicorn's lines go through our JSON renderer (engine/logs.py), not its own plain format
         access_log=False,
         timeout_graceful_shutdown=5,
         lifespan="off",
@@ -468,6 +475,7 @@ class DrainOnTermServer(uvicorn.Server):
             control.set_in_flight_reader(lambda: tracker.in_flight)
             control.handlers["drain_exit"] = self._drain_exit
             control.handlers["stop_now"] = lambda req: self._request_stop("now", 0.0)
+            control.handlers.update(admin_handlers(async_engine, lambda: self._loop))  # opsctl drain / resume
             control.handlers["recycle"] = self._recycle
 
     def _recycle(self, req: dict) -> dict:
@@ -599,6 +607,7 @@ class DrainOnTermServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         server_config, engine_config = parse_args(argv)
         configure_logging(server_config.log_level, force=True)
@@ -611,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
             if control is not None:
                 control.close()
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {error_in_file_terms(str(e), argv)}", file=sys.stderr)  # a --config file's keys, not flags
         return 2
 
 

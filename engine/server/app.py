@@ -20,7 +20,10 @@ _QUIET_PATHS = ("/health", "/metrics")
 class RequestLog:
     """Plain ASGI middleware (not BaseHTTPMiddleware, which hides client disconnects from routes).
 
-    Logs method, path, status and duration: never bodies, so prompts stay out of the logs.
+    Logs method, path, status and duration: never bodies, so prompts stay out of the logs.  A request whose body
+    never arrived whole (its connection closed first: a client killed mid-send, connections closed at shutdown)
+    is not a request the server got: it is logged at debug level as `http_request_unread`, not as an
+    `http_request` with the 400 that FastAPI answers a body it could not read (nobody receives that answer).
     """
 
     def __init__(self, app: Any) -> None:
@@ -34,6 +37,9 @@ class RequestLog:
             return
         start = time.monotonic()
         status = 0
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length", b"")
+        body_read = not ((length.isdigit() and int(length) > 0) or b"transfer-encoding" in headers)
 
         async def send_and_note(message: dict) -> None:
             nonlocal status
@@ -41,16 +47,21 @@ class RequestLog:
                 status = message["status"]
             await send(message)
 
+        async def receive_and_note() -> dict:
+            nonlocal body_read
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body"):
+                body_read = True
+            return message
+
         try:
-            await self.app(scope, receive, send_and_note)
+            await self.app(scope, receive_and_note, send_and_note)
         finally:
-            log.info(
-                "http_request",
-                method=scope["method"],
-                path=scope["path"],
-                status=status,
-                seconds=round(time.monotonic() - start, 4),
-            )
+            fields = {"method": scope["method"], "path": scope["path"], "seconds": round(time.monotonic() - start, 4)}
+            if body_read:
+                log.info("http_request", status=status, **fields)
+            else:
+                log.debug("http_request_unread", **fields)
 
 
 def _openapi_with_model_names(app: FastAPI, names: list[str]) -> Callable[[], dict[str, Any]]:
@@ -77,11 +88,15 @@ def _openapi_with_model_names(app: FastAPI, names: list[str]) -> Callable[[], di
     return build
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, docs: bool = True) -> FastAPI:
+    """`docs` False (--disable-fastapi-docs): no /docs, /redoc or /openapi.json, which answer without the API key."""
     app = FastAPI(
         title="pagekeeper",
         version=admin.package_version(),
         description="OpenAI-compatible LLM server with PagedAttention",
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
     )
     app.state.pk = state
     app.include_router(openai_api.router)

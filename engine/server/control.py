@@ -7,12 +7,18 @@ and exit", "stop now" and "give me the listening socket" (for a supervisor that 
 engine after its predecessor died) reach exactly that engine.  It runs in its own thread, so it
 answers while the model loads and while the HTTP loop is busy.
 
+`opsctl drain` and `opsctl resume` come this way too ("drain", "resume": `admin_handlers`): the same
+load-balancer drain as `POST /drain`, which stays for load balancers, but asked with the supervisor's own
+credential (the socket's owner), so that an engine with an API key needs no admin key for them.
+
 One JSON line per connection, one JSON line back; the socket is created 0600 and a peer with
-another uid is refused (SO_PEERCRED).
+another uid is refused (SO_PEERCRED).  Each connection is served on a thread of its own: a drain that
+waits for in-flight requests does not hold up a state query.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -70,12 +76,15 @@ class ControlSocket:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
-            with conn:
-                try:
-                    conn.settimeout(5)
-                    self._handle(conn)
-                except Exception as e:  # one bad client never stops the channel
-                    log.warning("control_request_failed", error=str(e))
+            threading.Thread(target=self._serve_one, args=(conn,), name="engine-control-request", daemon=True).start()
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(5)
+                self._handle(conn)
+            except Exception as e:  # one bad client never stops the channel
+                log.warning("control_request_failed", error=str(e))
 
     @staticmethod
     def _peer(conn: socket.socket) -> tuple[int, int]:
@@ -112,6 +121,40 @@ class ControlSocket:
         else:
             reply = {"ok": False, "error": f"unknown command {cmd!r}"}
         conn.sendall(json.dumps(reply).encode() + b"\n")
+
+
+def admin_handlers(async_engine: Any, loop: Callable[[], asyncio.AbstractEventLoop | None]) -> dict[str, Handler]:
+    """ "drain" and "resume" for the control socket: `POST /drain` and `DELETE /drain`, run on the HTTP event loop
+    (`loop()`, None until it runs) as those routes are, answered with the same document."""
+
+    def on_loop(coro: Any, timeout: float) -> Any:
+        running = loop()
+        if running is None:
+            coro.close()
+            raise RuntimeError("the engine is not serving yet")
+        return asyncio.run_coroutine_threadsafe(coro, running).result(timeout)
+
+    def drain(req: dict[str, Any]) -> dict[str, Any]:
+        timeout = float(req.get("timeout_s", 60.0))
+        return {"ok": True, "drain": on_loop(async_engine.drain(timeout), timeout + 10).__dict__}
+
+    async def resume() -> None:
+        async_engine.resume()
+
+    def resume_handler(req: dict[str, Any]) -> dict[str, Any]:
+        on_loop(resume(), 10)
+        return {"ok": True, "resume": {"status": "ok"}}
+
+    def guarded(handler: Handler) -> Handler:
+        def run(req: dict[str, Any]) -> dict[str, Any]:
+            try:
+                return handler(req)
+            except (RuntimeError, TimeoutError) as e:
+                return {"ok": False, "error": str(e) or type(e).__name__}
+
+        return run
+
+    return {"drain": guarded(drain), "resume": guarded(resume_handler)}
 
 
 def _process_name(pid: int) -> str:

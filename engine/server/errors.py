@@ -6,12 +6,15 @@ reading server logs.  Only a bug in the engine produces a 5xx.
 
 from __future__ import annotations
 
+import difflib
+import typing
 from typing import Any
 
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.server.async_engine import EngineStopping
@@ -85,19 +88,71 @@ def _param(loc: tuple[Any, ...]) -> str:
     return ".".join(kept) or "body"
 
 
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models a field's annotation holds (inside Optional, Union, list, Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _field_names(model: type[BaseModel]) -> dict[str, Any]:
+    """{name or alias: annotation} of a model's fields."""
+    names: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        names[name] = info.annotation
+        if info.alias:
+            names[info.alias] = info.annotation
+    return names
+
+
+def near_miss(request: Request, loc: tuple[Any, ...]) -> str | None:
+    """The declared field an unknown one was probably meant to be (`max_token`: `max_tokens`), or None.
+
+    The route's body model is followed along the error's location (nested objects, list items, union members)
+    to the object that holds the unknown key; its own field names are the candidates."""
+    endpoint = getattr(request.scope.get("route"), "endpoint", None)
+    try:
+        hints = typing.get_type_hints(endpoint) if endpoint is not None else {}
+    except (NameError, TypeError):
+        return None
+    models = _models_in(hints.get("body"))
+    parts = [x for x in loc if x != "body"]
+    if not models or not parts:
+        return None
+    model = models[0]
+    for part in parts[:-1]:
+        fields = _field_names(model)
+        if isinstance(part, str) and part in fields:
+            inner = _models_in(fields[part])
+            if not inner:
+                return None
+            model = next((m for m in inner if m.__name__ in map(str, parts)), inner[0])
+    match = difflib.get_close_matches(str(parts[-1]), list(_field_names(model)), n=1, cutoff=0.7)
+    return match[0] if match else None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai(_: Request, e: OpenAIError) -> JSONResponse:
         return JSONResponse(error_body(e.status, e.message, e.type, e.param, e.code), e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
         errors = e.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        meant = None
+        for error in errors:  # a misspelt field is the cause of the "missing" error its right spelling gets
+            if error.get("type") == "extra_forbidden":
+                meant = near_miss(request, tuple(error.get("loc", ())))
+                if meant is not None:
+                    first = error
+                    break
         param = _param(tuple(first.get("loc", ())))
         msg = str(first.get("msg", "invalid value"))
         if first.get("type") == "json_invalid":
             param, msg = "body", f"the body is not valid JSON: {msg}"
+        elif first.get("type") == "extra_forbidden":
+            msg = "unknown field" + (f"; did you mean {meant!r}?" if meant else "")
         extra = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
         return JSONResponse(error_body(400, f"{param}: {msg}{extra}", param=param), 400)
 

@@ -169,15 +169,19 @@ def _admit(
     params: SamplingParams,
     stream: bool,
     user: str | None = None,
+    prompt_param: str = "prompt",
 ) -> list[_Admitted]:
     """Refuse now (400/429/503) or accept every prompt of the request; nothing is half-admitted.
-    This is the one place a served request is validated."""
+    This is the one place a served request is validated.  `prompt_param`: the request field the prompt came
+    from (a chat's is `messages`), named when the prompt is what does not fit."""
     valid = []
     for i, prompt in enumerate(prompts):
         try:
             valid.append(state.engine.validate(prompt.ids, params, prompt.text))
         except SamplingParamsError as e:
-            param = e.param if len(prompts) == 1 or e.param != "prompt" else f"prompt[{i}]"
+            param = e.param
+            if param == "prompt":
+                param = prompt_param if len(prompts) == 1 else f"{prompt_param}[{i}]"
             state.metrics.request_failed("invalid")
             raise OpenAIError(400, str(e), param=param) from e
     admitted: list[_Admitted] = []
@@ -535,7 +539,7 @@ async def chat_completions(body: p.ChatCompletionRequest, http: Request) -> Any:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(state, body, body.max_completion_tokens or body.max_tokens, logprobs, tools.constraint)
     request_id = p.new_id("chatcmpl")
-    (admitted,) = _admit(state, request_id, [prompt], params, bool(body.stream), body.user)
+    (admitted,) = _admit(state, request_id, [prompt], params, bool(body.stream), body.user, prompt_param="messages")
     created = p.now()
 
     if body.stream:

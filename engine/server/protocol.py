@@ -4,10 +4,17 @@ Bounds live in the schema so that an out-of-range value is refused by validation
 named, before it reaches the engine; they also make the OpenAPI spec precise enough for schemathesis
 to probe every edge.
 
-No field is ever ignored.  An unknown field is a 400 naming it (`extra="forbid"`): a client that asks
-for something we do not do must hear so, not get an answer computed without it.  OpenAI's and vLLM's
-fields that pagekeeper does not implement yet are declared (`NOT_YET`) and accepted only at the value
-that means "off", which clients send as defaults; any other value is a 400 that names the field.
+No field is ever ignored.  An unknown field is a 400 naming it (`extra="forbid"`; a near miss such as
+`max_token` is answered "did you mean 'max_tokens'?"): a client that asks for something we do not do must
+hear so, not get an answer computed without it.  OpenAI's and vLLM's fields that pagekeeper does not
+implement yet are declared (`NOT_YET`) and accepted only at the value that means "off", which clients send
+as defaults; any other value is a 400 that names the field.
+
+Every field is strictly typed, as OpenAI's API is: a JSON value of another type is a 400, never converted.
+vLLM's models are lax pydantic, which converts `"max_tokens": "10"` to 10, `true` to 1, `2.0` to 2 and
+`"stream": "yes"` to true; pagekeeper refuses those (a quoted number, a boolean for a number, a number with a
+decimal point for an integer, a string or number for a boolean).  A float field takes an integer (`"temperature":
+1`), and no number field takes NaN or infinity.  `model` may be left out: the served model answers, as in vLLM.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ def now() -> int:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 # Fields of OpenAI's and vLLM's request schemas that pagekeeper does not implement yet: the values that
@@ -112,7 +119,7 @@ class ResponseFormat(_Request):
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
-    model: str = Field(min_length=1, max_length=512)
+    model: str | None = Field(default=None, min_length=1, max_length=512, description="default: the served model")
     n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)

@@ -6,14 +6,36 @@ section of the TOML config file (opsctl/config.py) refuse the same mistakes with
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import stat
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from engine.config import ConfigError
+
+_LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+
+
+def check_host(host: str) -> str:
+    """An IPv4 or IPv6 address, or a host name (RFC 1123 labels, the last one not all digits): `999.1.1.1` is
+    refused here, with the key named, rather than when the engine binds, where a failed lookup read as a port
+    problem.  Whether a name resolves is for the bind to say: a name may resolve only where the engine runs."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    labels = host.removesuffix(".").split(".")
+    if len(host) <= 253 and all(_LABEL.match(label) for label in labels) and not labels[-1].isdigit():
+        return host
+    raise ValueError("not an IPv4 or IPv6 address or a host name")
+
+
+Host = Annotated[str, Field(min_length=1), AfterValidator(check_host)]
 
 # Flags opsctl sets for the engines it starts; not settings a config file may hold.
 INTERNAL_FIELDS = ("listen_fd", "control_socket", "inflight_file", "share_cores_with", "config")
@@ -21,7 +43,7 @@ INTERNAL_FIELDS = ("listen_fd", "control_socket", "inflight_file", "share_cores_
 
 @dataclass
 class ServerConfig:
-    host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
+    host: Host = "127.0.0.1"
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     api_key: str | None = None
     admin_key: str | None = None
@@ -41,6 +63,7 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
     disable_log_stats: bool = False
+    disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json (vLLM's flag)
     cpu_reserved_cores: Annotated[int, Field(ge=0)] | None = None  # None: 1 on a CPU engine with >= 2 cores
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "warning"
     listen_fd: int | None = None

@@ -7,7 +7,11 @@ turned into OpenAI's `tool_calls`, whole or streamed.
   have its calls returned as plain text, silently.
 - `required` and a named function: the reply is constrained (structured outputs, the same llguidance masks as
   `response_format`) to a JSON array of calls to the given tools, or to the named function's arguments, so the
-  arguments always validate against the function's schema, whatever the model.
+  arguments always validate against the function's schema, whatever the model.  The reply is always the calls,
+  never content: one that max_tokens cut carries its calls with the arguments as generated (finish_reason
+  "length"), as vLLM's does; a client checks finish_reason before it parses them.  The schema's objects admit no
+  properties beyond those they name unless they say `additionalProperties`, as vLLM's default grammar backend
+  (engine/structured_output.py, `close_objects`).
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from typing import Any, Callable
 from engine.sampling_params import StructuredOutputsParams
 from engine.server import protocol as p
 from engine.server.errors import OpenAIError
-from engine.server.tool_parsers import PARSERS, View, final_calls, named_view, required_view
+from engine.server.tool_parsers import PARSERS, ScannedCall, View, final_calls, forced_required_view, named_view
 
+FORCED = ("required", "named")  # the grammar makes the model call: the reply is its calls, whatever cut it
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # OpenAI: "omitting parameters defines a function with an empty parameter list"
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -77,7 +82,7 @@ def plan_tools(body: p.ChatCompletionRequest, parser: str | None, auto_enabled: 
             "required",
             template_tools,
             StructuredOutputsParams(json=schema, param="tools"),
-            required_view,
+            forced_required_view(names),
             max_calls,
         )
     assert isinstance(choice, p.NamedToolChoice)
@@ -135,11 +140,26 @@ class ParsedReply:
     tool_calls: list[p.ToolCall]
 
 
+def _forced_arguments(call: ScannedCall) -> str:
+    """A forced call's arguments: those of a finished call as final_calls gives them, a cut call's as generated."""
+    return (call.arguments.strip() or "{}") if call.complete else call.arguments
+
+
 def parse_reply(plan: ToolPlan, text: str) -> ParsedReply:
-    """A finished reply: its calls, or (no valid calls) all of it as content, as the model wrote it."""
+    """A finished reply: its calls, or (no valid calls) all of it as content, as the model wrote it.  A forced
+    reply (required, named) is its calls only, complete or cut by max_tokens."""
     if plan.view is None:
         return ParsedReply(text, [])
     view = plan.view(text, True)
+    if plan.mode in FORCED:
+        named = [c for c in view.calls[: plan.max_calls] if c.name is not None]
+        return ParsedReply(
+            None,
+            [
+                p.ToolCall(id=new_call_id(), function=p.FunctionCall(name=str(c.name), arguments=_forced_arguments(c)))
+                for c in named
+            ],
+        )
     calls = final_calls(view)
     if calls is None:
         return ParsedReply(text, [])
@@ -205,7 +225,7 @@ class ToolCallStream:
                 )
             elif arguments:
                 deltas.append(p.DeltaToolCall(index=i, function=p.DeltaFunctionCall(arguments=arguments)))
-        if final and not self.sent_calls and final_calls(view) is None:
+        if final and not self.sent_calls and self.plan.mode not in FORCED and final_calls(view) is None:
             content += self.text[self.sent_content :]  # not calls after all: the rest is content, nothing is lost
             self.sent_content = len(self.text)
         return content, deltas

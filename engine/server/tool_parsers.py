@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _STRUCTURE = re.compile(r'"(?:[^"\\]|\\.)*"|"|[{}\[\]]')  # a whole string, an unterminated one's quote, a bracket
@@ -31,6 +31,7 @@ _SPACE = re.compile(r"\s*")
 @dataclass
 class ScannedCall:
     name: str | None = None  # None until its string is complete
+    partial_name: str | None = None  # the name's text so far while its string is not complete
     arguments: str = ""  # the raw JSON text of the arguments value, as far as the text goes
     complete: bool = False  # the call's object is closed (its arguments are final)
     end: int = 0  # where the call's text ended (complete) or where the scan stopped
@@ -103,6 +104,8 @@ def scan_call(text: str, i: int, arguments_keys: tuple[str, ...], final: bool) -
         end = value_end(text, start, final)
         if key == "name":
             if end is None:
+                if text[start] == '"':
+                    call.partial_name = text[start + 1 :]
                 return call
             name = json.loads(text[start:end])
             if not isinstance(name, str):
@@ -205,6 +208,31 @@ def llama3_json_view(text: str, final: bool) -> View:
 def required_view(text: str, final: bool) -> View:
     """tool_choice "required": the constrained reply is a JSON array of {"name", "parameters"} objects."""
     return _json_sequence_view(text, final, opening="[", separator=",", closing="]", arguments_keys=("parameters",))
+
+
+def forced_required_view(names: Sequence[str]) -> Callable[[str, bool], View]:
+    """`required_view` for a reply the grammar forced to call one of `names`: when the reply ends (max_tokens)
+    inside a call's name, or before its first call's name began, the name is still known if only one of `names`
+    starts with what was written (the grammar allows nothing else); its arguments are then empty.  A later call
+    cut before its name began is left out: the reply has its calls already."""
+
+    def view(text: str, final: bool) -> View:
+        found = required_view(text, final)
+        if not final or found.invalid:
+            return found
+        last = found.calls[-1] if found.calls else None
+        if last is not None and (last.name is not None or (last.partial_name is None and len(found.calls) > 1)):
+            return found
+        prefix = (last.partial_name or "") if last is not None else ""
+        matching = [n for n in names if n.startswith(prefix)]
+        if len(matching) == 1:
+            if last is None:
+                found.calls.append(ScannedCall(name=matching[0]))
+            else:
+                last.name = matching[0]
+        return found
+
+    return view
 
 
 def named_view(name: str) -> Callable[[str, bool], View]:

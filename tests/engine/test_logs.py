@@ -44,3 +44,35 @@ def test_two_unbuffered_engines_appending_to_one_log_never_share_a_line(tmp_path
     print(f"two writers, {LINES} lines each: {len(lines)} lines in the file, {len(broken)} broken, {per_writer}")
     assert not broken, broken[:3]
     assert per_writer == {"old": LINES, "new": LINES}
+
+
+LIBRARIES = """
+import logging, warnings
+from engine.logs import configure_logging
+from engine.model.loader import load_tokenizer
+from engine.config import EngineConfig
+configure_logging()
+tokenizer = load_tokenizer(EngineConfig())  # transformers configures its own stderr handler on import
+tokenizer("Beautiful is better than ugly. " * 200)  # past the checkpoint's 256: the engine refuses, not transformers
+logging.getLogger("transformers.tokenization_utils_base").warning("a transformers warning")
+warnings.warn("a python warning")
+logging.getLogger("uvicorn.error").info("library info stays out")
+"""
+
+
+def test_library_logs_and_warnings_are_json_lines_like_ours(tmp_path: Path) -> None:
+    """transformers wrote `[transformers] Token indices sequence length is longer than the specified maximum ...`
+    into engine.log: a plain line among JSON ones.  The engine checks lengths itself, so that warning is gone; any
+    other library warning and Python warning comes out as one of our JSON lines."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    r = subprocess.run([sys.executable, "-c", LIBRARIES], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    print("\n".join(lines))
+    events = [json.loads(ln) for ln in lines]  # every line is JSON
+    assert not any("Token indices sequence length" in e["event"] for e in events)
+    found = {e["event"]: e for e in events}
+    assert found["a transformers warning"]["level"] == "warning"
+    assert found["a transformers warning"]["logger"] == "transformers.tokenization_utils_base"
+    assert any("a python warning" in e["event"] and e["logger"] == "py.warnings" for e in events)
+    assert "library info stays out" not in r.stderr

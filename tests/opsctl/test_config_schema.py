@@ -41,6 +41,9 @@ CASES = [  # (section, key, TOML value)
     ("supervisor", "unit", '"pagekeeper"'),
     ("supervisor", "drain_timeout", "-5"),
     ("supervisor", "poll_intervall", "10"),  # a typo is an unknown key, not a silent default
+    ("engine", "host", '"999.1.1.1"'),  # it passed, and the bind's failed lookup blamed the port
+    ("engine", "host", '"my host"'),
+    ("supervisor", "metrics_host", '"1.2.3"'),
     ("engine", "port", '"abc"'),
     ("engine", "port", "70000"),
     ("engine", "port", "0"),
@@ -120,3 +123,23 @@ def test_the_engine_server_reads_the_same_schema(tmp_path, key, value):
         cwd=str(REPO),
     )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and key in r.stderr, r.stderr
+
+
+def test_the_engine_names_its_config_files_keys_and_its_command_lines_flags(tmp_path):
+    """`python -m engine.server --config F` (the systemd unit's command): an error about a value the file gave names
+    the file's key; one about a flag given on the command line names the flag."""
+    cfg = tmp_path / "engine.toml"
+    cfg.write_text(f'[engine]\nmodel = "/nonexistent"\nport = {free_port()}\n')
+    for extra, wanted in (
+        ((), f'error: {cfg.resolve()}: [engine] model = "/nonexistent": no such directory; '),
+        (("--model", "/elsewhere"), "error: --model /elsewhere: no such directory; "),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "engine.server", "--config", str(cfg), *extra],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=str(REPO),
+        )
+        print(r.stderr.strip())
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith(wanted), r.stderr

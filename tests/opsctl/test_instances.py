@@ -187,3 +187,33 @@ def test_log_rotation_keeps_the_engine_log_bounded_while_it_serves(instances):
     assert any(line.get("event") == "http_request" for line in lines), lines[-3:]
     assert "http_request" in inst.opsctl("logs", "-n", "5").stdout
     assert inst.opsctl("stop").returncode == 0
+
+
+def test_a_port_held_by_an_instance_with_its_own_runtime_dir_is_refused_naming_it(deploy):
+    """Two deployments, each given its own runtime dir (not siblings: neither sees the other's instance.json), on
+    one port: the second was refused with a bare "Address already in use"; now the line names the instance that
+    holds the port, its runtime dir and its supervisor."""
+    first = deploy()
+    assert first.opsctl("start").returncode == 0
+    second = deploy(engine={"port": first.port})
+    assert second.runtime.parent != first.runtime.parent
+    r = second.opsctl("start")
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    print(f"second start on port {first.port}: exit {r.returncode}: {errors}")
+    assert r.returncode == 2 and len(errors) == 1, r.stdout + r.stderr
+    supervisor_pid = first.status()["supervisor"]["pid"]
+    assert errors[0] == (
+        f"error: [engine] port {first.port} is already used by instance 'default' (runtime dir {first.runtime}, "
+        f"config {first.config.resolve()}, supervisor pid {supervisor_pid}); give this instance another [engine] port"
+    )
+    assert first.status()["engine"]["state"] == "serving"  # the first is untouched
+
+
+def test_a_host_that_is_not_this_machines_is_blamed_not_the_port(deploy):
+    d = deploy(engine={"host": "192.0.2.1"})  # TEST-NET-1: valid, never an address of this machine
+    r = d.opsctl("start")
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    print(f"host 192.0.2.1: exit {r.returncode}: {errors}")
+    assert r.returncode == 2 and len(errors) == 1, r.stdout + r.stderr
+    assert f"cannot listen on 192.0.2.1:{d.port}" in errors[0] and errors[0].endswith("change [engine] host")
+    assert "port" not in errors[0].split(": ", 2)[-1]  # the hint names the host, never the port

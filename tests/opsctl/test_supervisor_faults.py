@@ -137,6 +137,82 @@ def test_an_engine_that_exits_2_is_started_once_and_start_says_why(deploy):
     assert not (d.runtime / "supervisor.sock").exists()
 
 
+@pytest.mark.parametrize("case", ["model", "truncated", "max_model_len", "api_key_file"])
+def test_an_engine_side_config_error_names_the_config_key(deploy, tmp_path, checkpoint, case):
+    """The engine's own checks name the flags opsctl passed it; `opsctl start` tells them as the config file's keys,
+    in one line without a doubled prefix (it said `error: exit code 2: error: --model /nonexistent: ...`), and its
+    progress never goes back to "starting supervisor" after the engine exited."""
+    import shutil
+
+    engine: dict = {}
+    if case == "model":
+        engine["model"] = "/nonexistent"
+        wanted = '[engine] model = "/nonexistent": no such directory; '
+    elif case == "truncated":
+        model = tmp_path / "truncated"
+        shutil.copytree(checkpoint("llama"), model)
+        weights = next(model.glob("*.safetensors"))
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        engine["model"] = str(model)
+        wanted = f'[engine] model = "{model}": {weights}: not a readable safetensors file'
+    elif case == "max_model_len":
+        engine["max_model_len"] = 100000
+        wanted = (
+            "[engine] max_model_len = 100000 exceeds the model's limit of 256 tokens (max_position_embeddings); "
+            "use [engine] max_model_len = 256 or less"
+        )
+    else:
+        engine["api_key_file"] = str(tmp_path / "missing.key")
+        wanted = f'[engine] api_key_file = "{tmp_path / "missing.key"}": No such file or directory'
+    d = deploy(engine=engine)
+    started = time.monotonic()
+    r = d.opsctl("start")
+    took = time.monotonic() - started
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    print(f"{case}: exit {r.returncode} after {took:.1f} s: {r.stderr.strip()}")
+    assert r.returncode == 2 and len(errors) == 1, r.stdout + r.stderr
+    assert errors[0].startswith(f"error: {d.config.resolve()}: {wanted}"), errors[0]
+    assert "--" not in errors[0].replace(str(tmp_path), "") and "exit code" not in errors[0]
+    progress = [ln.split(": ", 1)[1].rsplit(" (", 1)[0] for ln in r.stderr.splitlines() if ln.startswith("starting: ")]
+    if "exited" in progress:
+        assert "starting supervisor" not in progress[progress.index("exited") :], progress
+    st = d.opsctl("status")
+    assert st.returncode == 3 and wanted in st.stdout, st.stdout
+    assert d.log("engine.log").count("--- engine start") == 1  # exit 2: never retried
+
+
+def test_a_killed_engine_is_one_exit_and_an_adopting_supervisor_keeps_the_count(deploy):
+    """kill -9 of the engine is logged as one `engine_exited` (it was two: the restart noted it again), and the
+    restart it caused is still counted after the supervisor dies and a new one adopts the engine (the count went
+    back to 0); `opsctl start` says so in words ("pagekeeper is adopted the engine ..." before)."""
+    d = deploy()
+    st = _start(d)
+    old = st["engine"]["pid"]
+    os.kill(old, signal.SIGKILL)
+    st, _ = d.wait_for(
+        lambda s: s["engine"]["state"] == "serving" and s["engine"]["pid"] not in (None, old), 90, "a new engine"
+    )
+    log = [json.loads(ln) for ln in d.log("supervisor.log").splitlines() if ln.startswith("{")]
+    exits = [e for e in log if e["event"] == "engine_exited"]
+    print(f"engine_exited lines for the kill: {exits}")
+    assert [(e["pid"], e["how"]) for e in exits] == [(old, "killed by SIGKILL")]
+    assert st["restarts"]["total"] == 1 and st["restarts"]["counted_for_crash_loop"] == 1
+    engine, supervisor = st["engine"]["pid"], st["supervisor"]["pid"]
+    os.kill(supervisor, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(supervisor) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    again = d.opsctl("start")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.splitlines()[0] == f"pagekeeper adopted the engine serving {MODEL} at {d.url}", again.stdout
+    st, _ = d.wait_for(lambda s: s["engine"]["state"] == "serving", 60, "the adopted engine serving")
+    assert st["engine"]["pid"] == engine and st["supervisor"]["pid"] != supervisor
+    restarts = st["restarts"]
+    print(f"after the adoption: {restarts}")
+    assert restarts["total"] == 1 and restarts["counted_for_crash_loop"] == 1
+    assert [r["reason"] for r in restarts["recent"]] == ["engine_exited"]
+
+
 def test_an_engine_that_keeps_crashing_ends_in_a_reported_crash_loop(deploy, tmp_path):
     # exit 1 (a bug, not a config mistake) is retried until the crash-loop guard gives up
     crasher = tmp_path / "sitecustomize.py"
@@ -162,8 +238,12 @@ def test_an_engine_that_keeps_crashing_ends_in_a_reported_crash_loop(deploy, tmp
     # a kubelet's liveness probe (the Helm chart's) now fails: restarting the container is the next level's job
     livez = httpx.get(st["supervisor"]["metrics_url"].replace("/metrics", "/livez"), timeout=5)
     assert livez.status_code == 503 and livez.text.startswith("gave up: ") and "exit code 1" in livez.text
+    supervisor = psutil.Process(st["supervisor"]["pid"])
+    busy_before = sum(supervisor.cpu_times()[:2])
     time.sleep(2)  # and it stays given up, no more restarts
     assert d.status()["restarts"]["total"] == 2
+    busy = sum(supervisor.cpu_times()[:2]) - busy_before
+    assert busy < 0.5, f"a supervisor that gave up used {busy:.2f} CPU-s in 2 s"  # it waits for its polls, idle
 
 
 def test_garbage_metrics_slow_metrics_and_no_nvml_are_reported_not_fatal(deploy):

@@ -47,7 +47,7 @@ def test_overload_admits_up_to_max_waiting_and_429s_the_rest(launch):
 def test_requests_that_can_never_fit_are_400s(shared_server):
     long_prompt = "Beautiful is better than ugly. " * 60  # ~300 tokens > max_model_len 256
     r = httpx.post(shared_server.url + "/v1/completions", json={"model": MODEL, "prompt": long_prompt})
-    assert r.status_code == 400 and r.json()["error"]["param"] in ("max_tokens", "prompt")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     r = httpx.post(shared_server.url + "/v1/completions", json={"model": MODEL, "prompt": [[1, 2], [3, 10**6]]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]"
 
@@ -69,6 +69,90 @@ def test_bad_parameters_name_the_parameter(shared_server, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"].split(".")[0] == param and err["type"] == "BadRequestError" and err["message"]
+
+
+def test_a_prompt_longer_than_max_model_len_is_named_whatever_max_tokens_says(shared_server):
+    """vLLM names the input (its param is input_tokens): the audit's 1,801-token prompt with max_tokens 4 was
+    reported as a max_tokens problem.  Only a prompt that fits with too many max_tokens names max_tokens."""
+    long_prompt = "Hello there " * 200
+    chat = {"messages": [{"role": "user", "content": long_prompt}], "max_tokens": 4}
+    for path, body, param in (
+        ("/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 4}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["Now is", long_prompt], "max_tokens": 4}, "prompt[1]"),
+        ("/v1/chat/completions", chat, "messages"),
+        ("/v1/completions", {"model": MODEL, "prompt": "Now is", "max_tokens": 255}, "max_tokens"),
+    ):
+        r = httpx.post(shared_server.url + path, json=body, timeout=60)
+        err = r.json()["error"]
+        print(f"{path} -> {r.status_code} {err['param']}: {err['message']}")
+        assert r.status_code == 400 and err["param"] == param, r.text
+        assert "maximum context length is 256 tokens" in err["message"]
+
+
+def test_a_request_without_model_is_served_by_the_served_model(shared_server):
+    r = httpx.post(shared_server.url + "/v1/completions", json={"prompt": "Now is", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+    chat = {"messages": [{"role": "user", "content": "Now is"}], "max_tokens": 2}
+    r = httpx.post(shared_server.url + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+
+
+@pytest.mark.parametrize(
+    "raw,param,words",
+    [
+        ('"max_tokens": "10"', "max_tokens", "valid integer"),
+        ('"max_tokens": true', "max_tokens", "valid integer"),
+        ('"max_tokens": 2.0', "max_tokens", "valid integer"),
+        ('"stream": "yes"', "stream", "valid boolean"),
+        ('"echo": 1', "echo", "valid boolean"),
+        ('"temperature": NaN', "temperature", "finite number"),
+        ('"top_p": Infinity', "top_p", "finite number"),
+        ('"seed": "7"', "seed", "valid integer"),
+        ('"stop": 5', "stop", ""),
+    ],
+)
+def test_fields_are_strictly_typed_and_nan_is_named(shared_server, raw, param, words):
+    """vLLM's lax pydantic turns "10" into 10, true into 1, 2.0 into 2 and "yes" into true; OpenAI's API and
+    pagekeeper refuse them (protocol.py).  NaN was refused as "should be less than or equal to 2"."""
+    body = '{"model": "%s", "prompt": "Now is", %s}' % (MODEL, raw)
+    r = httpx.post(
+        shared_server.url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60
+    )
+    err = r.json()["error"]
+    print(f"{raw} -> {r.status_code} {err['message']}")
+    assert r.status_code == 400 and err["param"] == param and words in err["message"], r.text
+
+
+def test_a_float_field_still_takes_an_integer(shared_server):
+    body = {"model": MODEL, "prompt": "Now is", "max_tokens": 2, "temperature": 1, "logit_bias": {"5": -100}}
+    assert httpx.post(shared_server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path,body,param,meant",
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_token": 5}, "max_token", "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "temprature": 0}, "temprature", "temperature"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usag": True}},
+            "stream_options.include_usag",
+            "include_usage",
+        ),
+        ("/v1/chat/completions", {"messages": [{"rol": "user", "content": "x"}]}, "messages.0.rol", "role"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "frobnicate": 1}, "frobnicate", None),
+    ],
+)
+def test_an_unknown_field_near_a_known_one_says_which_was_meant(shared_server, path, body, param, meant):
+    r = httpx.post(shared_server.url + path, json=body, timeout=60)
+    err = r.json()["error"]
+    print(f"{body} -> {err['message']}")
+    assert r.status_code == 400 and err["param"] == param, r.text
+    if meant is None:
+        assert err["message"] == f"{param}: unknown field"
+    else:
+        # (a misspelt role also leaves role missing: "and 1 more problem(s)" follows)
+        assert err["message"].startswith(f"{param}: unknown field; did you mean {meant!r}?")
 
 
 def test_malformed_json_and_unknown_routes(shared_server):
@@ -204,6 +288,18 @@ def test_a_taken_port_is_a_clear_exit_2():
         r = _run(["--port", str(s.getsockname()[1])])
     assert r.returncode == 2
     assert "cannot listen on 127.0.0.1" in r.stderr and "--port" in r.stderr
+    assert f"(held by pid {os.getpid()}: " in r.stderr  # who holds it: here, this test
+
+
+def test_a_malformed_or_foreign_host_is_a_clear_exit_2_naming_the_host():
+    r = _run(["--host", "999.1.1.1", "--port", str(free_port())])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert '--host "999.1.1.1": not an IPv4 or IPv6 address or a host name' in r.stderr
+    port = free_port()
+    r = _run(["--host", "192.0.2.1", "--port", str(port)])  # TEST-NET-1: well formed, never this machine's
+    print(r.stderr.strip())
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"cannot listen on 192.0.2.1:{port}" in r.stderr and r.stderr.strip().endswith("; use --host")
 
 
 def test_a_max_model_len_that_cannot_fit_is_a_clear_exit_2():

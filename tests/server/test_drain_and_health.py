@@ -226,3 +226,25 @@ def test_a_stream_under_way_at_a_handover_leaves_its_connection_open_for_the_cli
     finally:
         conn.close()
         listener.close()
+
+
+def test_a_request_whose_connection_closed_before_its_body_arrived_is_not_logged_as_one(launch):
+    """A connection closed mid-body (a client killed while sending; connections cut at shutdown) was logged as an
+    `http_request` with status 400: FastAPI's answer to a body it could not read, which nobody received."""
+    server = launch()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    cut = socket.create_connection(("127.0.0.1", server.port))
+    cut.sendall(head + b'{"model":')
+    time.sleep(0.3)
+    cut.close()  # the client goes away mid-body
+    body = {"model": "pagekeeper-default", "prompt": "Now is", "max_tokens": 2}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    pending = socket.create_connection(("127.0.0.1", server.port))
+    pending.sendall(head + b'{"model":')  # still sending when the server stops
+    time.sleep(0.3)
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(30) == 0
+    pending.close()
+    logged = [json.loads(ln) for ln in server.log().splitlines() if '"http_request"' in ln]
+    print([(e["path"], e["status"]) for e in logged])
+    assert [(e["path"], e["status"]) for e in logged] == [("/v1/completions", 200)]

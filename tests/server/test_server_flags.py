@@ -85,3 +85,44 @@ def test_uvicorn_log_level_reaches_uvicorn(launch):
         httpx.get(server.url + "/health")
     assert "Uvicorn running" not in quiet.log() and "Started server process" not in quiet.log()
     assert "Started server process" in chatty.log() or "Uvicorn running" in chatty.log(), chatty.log()[-2000:]
+
+
+def test_disable_fastapi_docs_leaves_no_docs_and_the_key_guards_only_the_api(launch, tmp_path: Path):
+    """With an API key, /docs, /redoc and /openapi.json still answered anyone; --disable-fastapi-docs (vLLM's flag;
+    `[engine] disable_fastapi_docs` in the TOML file) removes them.  What stays open without the key is what
+    probes and scrapers need: /health, /metrics, /version (README, "API keys")."""
+    config = tmp_path / "docs.toml"
+    config.write_text("[engine]\ndisable_fastapi_docs = true\n")
+    env = {"PAGEKEEPER_API_KEY": "sk-docs-test"}
+    default, disabled = launch(env=env), launch("--config", str(config), env=env)
+    docs = ("/docs", "/redoc", "/openapi.json")
+    assert [httpx.get(default.url + path).status_code for path in docs] == [200, 200, 200]
+    assert [httpx.get(disabled.url + path).status_code for path in docs] == [404, 404, 404]
+    for server in (default, disabled):
+        assert [httpx.get(server.url + path).status_code for path in ("/health", "/metrics", "/version")] == [200] * 3
+        assert httpx.get(server.url + "/v1/models").status_code == 401
+        assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+    ok = httpx.get(disabled.url + "/v1/models", headers={"Authorization": "Bearer sk-docs-test"})
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "pagekeeper-default"
+
+
+def test_every_line_of_the_engines_log_is_json(launch):
+    """A log collector reads JSON lines: transformers' warning about a prompt past the tokenizer's length and
+    uvicorn's about a malformed request were plain lines among them."""
+    import socket
+
+    server = launch("--uvicorn-log-level", "info")
+    body = {"model": "pagekeeper-default", "prompt": "Hello there " * 200, "max_tokens": 4}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 400
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        s.recv(1024)
+    assert httpx.get(server.url + "/health").status_code == 200
+    server.terminate()
+    lines = [ln for ln in server.log().splitlines() if ln.strip()]
+    plain = [ln for ln in lines if not ln.startswith("{")]
+    events = [json.loads(ln) for ln in lines if ln.startswith("{")]
+    print(f"{len(lines)} lines, plain: {plain}; uvicorn's: {[e['event'] for e in events if e.get('logger')]}")
+    assert not plain
+    assert any("Invalid HTTP request" in e["event"] and e["logger"] == "uvicorn.error" for e in events)
+    assert any("Started server process" in e["event"] for e in events)  # --uvicorn-log-level info still reaches it

@@ -245,3 +245,90 @@ def test_tool_and_template_flag_mistakes_are_a_clear_exit_2(tmp_path: Path):
     r = _run_server("--generation-config", str(tmp_path))
     assert r.returncode == 2 and "--generation-config" in r.stderr and "generation_config.json" in r.stderr, r.stderr
     print("exit 2 with one line each:", r.stderr.strip().splitlines()[-1])
+
+
+# -- must-show (issue 37): forced calls over 20 generated schemas, two models, streamed and not -----------------
+
+GENERATED = 20
+FORCED_MAX_TOKENS = 48  # small: many replies are cut, and a cut forced reply must still be its call
+
+
+def _open(schema):  # type: ignore[no-untyped-def]
+    """The schema as tools are usually written: no additionalProperties anywhere (JSON Schema then allows any key)."""
+    if isinstance(schema, dict):
+        return {k: _open(v) for k, v in schema.items() if k != "additionalProperties"}
+    if isinstance(schema, list):
+        return [_open(v) for v in schema]
+    return schema
+
+
+@pytest.fixture(scope="module", params=["embedded", "random-weights"])
+def forced_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, checkpoint):
+    """One server per model for every case: the embedded model, and a random-weight llama checkpoint saved by
+    transformers (tests/checkpoints.py), whose next token is anyone's guess."""
+    root = tmp_path_factory.mktemp(f"forced-{request.param}")
+    model = ("--model", str(checkpoint("llama"))) if request.param == "random-weights" else ()
+    server = start_server(root, *model, "--max-num-seqs", "16")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    yield request.param, client, server
+    server.kill()
+
+
+def test_forced_tool_calls_over_20_generated_schemas_carry_a_call_and_validate(forced_client):
+    """Named and required tool_choice over 20 generated schemas (nested objects, enums, arrays, bounded strings and
+    integers, optional fields) written without additionalProperties, streamed and not: every reply is a tool call,
+    never content; when it finished (tool_calls / stop), its arguments parse and validate against the schema closed
+    to the properties it names (what vLLM's default grammar backend generates); when max_tokens cut it (length),
+    the call still comes back with its arguments as generated."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.json_schemas import random_schemas
+
+    which, client, server = forced_client
+    closed = {f"tool_{i:02d}": s for i, s in enumerate(random_schemas(GENERATED, seed=37))}
+    tools = [
+        {"type": "function", "function": {"name": name, "description": "generated", "parameters": _open(schema)}}
+        for name, schema in closed.items()
+    ]
+    names = list(closed)
+    cases = []
+    for i, name in enumerate(names):
+        pair = [tools[i], tools[(i + 1) % GENERATED]]  # a second tool, so that required must choose
+        for choice in ({"type": "function", "function": {"name": name}}, "required"):
+            for stream in (False, True):
+                cases.append((name, pair, choice, stream, i))
+
+    def run(case):  # type: ignore[no-untyped-def]
+        name, pair, choice, stream, seed = case
+        common = dict(
+            model=client.models.list().data[0].id, messages=[{"role": "user", "content": f"Call {name}."}],
+            tools=pair, tool_choice=choice, max_tokens=FORCED_MAX_TOKENS, temperature=1.0, seed=seed,
+        )  # fmt: skip
+        if stream:
+            content, calls, finish, _ = _streamed(client, **common)
+        else:
+            content, calls, finish = _whole(client, **common)
+        return case, content, calls, finish
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, cases))
+    finished = cut = 0
+    for (name, pair, choice, stream, _), content, calls, finish in results:
+        where = f"{which} {name} {choice if isinstance(choice, str) else 'named'} stream={stream}: {content!r} {calls}"
+        assert not content and calls, where  # a call, never content
+        allowed = [t["function"]["name"] for t in pair]
+        assert all(n in allowed for n, _ in calls), where
+        if choice != "required":
+            assert [n for n, _ in calls] == [name], where
+        if finish in ("tool_calls", "stop"):
+            assert finish == ("tool_calls" if choice == "required" else "stop"), where
+            for n, arguments in calls:
+                jsonschema.validate(json.loads(arguments), closed[n])  # no property beyond those named
+            finished += 1
+        else:
+            assert finish == "length", where
+            cut += 1
+    print(f"{which}: {len(results)} forced replies, {finished} finished and validated, {cut} cut by max_tokens "
+          f"{FORCED_MAX_TOKENS} (each still a call); e.g. {[r[2] for r in results[:4]]}")  # fmt: skip
+    assert finished >= len(results) // 4, "too few replies finished to show their arguments validate"
+    assert server.proc.poll() is None

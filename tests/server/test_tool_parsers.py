@@ -10,7 +10,7 @@ import pytest
 
 from engine.server import protocol as p
 from engine.server.tool_calls import ToolCallStream, ToolPlan, parse_reply
-from engine.server.tool_parsers import hermes_view, llama3_json_view, named_view, required_view
+from engine.server.tool_parsers import forced_required_view, hermes_view, llama3_json_view, named_view, required_view
 
 HERMES = (
     "Let me look that up.\n<tool_call>\n"
@@ -118,3 +118,40 @@ def test_the_streamed_delta_has_openais_shape():
     }
     assert chunk["tool_calls"][1] == {"index": 0, "function": {"arguments": ": 1}"}}
     assert first[0].id.startswith("chatcmpl-tool-")
+
+
+@pytest.mark.parametrize(
+    "mode,view,text,calls",
+    [
+        # max_tokens cut the arguments: the call comes back with them as generated (vLLM), never as content
+        ("named", named_view("get_weather"), '{"city":"SpErIf the', [("get_weather", '{"city":"SpErIf the')]),
+        (
+            "required",
+            forced_required_view(["get_weather", "add"]),
+            '[{"name":"get_weather","parameters":{"city":"Oslo"}},{"name":"add","parameters":{"a":3,',
+            [("get_weather", '{"city":"Oslo"}'), ("add", '{"a":3,')],
+        ),
+        # cut inside the name: the grammar allows only the tools, and one starts so
+        ("required", forced_required_view(["get_weather", "add"]), '[{"name":"get_w', [("get_weather", "")]),
+        # cut before the name began: with one tool there is no other call it can be
+        ("required", forced_required_view(["get_weather"]), '[{"na', [("get_weather", "")]),
+        ("required", forced_required_view(["get_weather"]), "[", [("get_weather", "")]),
+        # two tools and nothing of the name yet: no call can be named, and still no content
+        ("required", forced_required_view(["get_weather", "add"]), '[{"name":"', []),
+        # a second call cut before its name began is left out
+        (
+            "required",
+            forced_required_view(["get_weather"]),
+            '[{"name":"get_weather","parameters":{"city":"Oslo"}},{"',
+            [("get_weather", '{"city":"Oslo"}')],
+        ),
+    ],
+)
+def test_a_forced_reply_cut_by_max_tokens_is_its_calls_never_content(mode, view, text, calls):
+    plan = _plan(mode, view)
+    whole = parse_reply(plan, text)
+    assert whole.content is None and [(c.function.name, c.function.arguments) for c in whole.tool_calls] == calls
+    for i in range(1, len(text)):  # streamed, cut anywhere: the same calls, no content
+        content, streamed = _stream(plan, [text[:i], text[i:]])
+        assert content == "" and [(streamed[j]["name"], streamed[j]["arguments"]) for j in sorted(streamed)] == calls
+    print(f"{mode} {text!r}: {calls}")
