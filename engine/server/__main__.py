@@ -525,6 +525,9 @@ class DrainOnTermServer(uvicorn.Server):
             return {"ok": True, "already": self._stopping}
         self._stopping = how
         if how == "now":
+            # From here on every new request is answered "restarting" at once, and counted where the supervisor
+            # reads what the stop cost (the engine's admission refuses in the STOPPING phase too).
+            self.tracker.stopping = True
             self.async_engine.lifecycle.move(Phase.STOPPING)
         elif self.handover:  # at once, so that a supervisor asking next hears it (the drain itself starts on the loop)
             self.async_engine.lifecycle.move(Phase.HANDING_OVER)

@@ -96,6 +96,8 @@ def test_json_shape_is_the_one_opsctl_status_printed():
         "runtime_dir",
         "poll_interval_s",
         "handover",
+        "weights_keeper",
+        "spare_engine",
     ]
 
 

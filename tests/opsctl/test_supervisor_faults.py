@@ -42,7 +42,9 @@ def _start(d) -> dict:
 FLOOD = 72
 
 
-def test_stuck_cache_drains_then_restarts_and_no_request_is_lost(deploy):
+def test_a_full_cache_is_recycled_first_then_drained_and_restarted_and_no_request_is_lost(deploy):
+    """A cache that stays full under real overload: the cheap cure (a recycle in place, opsctl/policy.py) is tried
+    first; the pressure persists, so the engine is drained and restarted.  Neither loses a request."""
     # 32 KV blocks of 16 tokens: a handful of long requests fills the cache for many seconds.
     # Many short prompts with long outputs: a block freed by a finished or preempted request is
     # taken by the next waiting one within a step, so the pool stays full.
@@ -90,10 +92,13 @@ def test_stuck_cache_drains_then_restarts_and_no_request_is_lost(deploy):
     results = asyncio.run(traffic())
     st = d.status()
     reasons = [r["reason"] for r in st["restarts"]["recent"]]
-    assert reasons and set(reasons) == {"high_cache"}, (reasons, st["last_decision"])
+    assert reasons and set(reasons) == {"high_cache_persists"}, (reasons, st["last_decision"])
+    recycled = [json.loads(line) for line in d.log("supervisor.log").splitlines() if '"engine_recycled"' in line]
+    assert recycled and recycled[0]["reason"] == "high_cache", "the cheap cure first"
     events = [json.loads(line) for line in d.log("supervisor.log").splitlines() if '"action": "drain_restart"' in line]
     assert events and events[0]["evidence"]["peak_cache_usage"] > 0.95
     assert events[0]["evidence"]["preemptions_in_window"] > 0  # pressure, not just a full cache
+    assert events[0]["evidence"]["recycled_s_ago"] > 0
     lost = [r for r in results if r[0] != 200]
     print(
         f"stuck cache: {len(results)} requests, "
