@@ -68,6 +68,9 @@ def main() -> None:
 
 def run_worker(args: WorkerArgs, conn: Connection) -> None:
     """Serve as one rank until rank 0 says stop (or goes away); never returns."""
+    from engine.gc_heap import pause_startup_collections
+
+    pause_startup_collections()  # until _serve freezes the start-up heap (engine/gc_heap.py)
     # Ctrl-C and systemd's SIGTERM reach the whole process group: only rank 0 decides when to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

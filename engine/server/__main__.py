@@ -23,9 +23,12 @@ import time as _time
 
 _MODULE_STARTED = _time.time()  # before anything heavy is imported: the start-up timeline's first mark
 
+from engine.gc_heap import pause_startup_collections  # noqa: E402
 from engine.openmp_waits import prefer_passive_waits  # noqa: E402
 
 prefer_passive_waits()  # before anything loads torch, which loads libgomp (engine/openmp_waits.py)
+if __name__ == "__main__":  # this process is the server: no collections until its heap is frozen (engine/gc_heap.py)
+    pause_startup_collections()
 
 import argparse
 import asyncio
@@ -45,7 +48,7 @@ import uvicorn
 from engine.chat import load_chat_template
 from engine.config import ConfigError, EngineConfig
 from engine.config_file import SECRET_ENV, engine_args, load_engine_section
-from engine.gc_heap import freeze_startup_heap
+from engine.gc_heap import freeze_startup_heap, resume_startup_collections
 from engine.lifecycle import LIFECYCLE, Phase
 from engine.logs import configure_logging
 from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenizer_dir
@@ -600,6 +603,7 @@ class DrainOnTermServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
+    pause_startup_collections()  # until the start-up heap is frozen (engine/gc_heap.py)
     try:
         server_config, engine_config = parse_args(argv)
         configure_logging(server_config.log_level, force=True)
@@ -614,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        resume_startup_collections()  # a start that failed before the freeze: the collector back on
 
 
 def exit_without_teardown(code: int) -> NoReturn:
