@@ -5,10 +5,12 @@
 Every engine start pays these phases: tests start hundreds (the suite's length follows them), and a restart's
 outage on a GPU is the old engine's exit plus the new one's start-up.  Each repeat runs `python -m engine.server`'s
 own `main()` in a fresh interpreter with timing hooks around its phases (importing torch, the server's modules,
-`inspect_model`: the checkpoint's config through transformers, `load_tokenizer`, then building the engine until the
-server listens), sends it SIGTERM once it serves, and times SIGTERM to the `stopped` log line (the drain, nothing in
-flight) and that line to the process's exit, in wall seconds and in the CPU seconds the exit used (`exit_cpu_s`:
-what the exit itself costs, which other work on the cores does not change).  `--teardown interpreter` ends the
+`inspect_model`: the checkpoint's config.json, `load_tokenizer`, then building the engine until the server listens),
+sends it SIGTERM once it serves, and times SIGTERM to the `stopped` log line (the drain, nothing in flight) and that
+line to the process's exit, in wall seconds and in the CPU seconds the exit used (`exit_cpu_s`: what the exit itself
+costs, which other work on the cores does not change).  `to_serving_cpu_s` is the CPU the process used until it
+served (its threads and reaped children): on a shared host, where other work stretches the wall seconds, it moves
+far less.  The host's load averages before and after the runs are recorded with them.  `--teardown interpreter` ends the
 child with `sys.exit` (the interpreter's module teardown, what the engine did before it exited without it); `skip`
 the way the engine does now (`engine.server.__main__.exit_without_teardown`); `both` alternates them.  The
 embedded default model, on the CPU.
@@ -38,6 +40,8 @@ from benchmarks.cpu_pair_contention import cpu_model
 _CHILD = r"""
 import json, os, sys, time
 t0 = time.time()
+from engine.gc_heap import pause_startup_collections
+pause_startup_collections()  # as `python -m engine.server` does before its first import
 marks = {}
 import torch
 marks["import_torch"] = time.time() - t0
@@ -56,6 +60,8 @@ startup = server_main.DrainOnTermServer.startup
 async def announce(self, sockets=None):
     await startup(self, sockets)
     marks["to_serving"] = time.time() - t0
+    cpu = os.times()
+    marks["to_serving_cpu_s"] = cpu.user + cpu.system + cpu.children_user + cpu.children_system
     print("STARTUP " + json.dumps(marks), flush=True)
 server_main.DrainOnTermServer.startup = announce
 code = server_main.main(["--port", sys.argv[1]])
@@ -144,6 +150,24 @@ def one_run(teardown: str) -> dict[str, Any]:
     return row
 
 
+def _cpu_id() -> str:
+    """Vendor, family, model and stepping from /proc/cpuinfo (a virtual machine's model name can be as short as
+    "AMD EPYC"; family 25 model 1 is then Zen 3, Milan)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "cpu family", "model", "stepping") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:
+                    break
+    except OSError:
+        return ""
+    return ", ".join(f"{k} {v}" for k, v in fields.items())
+
+
 def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -163,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results", help="directory for the JSON result ('' = print only)")
     args = ap.parse_args(argv)
     modes = ["skip", "interpreter"] if args.teardown == "both" else [args.teardown]
+    load_before = os.getloadavg()
     rows = [one_run(mode) for _ in range(args.repeats) for mode in modes]  # alternating, one machine
+    load_after = os.getloadavg()
     medians: dict[str, dict[str, float]] = {}
     for mode in modes:
         mine = [r for r in rows if r["teardown"] == mode]
@@ -174,7 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         "date": _dt.date.today().isoformat(),
         "command": "python -m benchmarks.startup_phases " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "cpu": cpu_model(),
+        "cpu_id": _cpu_id(),
         "cores": os.cpu_count(),
+        "load_average_1_5_15_min": {
+            "before": [round(x, 2) for x in load_before],
+            "after": [round(x, 2) for x in load_after],
+        },
         "versions": _versions(),
         "model": "embedded default",
         "medians": medians,

@@ -18,6 +18,7 @@ from engine.core.deltas import SeqDelta
 from engine.core.plan import StepPlan
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.gc_heap import freeze_imported_heap
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.logs import configure_logging
 from engine.memory.budget import KVPlan, ranks_table
@@ -68,6 +69,7 @@ DEFERRED_AFTER_LOAD_S = 3.0
 
 class EngineCore:
     def __init__(self, config: EngineConfig, defer_startup_work: bool = False) -> None:
+        freeze_imported_heap()  # a server's imported modules, out of start-up's last collection (engine/gc_heap.py)
         configure_logging()
         started = time.monotonic()
         self.device = torch.device(config.resolved_device())

@@ -68,6 +68,9 @@ def main() -> None:
 
 def run_worker(args: WorkerArgs, conn: Connection) -> None:
     """Serve as one rank until rank 0 says stop (or goes away); never returns."""
+    from engine.gc_heap import pause_startup_collections
+
+    pause_startup_collections()  # until _serve freezes the start-up heap (engine/gc_heap.py)
     # Ctrl-C and systemd's SIGTERM reach the whole process group: only rank 0 decides when to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -110,12 +113,14 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     from engine.distributed.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
-    from engine.gc_heap import freeze_startup_heap
+    from engine.gc_heap import freeze_imported_heap, freeze_startup_heap
     from engine.logs import configure_logging
     from engine.memory.budget import KVPlan
     from engine.model.overlap import set_overlap_tokens
     from engine.runner.sampler import DeviceSample
     from engine.runner.startup import start_runner
+
+    freeze_imported_heap()  # out of start-up's last collection (engine/gc_heap.py)
 
     configure_logging()
     config = args.config

@@ -23,9 +23,12 @@ import time as _time
 
 _MODULE_STARTED = _time.time()  # before anything heavy is imported: the start-up timeline's first mark
 
+from engine.gc_heap import pause_startup_collections  # noqa: E402
 from engine.openmp_waits import prefer_passive_waits  # noqa: E402
 
 prefer_passive_waits()  # before anything loads torch, which loads libgomp (engine/openmp_waits.py)
+if __name__ == "__main__":  # this process is the server: no collections until its heap is frozen (engine/gc_heap.py)
+    pause_startup_collections()
 
 import argparse
 import asyncio
@@ -45,7 +48,7 @@ import uvicorn
 from engine.chat import load_chat_template
 from engine.config import ConfigError, EngineConfig
 from engine.config_file import SECRET_ENV, engine_args, error_in_file_terms, load_engine_section
-from engine.gc_heap import freeze_startup_heap
+from engine.gc_heap import freeze_startup_heap, resume_startup_collections
 from engine.lifecycle import LIFECYCLE, Phase
 from engine.logs import configure_logging
 from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenizer_dir
@@ -610,6 +613,7 @@ class DrainOnTermServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
+    pause_startup_collections()  # until the start-up heap is frozen (engine/gc_heap.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         server_config, engine_config = parse_args(argv)
@@ -625,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {error_in_file_terms(str(e), argv)}", file=sys.stderr)  # a --config file's keys, not flags
         return 2
+    finally:
+        resume_startup_collections()  # a start that failed before the freeze: the collector back on
 
 
 def exit_without_teardown(code: int) -> NoReturn:
@@ -639,7 +645,8 @@ def exit_without_teardown(code: int) -> NoReturn:
     """
     started = time.monotonic()
     atexit._run_exitfuncs()
-    log.info("exiting", code=code, exit_functions_s=round(time.monotonic() - started, 3))
+    if code == 0:  # an engine that served (a refusal's exit 2 stays its one error line)
+        log.info("exiting", code=code, exit_functions_s=round(time.monotonic() - started, 3))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

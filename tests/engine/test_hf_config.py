@@ -205,10 +205,10 @@ def test_trust_remote_code_always_goes_to_transformers(tmp_path, monkeypatch):
 
 
 def test_a_declined_config_is_logged_at_debug(tmp_path):
-    from structlog.testing import capture_logs
+    from tests.debug_logs import debug_logs
 
     path = _write(tmp_path, _with_arch({"model_type": "llama", "rope_scaling": {"rope_type": "linear"}}))
-    with capture_logs() as logs, pytest.raises(ConfigError, match="Missing required keys"):
+    with debug_logs() as logs, pytest.raises(ConfigError, match="Missing required keys"):
         load_hf_config(path)
     [line] = [entry for entry in logs if entry["event"] == "config_read_by_transformers"]
     assert line["log_level"] == "debug" and "without ['factor']" in line["reason"]

@@ -482,10 +482,10 @@ def test_an_agreeing_add_bos_token_keeps_the_light_tokenizer(tmp_path):
 
 
 def test_a_declined_tokenizer_is_logged_at_debug(tmp_path):
-    from structlog.testing import capture_logs
+    from tests.debug_logs import debug_logs
 
     path = _variant(DEFAULT_MODEL_DIR, tmp_path / "t", {"tokenizer_class": "LlamaTokenizerFast"})
-    with capture_logs() as logs:
+    with debug_logs() as logs:
         load_tokenizer(EngineConfig(tokenizer=str(path)))
     [line] = [entry for entry in logs if entry["event"] == "tokenizer_loaded_by_transformers"]
     assert line["log_level"] == "debug" and "LlamaTokenizerFast" in line["reason"]

@@ -3,6 +3,9 @@ a log line, and a damaged or unwritable cache costs a measurement, never a start
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 from structlog.testing import capture_logs
 
@@ -57,3 +60,22 @@ def test_a_damaged_file_is_a_miss_and_an_unwritable_directory_only_a_warning(tmp
     with capture_logs() as logs:
         unwritable.put("profile", {"activation_bytes": 1})
     assert logs[-1]["event"] == "probe_cache_unwritable"
+
+
+CPU_KEY = """
+import sys, torch
+from engine.config import EngineConfig
+from engine.runner.probe_cache import ProbeCache
+cache = ProbeCache(EngineConfig(device="cpu", max_model_len=256, max_num_batched_tokens=512), {}, "float32",
+                   "float32", torch.device("cpu"))
+print(cache.parts["versions"], "triton" in sys.modules)
+"""
+
+
+def test_a_cpu_engine_s_key_does_not_import_triton():
+    """Only the CUDA kernels depend on Triton; importing it for a CPU engine's key took 0.15 s of its start."""
+    from tests.server.harness import REPO
+
+    r = subprocess.run([sys.executable, "-c", CPU_KEY], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["{'torch':", f"'{torch.__version__}'}}", "False"], r.stdout

@@ -1,7 +1,7 @@
 """What an engine server imports: its start with the embedded model, and serving chat, tokenization and a
 structured output, import neither transformers (its config and tokenizer are read without it,
-engine/model/hf_config.py and hf_tokenizer.py) nor sympy (which torch imported when the model was moved off the
-meta device with `to_empty`)."""
+engine/model/hf_config.py and hf_tokenizer.py), nor sympy (which torch imported when the model was moved off the
+meta device with `to_empty`), nor triton on a CPU (the probe cache's key imported it for its version)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import httpx
 from engine.default_model import DEFAULT_MODEL_DIR
 from tests.server.harness import start_server
 
-HEAVY = ("transformers", "sympy")
+HEAVY = ("transformers", "sympy", "triton")
 
 
 def _imported(log: str) -> list[str]:
