@@ -29,6 +29,17 @@ def _events(d, name: str) -> list[dict]:  # type: ignore[no-untyped-def]
     return out
 
 
+def _assert_gone(pid: int, why: str, within_s: float = 20.0) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail(why)
+
+
 def _serving_new(d, old_pid: int):  # type: ignore[no-untyped-def]
     return lambda s: s["engine"]["pid"] not in (None, old_pid) and s["engine"]["state"] == "serving"
 
@@ -83,15 +94,7 @@ def test_engines_share_the_kept_weights_through_restarts_kills_and_a_dead_keeper
     # opsctl stop ends the keeper too: its memory goes back
     pid = now["pid"]
     assert d.opsctl("stop").returncode == 0
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("the keeper outlived opsctl stop")
+    _assert_gone(pid, "the keeper outlived opsctl stop")
 
 
 def test_a_spare_engine_stands_by_and_takes_over_a_killed_or_restarted_engine(deploy):
@@ -140,12 +143,4 @@ def test_a_spare_engine_stands_by_and_takes_over_a_killed_or_restarted_engine(de
     spare_pid = d.status()["supervisor"]["spare_engine"]["pid"]
     assert d.opsctl("stop").returncode == 0
     for pid in (spare_pid, keeper):
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.1)
-        else:
-            pytest.fail(f"pid {pid} outlived opsctl stop")
+        _assert_gone(pid, f"pid {pid} outlived opsctl stop")
