@@ -228,6 +228,10 @@ class EngineConfig:
             raise ConfigError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
         if self.fragmentation_buffer_factor < 0:
             raise ConfigError(f"--fragmentation-buffer-factor must be >= 0, got {self.fragmentation_buffer_factor}")
+        if self.standby_after is not None:
+            _positive("--standby-after", self.standby_after)
+        elif self.standby_spare:
+            raise ConfigError("--standby-spare describes a standby: it needs --standby-after PID")
         if self.preemption_mode not in (None, "swap", "recompute"):
             raise ConfigError(f"--preemption-mode must be swap or recompute, got {self.preemption_mode!r}")
 

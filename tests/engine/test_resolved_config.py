@@ -38,3 +38,11 @@ def test_a_sliding_window_caps_the_context_and_a_limit_past_the_model_is_refused
     assert unchunked.max_num_batched_tokens == 16384
     assert EngineConfig(max_num_seqs=512, max_num_batched_tokens=128).resolve(4096).max_num_seqs == 128
     assert isinstance(EngineConfig().resolve(64), ResolvedConfig)
+
+
+def test_the_supervisors_standby_flags_are_checked_not_ignored():
+    with pytest.raises(ConfigError, match="--standby-spare describes a standby: it needs --standby-after PID"):
+        EngineConfig(standby_spare=True)
+    with pytest.raises(ConfigError, match="--standby-after must be >= 1"):
+        EngineConfig(standby_after=0)
+    assert EngineConfig(standby_after=123, standby_spare=True).standby_spare
