@@ -319,6 +319,12 @@ def startup_timeline(d: Deployment) -> dict[str, float] | None:
     return serving[-1].get("startup") if serving else None
 
 
+def first_steps(d: Deployment) -> dict[str, Any] | None:
+    """The serving engine's `first_steps` line (engine/core/first_steps.py): what the requests that waited met next."""
+    events = d.events("engine.log", "first_steps")
+    return {k: v for k, v in events[-1].items() if k not in ("event", "level", "timestamp")} if events else None
+
+
 def scenario_start(d: Deployment, timeout: float) -> dict[str, Any]:
     t0 = time.monotonic()
     r = d.opsctl("start", timeout=timeout)
@@ -361,6 +367,7 @@ def scenario_restart(d: Deployment, args: argparse.Namespace) -> dict[str, Any]:
         "new_engine_timeline": startup_timeline(d),
         "weights_from": ready[-1].get("weights_from") if ready else None,
         "spare_standing_by_after_s": spare_ready_s,
+        "new_engine_first_steps": first_steps(d),
         **stats,
     }
 
@@ -388,6 +395,7 @@ def scenario_kill9(d: Deployment, args: argparse.Namespace) -> dict[str, Any]:
         "new_engine_phases": ready[-1].get("phases") if ready else None,
         "new_engine_timeline": startup_timeline(d),
         "weights_from": ready[-1].get("weights_from") if ready else None,
+        "new_engine_first_steps": first_steps(d),
         **stats,
     }
 

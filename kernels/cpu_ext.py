@@ -30,11 +30,13 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 
 import structlog
 import torch
+
+from engine.cache_dir import cache_root
 
 log = structlog.get_logger("pagekeeper.kernels")
 
@@ -54,16 +56,6 @@ def mode() -> str:
     if value not in MODES:
         raise ValueError(f"{ENV}={value!r} is not one of {', '.join(MODES)}")
     return value
-
-
-def cache_root(env: Mapping[str, str] | None = None) -> Path:
-    """Where builds are kept, for this process's environment or the given one (another process's)."""
-    env = os.environ if env is None else env
-    for var in ("PAGEKEEPER_CACHE_DIR", "CACHE_DIRECTORY"):
-        if env.get(var):
-            return Path(env[var].split(":")[0])
-    xdg = env.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "pagekeeper"
 
 
 def _cpu_flags() -> str:

@@ -44,6 +44,9 @@ class SupervisorConfig(PolicyConfig):
     # engine dies or is restarted, the spare takes the GPU at its exit.  auto = on where weights are kept and one
     # engine runs at a time (a GPU); it costs a CUDA context per GPU and the host memory of one more process.
     spare_engine: Literal["auto", "on", "off"] = "auto"
+    # Engines' compiled bytecode (opsctl/bytecode.py): auto = where the installation keeps none and may not write any
+    # (PYTHONDONTWRITEBYTECODE, a read-only install), engines keep theirs under the cache folder; off = leave it.
+    bytecode_cache: Literal["auto", "off"] = "auto"
     instance: Annotated[str, Field(pattern=INSTANCE_PATTERN)] = DEFAULT_INSTANCE
     unit: Annotated[str, Field(pattern=r"^[A-Za-z0-9:_.@\\-]+\.service$")] | None = None  # None: from the instance
     metrics_host: Host = "127.0.0.1"

@@ -30,6 +30,7 @@ from engine.config import ConfigError
 from engine.config_file import SECRET_ENV, in_config_terms
 from engine.logs import configure_logging
 from engine.server.settings import read_secret
+from opsctl.bytecode import bytecode_plan
 from opsctl.config import PagekeeperConfig, load_config
 from opsctl.constants import (
     ENGINE_LOG_NAME,
@@ -80,6 +81,14 @@ def keeps_weights(cfg: PagekeeperConfig, gpu: GpuProbe) -> bool:
     return mode == "on" or (mode == "auto" and engine_on_gpu(cfg, gpu))
 
 
+def engine_bytecode_env(cfg: PagekeeperConfig) -> dict[str, str]:
+    """`[supervisor] bytecode_cache` (opsctl/bytecode.py): a bytecode folder where the installation keeps none."""
+    plan = bytecode_plan({**os.environ, **cfg.engine_env()}, cfg.supervisor.bytecode_cache)
+    if plan.env:
+        log.info("bytecode_cache", folder=plan.env["PYTHONPYCACHEPREFIX"], reason=plan.reason)
+    return plan.env
+
+
 def build_launcher(cfg: PagekeeperConfig, runtime: Path, gpu: GpuProbe) -> Launcher:
     """systemd when asked (or, with "auto", when the engine unit is installed), else a child process."""
     choice = cfg.supervisor.launcher
@@ -93,8 +102,9 @@ def build_launcher(cfg: PagekeeperConfig, runtime: Path, gpu: GpuProbe) -> Launc
                 'handover = "auto" or launcher = "process"'
             )
         return SystemdLauncher(cfg.supervisor.engine_unit())
+    env = {**cfg.engine_env(), **engine_bytecode_env(cfg)}
     keep = keeps_weights(cfg, gpu)
-    keeper = KeeperProcess(cfg.engine_args(), runtime, runtime / ENGINE_LOG_NAME, cfg.engine_env()) if keep else None
+    keeper = KeeperProcess(cfg.engine_args(), runtime, runtime / ENGINE_LOG_NAME, env) if keep else None
     overlap = handover_overlaps(cfg, gpu)
     spare = cfg.supervisor.spare_engine == "on" or (cfg.supervisor.spare_engine == "auto" and keep and not overlap)
     return ProcessLauncher(
@@ -104,7 +114,7 @@ def build_launcher(cfg: PagekeeperConfig, runtime: Path, gpu: GpuProbe) -> Launc
         runtime,
         runtime / ENGINE_LOG_NAME,
         overlap=overlap,
-        env=cfg.engine_env(),
+        env=env,
         keeper=keeper,
         spare=spare,
         explain=lambda line: engine_error_in_config_terms(line, cfg),

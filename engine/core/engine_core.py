@@ -15,6 +15,7 @@ import torch
 
 from engine.config import EngineConfig, ResolvedConfig
 from engine.core.deltas import SeqDelta
+from engine.core.first_steps import FIRST_STEPS_LOGGED, FirstSteps
 from engine.core.plan import StepPlan
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
@@ -56,14 +57,18 @@ class _Launched:
 
     plan: StepPlan
     sample: DeviceSample
+    at: float  # time.monotonic() at its launch
 
 
-# Between two units of deferred start-up work (engine/runner/deferred.py) while requests run: each unit (one graph,
-# one bucket of piecewise graphs) holds the step loop for tens to a few hundred milliseconds.
-DEFERRED_GAP_S = 0.25
+# Under load, deferred start-up work (engine/runner/deferred.py) takes at most this share of the step loop: a unit
+# (one graph, one bucket of piecewise graphs: a few to a few hundred milliseconds) that held it t seconds is
+# followed by at least t * (1 / share - 1) of steps, and never less than DEFERRED_GAP_S.
+DEFERRED_SHARE = 0.25
+DEFERRED_GAP_S = 0.05
 # An engine that starts under load (a restart: the queued connections arrive at once) serves this long before the
 # first unit: its first steps answer the requests that waited through the restart, and a unit before them would
-# lengthen the restart's gap.  Idle, the units run at once.
+# lengthen the restart's gap.  Not for units that make those steps faster (the decode graphs).  Idle, units run
+# at once.
 DEFERRED_AFTER_LOAD_S = 3.0
 
 
@@ -108,6 +113,8 @@ class EngineCore:
         self._in_flight: _Launched | None = None  # queued on the device, tokens not yet read
         self._last_deferred = 0.0
         self._deferred_start: float | None = None  # when deferred units may run under load (DEFERRED_AFTER_LOAD_S)
+        # a server logs its first steps once (what the requests that waited through a restart waited for next)
+        self.first_steps = FirstSteps(FIRST_STEPS_LOGGED if defer_startup_work else 0)
         # seconds per start-up phase: reading the checkpoint's config, the tokenizer, then the runner's (startup.py)
         self.phases = {
             "inspect_model": round(inspected - started, 3),
@@ -230,8 +237,9 @@ class EngineCore:
         plan.deferred_units = self._deferred_due(plan)
         if plan.empty and not plan.finished and not plan.deferred_units:
             return None
+        at = time.monotonic()
         sample = self.runner.launch(plan, previous.sample if previous is not None else None)
-        return _Launched(plan, sample) if sample is not None else None
+        return _Launched(plan, sample, at) if sample is not None else None
 
     # -- recycling the KV pool in place ------------------------------------------------------------
 
@@ -266,8 +274,9 @@ class EngineCore:
         return self.runner.deferred.pending
 
     def _deferred_due(self, plan: StepPlan) -> int:
-        """1 when a unit of deferred work should run before this step: at once while idle, else every
-        DEFERRED_GAP_S; a unit that writes KV blocks only while none is held (the prefix cache is emptied first)."""
+        """1 when a unit of deferred work should run before this step: at once while idle, else paced to
+        DEFERRED_SHARE of the time; a unit that writes KV blocks only while none is held (the prefix cache is
+        emptied first)."""
         work = self.runner.deferred
         if not work.pending or not work.next_ready:
             return 0
@@ -281,9 +290,11 @@ class EngineCore:
         if not idle:
             if self._deferred_start is None:
                 self._deferred_start = now + DEFERRED_AFTER_LOAD_S  # the first step under load
-            if now < self._deferred_start or now - self._last_deferred < DEFERRED_GAP_S:
+            if now < self._deferred_start and not work.next_speeds_up_steps:
                 return 0
-        self._last_deferred = now
+            if now - self._last_deferred < max(DEFERRED_GAP_S, work.last_unit_seconds / DEFERRED_SHARE):
+                return 0
+            self._last_deferred = now  # a unit run while idle took no request's time: it delays no later unit
         return 1
 
     def run_deferred(self) -> None:
@@ -302,6 +313,7 @@ class EngineCore:
         """Wait for the step's tokens and apply everything that decides the next schedule."""
         out = launched.sample.to_host()
         now = time.monotonic()
+        self.first_steps.record(launched.plan, launched.at, now)
         deltas = self.scheduler.update(launched.plan, out, now)
         self.stats.generation_tokens += len(deltas)
         self.stats.prompt_tokens = self.scheduler.num_prompt_tokens_done

@@ -7,8 +7,11 @@ and covers the model's forward and the LM head; sampling stays outside (its shap
 request mix).  A batch of B sequences replays the graph of the smallest capture size >= B, with
 the padding rows given seq_len 0 and slot -1 (no KV is written for them, their outputs are unused).
 
-All graphs share one memory pool, captured largest first so the smaller ones reuse its blocks;
-start-up profiling measures that pool (engine/memory/budget.py) so it is counted in the memory plan.
+All graphs share one memory pool, captured largest first so the smaller ones reuse its blocks (after the size that
+steps need now, when capture runs under load: engine/runner/deferred.py); start-up profiling measures that pool
+(engine/memory/budget.py) so it is counted in the memory plan.  A graph is replayed as soon as it is captured: a
+batch whose padded size has no graph yet runs eagerly (every graph only reads the static buffers and writes its
+own logits, so the ones not captured yet change nothing for those that are).
 """
 
 from __future__ import annotations
@@ -49,24 +52,44 @@ class DecodeGraphs:
 
     def __init__(self) -> None:
         self.graphs: dict[int, DecodeGraph] = {}
-        self.sizes: list[int] = []
+        self.sizes: list[int] = []  # captured so far, sorted
+        self.planned: list[int] = []  # every size that gets a graph (what a batch is padded to)
         self.pool = None
 
     def size_for(self, batch: int) -> int | None:
-        """The smallest captured size that holds `batch`, or None (run eagerly)."""
-        return padded_size(batch, self.sizes) if self.sizes and batch <= self.sizes[-1] else None
+        """The padded size of `batch` when its graph is captured, else None (run eagerly)."""
+        if not self.planned or batch > self.planned[-1]:
+            return None
+        size = padded_size(batch, self.planned)
+        return size if size in self.graphs else None
 
     def capture(self, sizes: list[int], forward: Callable[[int], torch.Tensor]) -> None:
         """Capture `forward(size)` (which reads the static buffers) for every size, largest first."""
         for _ in self.capture_steps(sizes, forward):
             pass
 
-    def capture_steps(self, sizes: list[int], forward: Callable[[int], torch.Tensor]) -> Iterator[None]:
-        """`capture`, one size per step of the iteration (engine/runner/deferred.py); `sizes` lists the captured
-        ones only once all are done, so a half-captured set is never replayed."""
+    def capture_steps(
+        self,
+        sizes: list[int],
+        forward: Callable[[int], torch.Tensor],
+        wanted: Callable[[], int | None] | None = None,
+        reset: Callable[[], None] | None = None,
+    ) -> Iterator[None]:
+        """`capture`, one size per step of the iteration (engine/runner/deferred.py): first the padded size of the
+        batch `wanted()` names (the steps' current one) while it has no graph, else the largest left.  `reset`
+        runs before each size: steps replayed between two captures left their inputs in the static buffers, and
+        the eager warm-up must not write KV to their slots."""
+        self.planned = sorted(sizes)
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        for size in sorted(sizes, reverse=True):
+        left = sorted(sizes, reverse=True)
+        while left:
+            batch = wanted() if wanted is not None else None
+            want = padded_size(batch, self.planned) if batch and batch <= self.planned[-1] else None
+            size = want if want in left else left[0]
+            left.remove(size)
+            if reset is not None:
+                reset()
             # Warm-up outside the graph on a side stream: compiles the Triton kernels for this shape
             # and lets the caching allocator settle, as torch.cuda.graphs recommends.
             stream.wait_stream(torch.cuda.current_stream())
@@ -77,8 +100,8 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = forward(size)
             self.graphs[size] = DecodeGraph(size, graph, logits)
+            self.sizes = sorted(self.graphs)
             yield
-        self.sizes = sorted(self.graphs)
         torch.cuda.synchronize()
 
     def replay(self, size: int) -> torch.Tensor:

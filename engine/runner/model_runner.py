@@ -14,10 +14,8 @@ graphs (engine/runner/piecewise.py), unless `enforce_eager`.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +40,7 @@ from engine.runner.sampler import (
     SamplingBatch,
     sample_on_device,
 )
+from engine.runner.swap_space import SwapSpace
 from kernels.dense_prefill import DenseChunks, runs_of
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions turned into full-vocabulary logprobs at a time (memory)
@@ -139,6 +138,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         kv_dtype: torch.dtype | None = None,
+        swap: SwapSpace | None = None,
     ) -> None:
         self.model = model
         self.device = device
@@ -149,26 +149,13 @@ class ModelRunner:
         self.kv_dtype = dtype = kv_dtype or dtype  # the cache's dtype: the model's, or float8_e4m3fn
         shape = kv_cache_shape(model, num_blocks, block_size, device)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
-        # Swap space: written before it is read, so no need to zero it; pinned for fast copies.  Pinning gigabytes
-        # takes seconds (4 GiB: about 2 s on an H100 host) that serving does not wait for: a thread allocates it,
-        # and the first swap (only under memory pressure) waits for that thread if it must.
-        self._pin = device.type == "cuda"
-        cpu_shape = kv_cache_shape(model, num_cpu_blocks, block_size, device)  # swap blocks: the same layout
-        self._cpu_caches: Future[list[torch.Tensor]] = Future()
-        if num_cpu_blocks:
-            pin, layers = self._pin, model.num_layers
-
-            def allocate() -> None:
-                try:
-                    self._cpu_caches.set_result(
-                        [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(layers)]
-                    )
-                except BaseException as e:  # raised where the swap space is first needed
-                    self._cpu_caches.set_exception(e)
-
-            threading.Thread(target=allocate, name="swap-space", daemon=True).start()
-        else:
-            self._cpu_caches.set_result([])
+        # Swap space (engine/runner/swap_space.py): written before it is read, so not zeroed; pinned on CUDA.  A
+        # start-up that knew its size earlier passes the one it began allocating then.
+        self._pin = device.type == "cuda"  # host copies go through pinned memory
+        if swap is None:
+            cpu_shape = kv_cache_shape(model, num_cpu_blocks, block_size, device)  # swap blocks: the same layout
+            swap = SwapSpace(cpu_shape, dtype, model.num_layers if num_cpu_blocks else 0, self._pin)
+        self.swap = swap
         backend = kernels.attention_backend(device)
         self.backend = backend
         layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
@@ -185,6 +172,7 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.graphs: DecodeGraphs | None = None
         self.static: StaticInputs | None = None
+        self.recent_batch: int | None = None  # sequences in the latest step: the decode graph to capture first
         # Steps with prompt tokens, up to a bucket's token count: the model's forward in pieces over fixed
         # buffers (engine/runner/piecewise.py), graphs on CUDA; None: such steps run the plain forward.
         self.pieces: PiecewiseForward | None = None
@@ -199,12 +187,12 @@ class ModelRunner:
         self.reads_samples = True
 
     def swap_space_ready(self) -> bool:
-        return self._cpu_caches.done()
+        return self.swap.ready()
 
     @property
     def cpu_caches(self) -> list[torch.Tensor]:
         """The swap space's per-layer blocks (waits for their allocation the first time)."""
-        return self._cpu_caches.result()
+        return self.swap.tensors()
 
     def close(self) -> None:
         """Nothing to stop on one device (the tensor-parallel runner stops its workers here)."""
@@ -314,18 +302,22 @@ class ModelRunner:
         return time.monotonic() - started
 
     def decode_graph_steps(self, max_num_seqs: int, only_largest: bool = False) -> Iterator[None]:
-        """`capture_decode_graphs` one graph per step of the iteration (engine/runner/deferred.py); steps replay
-        the graphs only once all of them are captured."""
+        """`capture_decode_graphs` one graph per step of the iteration (engine/runner/deferred.py), the size of
+        the latest step's batch first; steps replay each graph from its capture on."""
         assert self.device.type == "cuda" and self.max_model_len is not None
         sizes = capture_sizes(max_num_seqs)
         if only_largest:
             sizes = sizes[-1:]
         max_blocks = blocks_for_tokens(self.max_model_len, self.block_size)
         self.static = st = StaticInputs(max(sizes), max_blocks, self.device)
-        st.seq_lens.fill_(1)
-        st.slot_mapping.fill_(-1)  # capture writes no KV
         st.query_start_loc.copy_(torch.arange(max(sizes) + 1, dtype=torch.int32, device=self.device))
+
+        def reset() -> None:  # before each capture: replays in between left real steps' inputs here
+            st.seq_lens.fill_(1)
+            st.slot_mapping.fill_(-1)  # capture writes no KV
+
         graphs = DecodeGraphs()
+        self.graphs = graphs  # each graph replays as soon as it is captured
 
         @torch.inference_mode()
         def forward(size: int) -> torch.Tensor:
@@ -340,8 +332,7 @@ class ModelRunner:
             hidden = self.model(st.input_ids[:size], st.positions[:size], self.kv_caches, meta)
             return self.model.compute_logits(hidden)
 
-        yield from graphs.capture_steps(sizes, forward)
-        self.graphs = graphs
+        yield from graphs.capture_steps(sizes, forward, lambda: self.recent_batch, reset)
 
     def capture_piece_graphs(self, max_tokens: int, only_largest: bool = False, tp: TPGroup = SINGLE) -> float:
         """Capture the piecewise graphs of steps with prompt tokens (engine/runner/piecewise.py) up to
@@ -395,6 +386,7 @@ class ModelRunner:
             order = ones + [i for i, s in enumerate(seqs) if s.num_tokens != 1 and i not in chosen] + fresh
             num_decodes = len(ones)
         graph_size = self.graphs.size_for(len(seqs)) if decode and self.graphs is not None else None
+        self.recent_batch = len(seqs)
         pending_rows: list[int] = []
         pending_sources: list[int] = []
         last_row = [0] * len(seqs)  # each sequence's last input row, by plan index

@@ -10,7 +10,7 @@ The key covers the GPU (name, compute capability, total memory), torch, triton a
 package's code (its source files' sizes and modification times), the model's config.json values, dtype,
 quantization and KV dtype, the tensor-parallel rank and size, and every engine setting that changes a step's
 shape.  A miss says why in one log line (`probe_cache_miss`); a file that does not parse is a miss.  The
-directory is `PAGEKEEPER_CACHE_DIR/probes` (default `~/.cache/pagekeeper/probes`).
+directory is `probes` under the cache folder (engine/cache_dir.py: default `~/.cache/pagekeeper/probes`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 import torch
 
+from engine.cache_dir import cache_root
 from engine.config import EngineConfig, ResolvedConfig
 
 log = structlog.get_logger("pagekeeper.engine")
@@ -32,8 +33,7 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("PAGEKEEPER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagekeeper")
-    return Path(base) / "probes"
+    return cache_root() / "probes"
 
 
 def _code_fingerprint() -> list[Any]:

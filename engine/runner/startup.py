@@ -36,10 +36,11 @@ from engine.model.loader import ModelInfo, load_model
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.deferred import DeferredWork, one_unit
 from engine.runner.kv_scales import calibrate_kv_scales, kv_cache_dtype
-from engine.runner.model_runner import ModelRunner, kv_bytes_per_block
+from engine.runner.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_shape
 from engine.runner.piecewise import PiecewiseForward
 from engine.runner.probe_cache import ProbeCache
 from engine.runner.sampler import DeviceSample, sample_on_device
+from engine.runner.swap_space import SwapSpace
 
 log = structlog.get_logger("pagekeeper.engine")
 
@@ -104,6 +105,7 @@ def start_runner(
     after serving starts (the server); otherwise they run here."""
     phases = Phases()
     cuda = device.type == "cuda"
+    swap: SwapSpace | None = None
     if cuda:
         set_allocator_defaults()
         torch.cuda.init()
@@ -119,6 +121,7 @@ def start_runner(
         model, source, shared_bytes = kept.model, "keeper", kept.device_bytes
         phases.mark("weights")
         if config.standby_after is not None:
+            swap = start_swap_space(config, model_info, model, device)  # host memory: pinned while the old one serves
             if cuda:
                 warm_kernels(config, model_info, model, device)  # while the old engine still serves
                 phases.mark("kernels")
@@ -156,6 +159,8 @@ def start_runner(
     if cuda:
         profile = cached_profile(probes, tp, weights, config.enforce_eager)
         if profile is None:
+            if swap is not None:
+                swap.tensors()  # the profile captures a graph: no pinned allocation may run meanwhile
             step = partial(dummy_step, config, model_info, model, device)
             profile = profile_step(device, weights, step, kept_bytes=shared_bytes)
             if not config.enforce_eager:
@@ -175,7 +180,7 @@ def start_runner(
     if agree is not None:
         kv_plan.agreed_blocks = agree(kv_plan)
     preemption_mode = config.resolved_preemption_mode(device.type)
-    num_cpu_blocks = int(config.swap_space * 2**30) // per_block if preemption_mode == "swap" else 0
+    num_cpu_blocks = swap_blocks(config, per_block, device)
     if preemption_mode == "swap" and num_cpu_blocks == 0:
         log.warning(
             "swap_space_too_small",
@@ -196,6 +201,7 @@ def start_runner(
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
         kv_dtype=kv_dtype,
+        swap=swap,
     )
     phases.mark("kv_cache")
     capture_seconds = 0.0
@@ -207,6 +213,22 @@ def start_runner(
     return StartedRunner(
         runner, model, kv_plan, preemption_mode, num_cpu_blocks, capture_seconds, phases.seconds, source
     )
+
+
+def swap_blocks(config: ResolvedConfig, per_block: int, device: torch.device) -> int:
+    """The swap space in blocks (0: preempted sequences are recomputed)."""
+    swapping = config.resolved_preemption_mode(device.type) == "swap"
+    return int(config.swap_space * 2**30) // per_block if swapping else 0
+
+
+def start_swap_space(
+    config: ResolvedConfig, model_info: ModelInfo, model: nn.Module, device: torch.device
+) -> SwapSpace:
+    """Begin allocating the swap space now (engine/runner/swap_space.py: why as early as its size is known)."""
+    kv_dtype = kv_cache_dtype(config, model_info.dtype)
+    blocks = swap_blocks(config, kv_bytes_per_block(model, config.block_size, kv_dtype), device)
+    layers = model.num_layers if blocks else 0
+    return SwapSpace(kv_cache_shape(model, blocks, config.block_size, device), kv_dtype, layers, device.type == "cuda")
 
 
 def remember_dense_probe(probes: ProbeCache, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
@@ -249,18 +271,20 @@ def cached_profile(probes: ProbeCache, tp: TPGroup, weights: int, eager: bool) -
 
 
 def plan_deferred_work(runner: ModelRunner, config: ResolvedConfig, tp: TPGroup, probes: ProbeCache) -> None:
-    """Queue the GPU start-up work that serving does not need: the CUDA graphs (decode graphs first, then the
-    piecewise graphs, in their pool), the LM head's row counts, the dense prefill plans, and the mixed-step
-    warm-up (only while no request holds KV blocks: it writes blocks)."""
+    """Queue the GPU start-up work that serving does not need: the decode graphs, the LM head's row counts, the
+    piecewise graphs (in the decode graphs' pool), the dense prefill plans, and the mixed-step warm-up (only while
+    no request holds KV blocks: it writes blocks)."""
     work = runner.deferred
     # A CUDA graph capture forbids, in any thread of the process, host allocations that may synchronize the device
     # (cudaHostAlloc among them): the swap space's pinned blocks are allocated on a thread of their own first
     # (ModelRunner), so capture waits until that thread is done (here: the core's `ready` gate; a tensor-parallel
     # worker, which runs the unit when rank 0 says, waits in the unit itself).
     swap_ready = runner.swap_space_ready
+    if not config.enforce_eager:  # first: each graph makes the decode steps of its size about 3x faster at once
+        decode = _after_swap(runner, runner.decode_graph_steps(config.max_num_seqs))
+        work.add("decode_graphs", decode, ready=swap_ready, speeds_up_steps=True)
     work.add("lm_head_rows", runner.warm_lm_head_steps())
     if not config.enforce_eager:
-        work.add("decode_graphs", _after_swap(runner, runner.decode_graph_steps(config.max_num_seqs)), ready=swap_ready)
         found = probes.get("piece_buckets")
         buckets = [int(b) for b in found] if isinstance(found, list) and found else None
         if not everywhere(tp, buckets is not None):

@@ -1,6 +1,7 @@
 """Start-up work left for after serving begins (engine/runner/deferred.py) and when the engine core runs it: at
-once while idle, one unit per DEFERRED_GAP_S between steps under load, and a unit that writes KV blocks only while
-none is held (the prefix cache emptied first).  Outputs are unchanged by it."""
+once while idle, under load paced to a share of the time (at least DEFERRED_GAP_S apart) after DEFERRED_AFTER_LOAD_S
+except units that make steps faster, and a unit that writes KV blocks only while none is held (the prefix cache
+emptied first).  Outputs are unchanged by it."""
 
 from __future__ import annotations
 
@@ -94,3 +95,54 @@ def test_finish_deferred_runs_everything_now():
     engine.core.runner.deferred.add("x", one_unit(lambda: ran.append(time.monotonic())))
     engine.core.finish_deferred()
     assert len(ran) == 1 and not engine.core.has_deferred_work()
+
+
+def test_units_that_speed_up_steps_run_under_load_at_once_and_the_rest_are_paced_by_their_length(monkeypatch):
+    engine = LLMEngine(EngineConfig(device="cpu"))
+    core = engine.core
+    ran: list[str] = []
+
+    def units(name: str, n: int, seconds: float = 0.0):  # type: ignore[no-untyped-def]
+        for _ in range(n):
+            ran.append(name)
+            time.sleep(seconds)
+            yield
+
+    work = core.runner.deferred
+    work.add("graphs", units("graphs", 2), speeds_up_steps=True)
+    work.add("slow", units("slow", 3, 0.2))
+    monkeypatch.setattr(engine_core, "DEFERRED_AFTER_LOAD_S", 3600.0)
+    monkeypatch.setattr(engine_core, "DEFERRED_GAP_S", 0.0)
+    for i, prompt in enumerate(["Beautiful is", "Errors should never"]):
+        engine.add_request(f"s-{i}", prompt, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert ran == ["graphs", "graphs"], "decode graphs wait for nothing; the rest waits for the first seconds of load"
+
+    core._deferred_start = time.monotonic() - 1  # past the hold
+    monkeypatch.setattr(engine_core, "DEFERRED_SHARE", 0.01)  # a 0.2 s unit: the next one 20 s later
+    for i, prompt in enumerate(["Beautiful is", "Errors should never"]):
+        engine.add_request(f"t-{i}", prompt, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert ran.count("slow") == 1 and work.last_unit_seconds >= 0.2
+
+
+def test_a_unit_run_while_idle_does_not_delay_the_first_unit_under_load(monkeypatch):
+    """A restarted engine runs a unit in the moment before its queued requests arrive; the first unit under load
+    (a decode graph) must not then wait out that unit's pacing (it did: 15 eager steps, 0.5 s, on an H100)."""
+    engine = LLMEngine(EngineConfig(device="cpu"))
+    ran: list[int] = []
+
+    def units():  # type: ignore[no-untyped-def]
+        for _ in range(3):
+            ran.append(engine.core.stats.steps)
+            time.sleep(0.1)
+            yield
+
+    engine.core.runner.deferred.add("graphs", units(), speeds_up_steps=True)
+    monkeypatch.setattr(engine_core, "DEFERRED_AFTER_LOAD_S", 3600.0)
+    engine.run_deferred()  # idle: one 0.1 s unit
+    engine.add_request("r", "Beautiful is", GREEDY)
+    engine.step()
+    assert len(ran) == 2 and ran[1] == 1, "the first step under load ran no unit"

@@ -109,3 +109,53 @@ def test_graph_memory_is_in_the_plan_and_steady_state_allocates_nothing(checkpoi
     assert torch.cuda.memory_reserved() == reserved
     del llm
     _free()
+
+
+@pytest.mark.gpu
+def test_graphs_captured_under_load_replay_at_once_wanted_size_first_and_change_no_token(checkpoint, monkeypatch):
+    """A server captures its decode graphs one per step while requests run (engine/runner/deferred.py): the size the
+    current batch needs first, each replayed from its capture on.  float32: the tokens equal the eager ones."""
+    from engine.config import EngineConfig
+    from engine.core import engine_core
+    from engine.llm_engine import LLMEngine
+    from engine.runner.cuda_graphs import DecodeGraphs
+
+    rng = random.Random(11)
+    common = dict(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=48, kv_cache_memory_bytes=64 << 20)
+    eager = LLM(str(checkpoint("llama")), enforce_eager=True, **common)
+    vocab = eager.llm_engine.core.model_info.hf_config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 60))] for _ in range(17)]  # 17 -> graph 32
+    expected = _run(eager, prompts, max_tokens=24)
+    del eager
+    _free()
+
+    replayed: list[tuple[int, int]] = []  # (size, graphs captured at the time)
+    original = DecodeGraphs.replay
+
+    def counting(self, size):  # type: ignore[no-untyped-def]
+        replayed.append((size, len(self.graphs)))
+        return original(self, size)
+
+    monkeypatch.setattr(DecodeGraphs, "replay", counting)
+    monkeypatch.setattr(engine_core, "DEFERRED_AFTER_LOAD_S", 3600.0)  # only the graphs run under load
+    monkeypatch.setattr(engine_core, "DEFERRED_GAP_S", 0.0)
+    monkeypatch.setattr(engine_core, "DEFERRED_SHARE", 1.0)  # one capture per step
+    engine = LLMEngine(EngineConfig(model=str(checkpoint("llama")), **common), defer_startup_work=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    out: dict[int, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[int(o.request_id)] = list(o.outputs[0].token_ids)
+    graphs = engine.core.runner.graphs
+    assert graphs is not None and graphs.planned[-1] == 48
+    # the first unit runs before any step (nothing to go by: the largest), the second after the 17-sequence prefill
+    assert replayed and replayed[0] == (32, 2), f"the wanted size was not captured next: {replayed[:3]}"
+    assert len(graphs.graphs) < len(graphs.planned), "every graph was captured before the batch ended"
+    assert [out[i] for i in range(len(prompts))] == expected
+    kv = engine.core.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    del engine, kv, graphs
+    _free()

@@ -1,0 +1,54 @@
+"""engine/runner/swap_space.py: the swap space is allocated on a thread, begun as early as its size is known, and a
+runner given one uses it (a standby engine's, pinned while the engine it replaces still served)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.plan import StepPlan
+from engine.llm_engine import LLMEngine
+from engine.runner.swap_space import SwapSpace
+
+
+def test_blocks_are_allocated_on_a_thread_of_their_own():
+    seen: list[str] = []
+    real_empty = torch.empty
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(threading.current_thread().name)
+        return real_empty(*args, **kwargs)
+
+    torch.empty = spy  # type: ignore[assignment]
+    try:
+        swap = SwapSpace((3, 2, 4), torch.float16, layers=2, pin=False)
+        blocks = swap.tensors()
+    finally:
+        torch.empty = real_empty  # type: ignore[assignment]
+    assert swap.ready() and len(blocks) == 2 and blocks[0].shape == (3, 2, 4) and blocks[0].dtype == torch.float16
+    assert seen == ["swap-space", "swap-space"]
+    assert SwapSpace.empty().tensors() == [] and SwapSpace((0, 2), torch.float16, 4, False).tensors() == []
+
+
+def test_an_allocation_error_is_raised_where_the_blocks_are_needed():
+    swap = SwapSpace((-1, 2), torch.float16, layers=1, pin=False)
+    try:
+        swap.tensors()
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("a negative shape must fail where the swap space is read")
+
+
+def test_a_runner_swaps_through_the_swap_space_its_start_up_began():
+    engine = LLMEngine(EngineConfig(device="cpu", preemption_mode="swap", swap_space=0.01))
+    core, runner = engine.core, engine.core.runner
+    blocks = runner.swap.tensors()
+    assert len(blocks) == len(runner.kv_caches) == len(runner.cpu_caches)
+    cache = runner.kv_caches[0]  # [K/V, blocks, ...]
+    assert blocks[0].shape[2:] == cache.shape[2:] and blocks[0].shape[1] == core.kv.num_cpu_blocks > 5
+    cache[:, 3].fill_(7.0)
+    runner.apply(StepPlan(swap_out=[(3, 5)]))  # device block 3 out to host block 5
+    assert torch.equal(blocks[0][:, 5], cache[:, 3])
