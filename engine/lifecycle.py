@@ -133,7 +133,10 @@ def standby_until_exit(pid: int, limit_s: float | None = STANDBY_LIMIT_S) -> flo
         if not ready:
             raise TimeoutError(f"process {pid} (the engine this one replaces) did not exit within {limit_s:.0f} s")
         if parent_fd is not None and any(f == parent_fd for f, _ in ready) and not any(f == fd for f, _ in ready):
-            raise SystemExit(f"the supervisor (pid {parent}) is gone: a standby engine does not start on its own")
+            raise SystemExit(
+                f"the process that started this one (pid {parent}: the supervisor, or rank 0 for a tensor-parallel "
+                "rank) is gone: a standby engine does not start on its own"
+            )
     finally:
         os.close(fd)
         if parent_fd is not None:

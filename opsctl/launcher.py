@@ -56,6 +56,9 @@ from opsctl.runtime import open_private, write_private
 
 log = structlog.get_logger("pagekeeper.supervisor")
 
+# A spare engine not standing by this long after its start is stuck (a 70B spare at TP=4 stands by in about 20 s).
+SPARE_READY_S = 180.0
+
 _LOG_TAIL_BYTES = 4096
 LEAVING_STATES = ("draining", "handing_over", "stopping")  # an engine in these is on its way out by itself
 # How far past its own deadline an engine that says it is draining is still believed (a loaded host is late);
@@ -516,13 +519,23 @@ class ProcessLauncher(Launcher):
 
     def _spare_standing_by(self, timeout: float) -> bool:
         """The spare is ready to take over (it may still be importing: wait for it, it is the fastest way).  One
-        that does not get there is stopped: a second successor must never wake beside it at the old one's exit."""
+        that does not get there is stopped: a second successor must never wake beside it at the old one's exit.
+        One that has not stood by SPARE_READY_S after its start never will (a rank waiting for a collective that
+        another never joins): the restart then goes on without it instead of waiting `timeout` for it."""
         spare = self.spare
-        deadline = time.monotonic() + timeout
-        while spare is not None and spare.alive() and time.monotonic() < deadline:
+        started = spare.create_time if spare is not None and spare.create_time else time.time()
+        deadline = min(time.time() + timeout, started + SPARE_READY_S)
+        while spare is not None and spare.alive() and time.time() < deadline:
             if spare.state() == "standby":
                 return True
             time.sleep(0.05)
+        if spare is not None and spare.alive():
+            log.warning(
+                "spare_engine_not_ready",
+                pid=spare.pid,
+                seconds_since_start=round(time.time() - started, 1),
+                action="stopped; the restart starts its successor without it",
+            )
         self._stop_spare()
         return False
 

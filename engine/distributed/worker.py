@@ -148,6 +148,8 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
             message = pickle.loads(conn.recv_bytes())
             if message is None:
                 break
+            if message == ("exit",):  # rank 0's process is exiting (executor.EXIT_NOW): no teardown to wait for
+                os._exit(0)
             if isinstance(message[0], str):  # ("overlap_tokens", n): rank 0's set_overlap_tokens, between steps
                 set_overlap_tokens(runner.model, message[1])
                 continue

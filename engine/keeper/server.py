@@ -71,11 +71,14 @@ class Keeper:
         self.key = weights_key(self.config, str(info.dtype).removeprefix("torch."), _quant_name(info))
         size = self.config.tensor_parallel_size
         devices = [rank_device(self.config, r) for r in range(size)]
+        # Built here, one after the other: building sets torch's default dtype, which is the process's, not the
+        # thread's (built on the rank threads, one rank once kept a float32 tensor among bf16 ones: H200 x4).
+        models = [build_on_meta(info, 1, devices[r], TPGroup(r, size)) for r in range(size)]
         errors: list[BaseException] = []
 
         def one(rank: int) -> None:
             try:
-                self.ranks[rank] = _load_rank(self.config, info, devices[rank], TPGroup(rank, size))
+                self.ranks[rank] = _load_rank(self.config, info, devices[rank], models[rank])
             except BaseException as e:  # reported by the loading thread
                 errors.append(e)
 
@@ -166,10 +169,11 @@ def _quant_name(info: ModelInfo) -> str | None:
     return info.quant.describe() if info.quant is not None else None
 
 
-def _load_rank(config: EngineConfig, info: ModelInfo, device: torch.device, tp: TPGroup) -> RankWeights:
+def _load_rank(config: EngineConfig, info: ModelInfo, device: torch.device, model: torch.nn.Module) -> RankWeights:
+    """Fill one rank's model, built on the meta device with max_model_len 1 (the rotary tables are each engine's
+    own), into one arena on its device."""
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
-    model = build_on_meta(info, 1, device, tp)  # max_model_len 1: the rotary tables are each engine's own
     arena = materialize(model, device, shared_cpu=True)
     fill_weights(model, info, config.load_format, device)
     views, storages = export(model, arena)

@@ -114,6 +114,17 @@ def start_runner(
         prepare_cpu_kernels()
         phases.mark("cpu_kernels")
     kept = kept_model(config, model_info, config.max_model_len, device, tp)
+    if config.weights_keeper and tp.is_parallel and not everywhere(tp, kept is not None, device):
+        # One path for every rank: a rank that loads its own weights waits for the old engine first, and the others
+        # must not meanwhile wait for it in a warm-up's collective (a TP=4 spare once hung so, blocking a restart).
+        if kept is not None:
+            log.warning(
+                "engine_weights_from",
+                source="checkpoint",
+                rank=tp.rank,
+                reason="another rank cannot use the kept weights: every rank loads its own",
+            )
+        kept = None
     if config.standby_after is not None and kept is None:
         standby_until_exit(config.standby_after)  # loading needs the memory the old engine holds
         phases.mark("standby")
@@ -253,11 +264,12 @@ def _config_dict(hf_config: Any) -> dict[str, Any]:
     return dict(to_dict()) if to_dict is not None else dict(vars(hf_config))
 
 
-def everywhere(tp: TPGroup, flag: bool) -> bool:
+def everywhere(tp: TPGroup, flag: bool, device: torch.device | None = None) -> bool:
     """`flag` on every rank (an all-reduce of the device's): ranks that skip different start-up collectives hang."""
     if not tp.is_parallel:
         return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=torch.device("cuda", torch.cuda.current_device()))
+    on = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([1.0 if flag else 0.0], device=on)  # NCCL reduces device tensors, gloo host ones
     return bool(tp.all_reduce(t).item() == tp.size)
 
 

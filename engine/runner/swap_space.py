@@ -4,16 +4,22 @@ Pinning gigabytes takes seconds (4 GiB: about 2 s on an H100 host), and while it
 host allocations wait for it: a restarted engine's first step, whose sampled tokens land in pinned memory, took
 1.2 s instead of tens of milliseconds (`first_steps`, H100, 2026-11-27).  So the allocation starts as early as
 its size is known: a standby engine pins its swap space while the engine it replaces still serves (host memory,
-not device memory), a cold start as soon as its KV plan is made.  The first swap, only under memory pressure,
+not device memory), a cold start as soon as its KV plan is made, pausing between layers so that a serving step's own
+pinned allocations are not starved.  The first swap, only under memory pressure,
 waits for the thread if it must, and so does a CUDA graph capture, which forbids such allocations in any thread.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 
 import torch
+
+# Between two layers' allocations.  Pinned allocations are serialized: without a pause the thread took the lock back at
+# once, and a cold start's first step at TP=4 (8 GiB of swap per rank) waited 4.2 s for its few pinned bytes.
+YIELD_S = 0.002
 
 
 class SwapSpace:
@@ -28,7 +34,11 @@ class SwapSpace:
 
         def allocate() -> None:
             try:
-                self._tensors.set_result([torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(layers)])
+                blocks = []
+                for _ in range(layers):
+                    blocks.append(torch.empty(shape, dtype=dtype, pin_memory=pin))
+                    time.sleep(YIELD_S)  # the step loop's own pinned allocations get their turn between layers
+                self._tensors.set_result(blocks)
             except BaseException as e:  # raised where the swap space is first needed
                 self._tensors.set_exception(e)
 

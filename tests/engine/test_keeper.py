@@ -84,12 +84,10 @@ def test_tied_weights_stay_tied_after_attach():
     assert not any(p.is_meta for p in model.parameters())
 
 
-@pytest.fixture
-def keeper(tmp_path):
-    """A real keeper process serving the embedded model on the CPU."""
+def _start_keeper(tmp_path, *flags: str):  # type: ignore[no-untyped-def]
     sock = tmp_path / "keeper.sock"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.keeper", "--socket", str(sock), "--device", "cpu"],
+        [sys.executable, "-m", "engine.keeper", "--socket", str(sock), "--device", "cpu", *flags],
         env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -105,6 +103,13 @@ def keeper(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail("the keeper did not become ready in 120 s")
+    return proc, sock
+
+
+@pytest.fixture
+def keeper(tmp_path):
+    """A real keeper process serving the embedded model on the CPU."""
+    proc, sock = _start_keeper(tmp_path)
     yield proc, sock
     if proc.poll() is None:
         proc.kill()
@@ -184,3 +189,41 @@ def test_the_keeper_refuses_a_checkpoint_it_cannot_load_with_one_line_and_exit_2
     )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_every_rank_keeps_its_shard_in_the_models_dtype(tmp_path):
+    """Four ranks loaded on four threads hold what one rank built alone holds, dtype for dtype (building once ran on
+    the rank threads, and torch's default dtype is the process's: a 70B keeper once held one float32 tensor)."""
+    from engine.distributed.group import TPGroup
+    from engine.keeper.server import Keeper
+
+    config = EngineConfig(device="cpu", dtype="bfloat16", tensor_parallel_size=4, load_format="dummy")
+    keeper = Keeper(config, tmp_path / "k.sock")
+    keeper.load()
+    info = inspect_model(config)
+    for rank in range(4):
+        alone = build_on_meta(info, 1, torch.device("cpu"), TPGroup(rank, 4))
+        expected = {name: str(t.dtype) for name, _, t in unique_tensors(alone)}
+        kept = {v.name: str(v.dtype) for v in keeper.ranks[rank].views}
+        assert kept == expected, rank
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_tensor_parallel_ranks_all_map_the_kept_weights_and_answer_as_one_loaded_engine(tmp_path):
+    """At TP=2 every rank maps its shard from the keeper, the ranks agree on it (an all-reduce: one rank that
+    could not would make them all load their own), and the answers equal an engine that loaded its weights."""
+    own = LLM(device="cpu", tensor_parallel_size=2)
+    expected = [o.outputs[0].token_ids for o in own.generate(PROMPTS, GREEDY)]
+    own.close()
+    proc, sock = _start_keeper(tmp_path, "--tensor-parallel-size", "2")
+    try:
+        with capture_logs() as logs:
+            llm = LLM(device="cpu", tensor_parallel_size=2, weights_keeper=str(sock))
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        assert got == expected
+        sources = [e for e in logs if e["event"] == "engine_weights_from"]
+        assert sources and all(e["source"] == "keeper" for e in sources), sources
+        llm.close()
+    finally:
+        proc.kill()
+        proc.wait(10)

