@@ -159,8 +159,9 @@ class Supervisor:
         return self.exit_code
 
     def _wait_and_serve_commands(self, seconds: float) -> None:
-        """Serve commands until the next poll is due; a starting engine that exits meanwhile makes it due now (an
-        engine that exits 2 on a bad setting is reported in a second, not at the next poll, seconds later)."""
+        """Serve commands until the next poll is due; a starting engine that exits or starts serving meanwhile makes
+        it due now (an engine that exits 2 on a bad setting is reported in a second, not at the next poll, seconds
+        later; `opsctl start` returns as the engine serves, not up to a poll interval after)."""
         deadline = time.monotonic() + seconds
         watch = None  # only an engine that is starting and alive now: one already gone waits for the next poll
         if self.state.ready_at is None and not self.retired and not self.state.gave_up and self.launcher.exit_watch_s:
@@ -172,7 +173,7 @@ class Supervisor:
             try:
                 cmd = self.commands.get(timeout=min(left, watch) if watch else left)
             except queue.Empty:
-                if watch and not self.launcher.alive():
+                if watch and (not self.launcher.alive() or self.launcher.serving_now()):
                     return
                 continue
             self.last_tick = time.monotonic()

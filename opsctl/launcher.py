@@ -152,6 +152,11 @@ class Launcher(ABC):
         yet (a probe would wait for its timeout)."""
         return False
 
+    def serving_now(self) -> bool:
+        """The engine says it serves, through a private channel cheap enough to ask several times a second while
+        it starts (False where there is none: the next poll's HTTP probe finds out)."""
+        return False
+
     def admin(self, cmd: str, timeout: float, **args: object) -> dict | None:
         """`opsctl drain` / `resume` ("drain", "resume") over the engine's private control socket: its reply, or
         RuntimeError with the reason in one line.  None where this launcher has no such channel (systemd): the
@@ -699,6 +704,10 @@ class ProcessLauncher(Launcher):
         return retired
 
     # -- observing --------------------------------------------------------------------------------
+
+    def serving_now(self) -> bool:
+        engine = self.engine
+        return engine is not None and engine.state() == "serving"
 
     def loading(self) -> bool:
         """Its control socket says "loading", or is not there yet (the engine makes it once its flags are checked
