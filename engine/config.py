@@ -39,7 +39,10 @@ class EngineConfig:
 
     model: str | None = field(
         default=None,
-        metadata=_flag("Path of a local HF checkpoint directory; empty means the embedded default model."),
+        metadata=_flag(
+            "A local HF checkpoint directory, or a Hugging Face Hub id (org/name: the snapshot in the HF cache, "
+            "downloaded first when the Hub is reachable); empty means the embedded default model."
+        ),
     )
     tokenizer: str | None = field(default=None, metadata=_flag("Tokenizer directory if it differs from --model."))
     served_model_name: str | None = field(
@@ -298,7 +301,9 @@ class EngineConfig:
     def model_path(self) -> str:
         """The checkpoint directory, the embedded default when none was given (or its served name)."""
         if self.model and self.model != DEFAULT_MODEL_NAME:
-            return os.path.expanduser(self.model)
+            from engine.model.hub import hub_snapshot, is_hub_id
+
+            return hub_snapshot(self.model) if is_hub_id(self.model) else os.path.expanduser(self.model)
         from engine.default_model import DEFAULT_MODEL_DIR
 
         return str(DEFAULT_MODEL_DIR)
@@ -308,6 +313,10 @@ class EngineConfig:
             return self.served_model_name
         if not self.model or self.model == DEFAULT_MODEL_NAME:
             return DEFAULT_MODEL_NAME
+        from engine.model.hub import is_hub_id
+
+        if is_hub_id(self.model):
+            return self.model  # the Hub id, as vLLM serves it
         return os.path.basename(os.path.normpath(self.model_path()))
 
     def replace(self, **changes: Any) -> EngineConfig:

@@ -62,17 +62,21 @@ class Ctx:
         self.instance = instance
         self._config: PagekeeperConfig | None = None
 
-    def config(self, **supervisor_overrides: Any) -> PagekeeperConfig:
-        if self._config is not None and not supervisor_overrides:
+    def config(self, engine: dict[str, Any] | None = None, **supervisor_overrides: Any) -> PagekeeperConfig:
+        """The config file with overrides: `[supervisor]` keys by name, `[engine]` keys in `engine`."""
+        if self._config is not None and not supervisor_overrides and not engine:
             return self._config
         try:
             cfg = load_config(
                 self.config_path,
-                {"supervisor": {"runtime_dir": self.runtime_dir, "instance": self.instance, **supervisor_overrides}},
+                {
+                    "supervisor": {"runtime_dir": self.runtime_dir, "instance": self.instance, **supervisor_overrides},
+                    "engine": dict(engine or {}),
+                },
             )
         except ConfigError as e:
             _fail(str(e), EXIT_USAGE)
-        if not supervisor_overrides:
+        if not supervisor_overrides and not engine:
             self._config = cfg
         return cfg
 
@@ -249,15 +253,40 @@ def one_line(text: str | None) -> str:
     default=None,
     help="Seconds to wait for the engine (default ready_timeout).",
 )
+@click.option(
+    "--model",
+    default=None,
+    help="Checkpoint directory or Hugging Face Hub id (org/name) to serve, over the config's [engine] model.",
+)
+@click.option("--port", type=int, default=None, help="Port to serve on, over the config's [engine] port.")
+@click.option("--host", default=None, help="Address to serve on, over the config's [engine] host.")
 @click.pass_obj
-def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeout: float | None) -> None:
+def start(
+    ctx: Ctx,
+    foreground: bool,
+    dry_run: bool,
+    launcher: str | None,
+    timeout: float | None,
+    model: str | None,
+    port: int | None,
+    host: str | None,
+) -> None:
     """Start the supervisor, which starts (or adopts) the engine; return when it serves."""
-    cfg = ctx.config(dry_run=True if dry_run else None, launcher=launcher)
+    engine = {k: v for k, v in (("model", model), ("port", port), ("host", host)) if v is not None}
+    cfg = ctx.config(engine, dry_run=True if dry_run else None, launcher=launcher)
     runtime = cfg.supervisor.runtime_path()
     st = _status_or_none(runtime)
     if st is not None:
         state = st.engine.state
         where = f"{st.engine.url} (supervisor pid {st.supervisor.pid})"
+        if engine:
+            given = " ".join(f"--{k} {v}" for k, v in engine.items())
+            _fail(
+                f"instance {cfg.supervisor.instance!r} already runs, serving {st.engine.model} at {where}; {given} "
+                "would not change it: `opsctl stop` first, or start this one as its own instance "
+                "(`opsctl --instance NAME start ...`)",
+                EXIT_USAGE,
+            )
         running_config = st.supervisor.config
         if running_config != cfg.source:
             _fail(
@@ -298,6 +327,8 @@ def start(ctx: Ctx, foreground: bool, dry_run: bool, launcher: str | None, timeo
         args += ["--launcher", launcher]
     if ctx.instance:
         args += ["--instance", ctx.instance]
+    for key, value in engine.items():
+        args += [f"--{key}", str(value)]
     if foreground:
         from opsctl.supervisor import main as supervisor_main
 

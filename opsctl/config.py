@@ -108,6 +108,7 @@ class PagekeeperConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # flags for `python -m engine.server`
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     source: str = "built-in defaults"
+    engine_from_command_line: tuple[str, ...] = ()  # [engine] keys `opsctl start --model/--port/--host` gave
 
     @property
     def host(self) -> str:
@@ -150,6 +151,7 @@ def load_config(
     engine, supervisor = sections["engine"], sections["supervisor"]
     for section, values in (overrides or {}).items():
         (engine if section == "engine" else supervisor).update({k: v for k, v in values.items() if v is not None})
+    given = tuple(k for k, v in (overrides or {}).get("engine", {}).items() if v is not None)
     engine = validate_engine_section(engine, source)
     supervisor = validate_section(SupervisorConfig, supervisor, f"{source}: [supervisor]")
     sup = SupervisorConfig(**supervisor)
@@ -157,4 +159,4 @@ def load_config(
         sup.validate()
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
-    return PagekeeperConfig(engine=engine, supervisor=sup, source=source)
+    return PagekeeperConfig(engine=engine, supervisor=sup, source=source, engine_from_command_line=given)

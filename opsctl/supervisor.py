@@ -122,9 +122,11 @@ def build_launcher(cfg: PagekeeperConfig, runtime: Path, gpu: GpuProbe) -> Launc
 
 
 def engine_error_in_config_terms(line: str, cfg: PagekeeperConfig) -> str:
-    """The engine names the flags it was given; every one came from the config's [engine] section, which is what a
-    person edits: `--model /x: no such directory` is told as `FILE: [engine] model = "/x": no such directory`."""
-    text = in_config_terms(line, cfg.engine)
+    """The engine names the flags it was given; those from the config's [engine] section are told as what a person
+    edits there: `--model /x: no such directory` as `FILE: [engine] model = "/x": no such directory`.  Those given to
+    `opsctl start` (--model, --port, --host) keep their flag names."""
+    from_file = [k for k in cfg.engine if k not in cfg.engine_from_command_line]  # `opsctl start --model` stays so
+    text = in_config_terms(line, cfg.engine, from_file)
     if text == line or cfg.source == "built-in defaults":
         return text
     return f"{cfg.source}: {text}"
@@ -155,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--launcher", choices=("auto", "process", "systemd"), default=None)
     parser.add_argument("--instance", default=None)
+    # `opsctl start --model/--port/--host`: the [engine] keys, over the file's
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--host", default=None)
     args = parser.parse_args(argv)
     configure_logging()
     try:
@@ -166,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                     "dry_run": True if args.dry_run else None,
                     "launcher": args.launcher,
                     "instance": args.instance,
-                }
+                },
+                "engine": {"model": args.model, "port": args.port, "host": args.host},
             },
         )
         runtime = prepare_runtime_dir(cfg.supervisor.runtime_path())
