@@ -16,7 +16,7 @@ REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 
 def _hf_cache(root):  # type: ignore[no-untyped-def]
-    """`<root>/hub/models--pagekeeper-test--tiny-llama/{refs/main,snapshots/REVISION/...}`, as huggingface_hub writes."""
+    """`<root>/hub/models--pagekeeper-test--tiny-llama/{refs/main,snapshots/REVISION/}`, as huggingface_hub writes."""
     from engine.default_model import DEFAULT_MODEL_DIR
 
     repo = root / "hub" / f"models--{REPO_ID.replace('/', '--')}"
