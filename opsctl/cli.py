@@ -24,6 +24,7 @@ opsctl/state.py maps each engine state to its code):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -108,6 +109,14 @@ _INSTANCE = click.option(
 )
 
 
+_JSON = click.option("--json", "as_json", is_flag=True, help="Machine-readable output: one JSON document.")
+
+
+def _say(as_json: bool, sentence: str, document: dict[str, Any]) -> None:
+    """One output style: a sentence for people, or with --json the same facts as one JSON document."""
+    click.echo(json.dumps(document) if as_json else sentence)
+
+
 def _check_instance(value: str | None) -> str | None:
     if value is not None and not re.fullmatch(INSTANCE_PATTERN, value):
         raise click.BadParameter(f"{value!r}: use 1 to 32 of a-z, 0-9, '-' and '_', starting with a letter or digit")
@@ -169,6 +178,9 @@ def main(click_ctx: click.Context, config_path: str | None, runtime_dir: str | N
     4 starting, restarting or stopping; 5 draining; 6 gave up or failed;
     7 an engine serves without a supervisor; 8 unhealthy (exited, stalled).
     """
+    from engine.logs import configure_logging
+
+    configure_logging()  # what a library logs (NVML's probe, say) goes to stderr: stdout is the command's answer
     click_ctx.obj = Ctx(config_path, runtime_dir, instance)
 
 
@@ -260,6 +272,7 @@ def one_line(text: str | None) -> str:
 )
 @click.option("--port", type=int, default=None, help="Port to serve on, over the config's [engine] port.")
 @click.option("--host", default=None, help="Address to serve on, over the config's [engine] host.")
+@_JSON
 @click.pass_obj
 def start(
     ctx: Ctx,
@@ -270,6 +283,7 @@ def start(
     model: str | None,
     port: int | None,
     host: str | None,
+    as_json: bool,
 ) -> None:
     """Start the supervisor, which starts (or adopts) the engine; return when it serves."""
     engine = {k: v for k, v in (("model", model), ("port", port), ("host", host)) if v is not None}
@@ -305,7 +319,7 @@ def start(
             _fail(f"already running at {where} but drained (admits nothing); `opsctl resume` undoes it", EXIT_DRAINING)
         if state != EngineState.SERVING:
             st = _wait_until_serving(ctx, None, timeout or cfg.supervisor.ready_timeout, "already starting")
-        click.echo(f"already running: serving at {where}")
+        _say(as_json, f"already running: serving at {where}", _serving_document(st, already_running=True))
         return
     try:
         prepare_runtime_dir(runtime)
@@ -345,11 +359,25 @@ def start(
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     st = _wait_until_serving(ctx, proc, timeout or cfg.supervisor.ready_timeout, "starting")
-    if adopting:
-        click.echo(f"pagekeeper adopted the engine serving {st.engine.model} at {st.engine.url}")
-    else:
-        click.echo(f"pagekeeper is serving {st.engine.model} at {st.engine.url}")
-    click.echo(f"  supervisor pid {st.supervisor.pid}, metrics {st.supervisor.metrics_url}, logs: opsctl logs")
+    verb = "adopted the engine serving" if adopting else "is serving"
+    _say(
+        as_json,
+        f"pagekeeper {verb} {st.engine.model} at {st.engine.url}\n"
+        f"  supervisor pid {st.supervisor.pid}, metrics {st.supervisor.metrics_url}, logs: opsctl logs",
+        _serving_document(st, adopted=adopting),
+    )
+
+
+def _serving_document(st: Status, **facts: Any) -> dict[str, Any]:
+    return {
+        "serving": True,
+        "url": st.engine.url,
+        "model": st.engine.model,
+        "engine_pid": st.engine.pid,
+        "supervisor_pid": st.supervisor.pid,
+        "metrics_url": st.supervisor.metrics_url,
+        **facts,
+    }
 
 
 def _drain_args(no_drain: bool, drain_timeout: float | None) -> dict[str, Any]:
@@ -372,8 +400,9 @@ _DRAIN_TIMEOUT = click.option(
 @_location_options
 @click.option("--no-drain", is_flag=True, help="Answer in-flight requests with a 503 now instead of finishing them.")
 @_DRAIN_TIMEOUT
+@_JSON
 @click.pass_obj
-def stop(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
+def stop(ctx: Ctx, no_drain: bool, drain_timeout: float | None, as_json: bool) -> None:
     """Drain and stop the engine, then the supervisor (an engine left without one is stopped too)."""
     runtime = ctx.runtime()
     pid_file = runtime / PID_NAME
@@ -381,20 +410,24 @@ def stop(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
     if _status_or_none(runtime) is None:
         orphan = recorded_engine(runtime)
         if orphan is None:
-            click.echo("not running")
+            _say(as_json, "not running", {"stopped": False, "running": False})
             return
         retired = stop_unsupervised(orphan, drain=not no_drain, timeout=timeout)
-        click.echo(
+        _say(
+            as_json,
             f"stopped the engine (pid {orphan.pid}) that ran without a supervisor"
-            + (f"; {retired.lost} request(s) in flight were lost" if retired.lost else "")
+            + (f"; {retired.lost} request(s) in flight were lost" if retired.lost else ""),
+            {"stopped": True, "engine_pid": orphan.pid, "supervised": False, "lost": retired.lost},
         )
         return
     pid = int(pid_file.read_text()) if pid_file.exists() else None
+    if not as_json:
+        click.echo(f"stopping (in-flight requests get up to {timeout:g} s)...", err=True)
     _send(ctx, "stop", _drain_args(no_drain, drain_timeout), timeout=timeout + 60)
     deadline = time.monotonic() + 30
     while pid and time.monotonic() < deadline and pid_alive(pid):
         time.sleep(0.1)
-    click.echo("stopped")
+    _say(as_json, "stopped", {"stopped": True, "supervisor_pid": pid, "supervised": True})
 
 
 @main.command()
@@ -406,10 +439,15 @@ def stop(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
     "still wait for the new engine, none is refused).",
 )
 @_DRAIN_TIMEOUT
+@_JSON
 @click.pass_obj
-def restart(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
+def restart(ctx: Ctx, no_drain: bool, drain_timeout: float | None, as_json: bool) -> None:
     """Hand over to a new engine (no request refused); return when it serves."""
     timeout = drain_timeout if drain_timeout is not None else ctx.config().supervisor.drain_timeout
+    started = time.monotonic()
+    if not as_json:
+        how = "answering in-flight requests 503 now" if no_drain else f"in-flight requests get up to {timeout:g} s"
+        click.echo(f"restarting: a new engine takes over ({how})...", err=True)
     _send(
         ctx,
         "restart",
@@ -417,7 +455,12 @@ def restart(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
         timeout=timeout + ctx.config().supervisor.ready_timeout + 60,
     )
     st = _wait_until_serving(ctx, None, ctx.config().supervisor.ready_timeout, "restarting")
-    click.echo(f"restarted: serving at {st.engine.url}")
+    took = round(time.monotonic() - started, 1)
+    _say(
+        as_json,
+        f"restarted in {took:g} s: engine pid {st.engine.pid} serving at {st.engine.url}",
+        _serving_document(st, restarted=True, seconds=took),
+    )
 
 
 @main.command()
@@ -430,8 +473,9 @@ def restart(ctx: Ctx, no_drain: bool, drain_timeout: float | None) -> None:
     "sending new connections here.",
 )
 @_DRAIN_TIMEOUT
+@_JSON
 @click.pass_obj
-def retire(ctx: Ctx, delay: float, drain_timeout: float | None) -> None:
+def retire(ctx: Ctx, delay: float, drain_timeout: float | None, as_json: bool) -> None:
     """Hand the traffic over and stop the engine, but leave the supervisor running until it is stopped.
 
     A pod's preStop hook: in-flight requests finish, clients on kept-alive connections are told to reconnect
@@ -445,8 +489,10 @@ def retire(ctx: Ctx, delay: float, drain_timeout: float | None) -> None:
         time.sleep(delay)
     reply = _send(ctx, "retire", _drain_args(False, drain_timeout), timeout=timeout + 60)
     lost = int(reply.get("lost") or 0)
-    click.echo(
-        "retired: the engine handed over and stopped" + (f"; {lost} request(s) in flight were lost" if lost else "")
+    _say(
+        as_json,
+        "retired: the engine handed over and stopped" + (f"; {lost} request(s) in flight were lost" if lost else ""),
+        {"retired": True, "lost": lost},
     )
     if lost:
         sys.exit(EXIT_ERROR)
@@ -456,30 +502,47 @@ def retire(ctx: Ctx, delay: float, drain_timeout: float | None) -> None:
 @_location_options
 @click.option("--timeout", type=click.FloatRange(min=0), default=None, help="Seconds to wait for in-flight requests.")
 @click.option("--cancel", is_flag=True, help="Undo a drain (the same as `opsctl resume`).")
+@_JSON
 @click.pass_obj
-def drain(ctx: Ctx, timeout: float | None, cancel: bool) -> None:
+def drain(ctx: Ctx, timeout: float | None, cancel: bool, as_json: bool) -> None:
     """Stop admitting new requests (503, for a load balancer) and wait for in-flight ones; the engine stays up."""
     if cancel:
-        _resume(ctx)
+        _resume(ctx, as_json)
         return
     reply = _send(ctx, "drain", {"timeout": timeout} if timeout is not None else {})
     result = reply["drain"]
-    click.echo(json.dumps(result))
+    at_start, left, waited = (
+        result.get("in_flight_at_start", 0),
+        result.get("in_flight", 0),
+        result.get("waited_seconds"),
+    )
+    if result.get("drained"):
+        sentence = (
+            f"drained: the {at_start} request(s) in flight finished in {waited} s; new requests get 503 until "
+            "`opsctl resume`"
+        )
+    else:
+        sentence = (
+            f"not drained: {left} of {at_start} request(s) still in flight after {waited} s; new requests get 503 "
+            "until `opsctl resume`"
+        )
+    _say(as_json, sentence, result)
     if not result.get("drained"):
         sys.exit(EXIT_ERROR)
 
 
-def _resume(ctx: Ctx) -> None:
+def _resume(ctx: Ctx, as_json: bool) -> None:
     _send(ctx, "resume")
-    click.echo("resumed: admitting requests again")
+    _say(as_json, "resumed: admitting requests again", {"resumed": True})
 
 
 @main.command()
 @_location_options
+@_JSON
 @click.pass_obj
-def resume(ctx: Ctx) -> None:
+def resume(ctx: Ctx, as_json: bool) -> None:
     """Undo `opsctl drain`: admit requests again."""
-    _resume(ctx)
+    _resume(ctx, as_json)
 
 
 def _fmt_seconds(seconds: float | None) -> str:
@@ -546,6 +609,13 @@ def status_document(runtime: Path) -> dict[str, Any]:
     return json.loads(json.dumps(st.to_json(), default=str))
 
 
+def _no_gpu(detail: str) -> str:
+    """Why no GPU is shown, plainly: a machine without NVIDIA's driver is a CPU machine, not an error."""
+    if "LibraryNotFound" in detail or "Shared Library Not Found" in detail or "DriverNotLoaded" in detail:
+        return "none (no NVIDIA driver on this machine: the engine runs on the CPU)"
+    return f"not readable: {detail}"
+
+
 def _status_lines(st: Status) -> list[str]:
     """The human view: integers, nothing it does not know, one line per topic."""
     e, d, r, c, s = st.engine, st.last_decision, st.restarts, st.crash_loop, st.supervisor
@@ -567,6 +637,10 @@ def _status_lines(st: Status) -> list[str]:
     if e.oldest_waiting_s:
         queue.append(f"oldest waiting {e.oldest_waiting_s:.1f}s")
     if queue:
+        if e.readings_age_s is not None:
+            queue.append(
+                f"(as of {_fmt_seconds(e.readings_age_s)} ago, polled every {_fmt_seconds(s.poll_interval_s)})"
+            )
         lines.append("requests    " + "  ".join(queue))
     if e.metrics_error and e.state != EngineState.EXITED:
         lines.append(f"probe       {e.metrics_error}")
@@ -580,7 +654,7 @@ def _status_lines(st: Status) -> list[str]:
         parts.append(f"xid {int(g.xid_errors_total)}")
         lines.append(f"gpu {g.index}       " + "  ".join(parts))
     if not gpu.devices:
-        lines.append(f"gpu         {gpu.detail}")
+        lines.append(f"gpu         {_no_gpu(gpu.detail)}")
     if d:
         evidence = ", ".join(f"{k}={v}" for k, v in (d.evidence or {}).items() if v is not None)
         lines.append(f"decision    {d.action} ({d.reason})" + (f": {evidence}" if evidence else ""))
@@ -604,9 +678,10 @@ def _status_lines(st: Status) -> list[str]:
 @click.option("-f", "--follow", is_flag=True)
 @click.option("--supervisor", "which", flag_value="supervisor", help="Show the supervisor's log instead.")
 @click.option("-n", "--lines", type=int, default=50)
+@click.option("--json", "as_json", is_flag=True, help="The log's own JSON lines, unrendered.")
 @click.pass_obj
-def logs(ctx: Ctx, follow: bool, which: str | None, lines: int) -> None:
-    """The engine's log (or the supervisor's)."""
+def logs(ctx: Ctx, follow: bool, which: str | None, lines: int, as_json: bool) -> None:
+    """The engine's log (or the supervisor's), one readable line per event (--json: as written)."""
     cfg = ctx.config()
     runtime = cfg.supervisor.runtime_path()
     if which != "supervisor" and cfg.supervisor.launcher == "systemd":
@@ -617,25 +692,47 @@ def logs(ctx: Ctx, follow: bool, which: str | None, lines: int) -> None:
     path = runtime / (SUPERVISOR_LOG_NAME if which == "supervisor" else ENGINE_LOG_NAME)
     if not path.exists():
         _fail(f"no log at {path} yet")
+    show = (lambda line: line) if as_json else render_log_line
     with open(path, errors="replace") as f:
         for line in f.readlines()[-lines:]:
-            click.echo(line, nl=False)
+            click.echo(show(line), nl=False)
         while follow:
             line = f.readline()
             if line:
-                click.echo(line, nl=False)
+                click.echo(show(line), nl=False)
             else:
                 time.sleep(0.2)
 
 
+def render_log_line(line: str) -> str:
+    """`{"event": "serving", "url": ..., "timestamp": ..., "level": "info"}` as `11:20:56.163 info  serving
+    url=...`; a line that is not a JSON object (a banner, a library's traceback) as it is."""
+    try:
+        event = json.loads(line) if line.startswith("{") else None
+    except ValueError:
+        event = None
+    if not isinstance(event, dict) or "event" not in event:
+        return line
+    stamp = str(event.pop("timestamp", ""))[11:23]
+    level = str(event.pop("level", ""))
+    name = str(event.pop("event"))
+    event.pop("logger", None)
+    fields = " ".join(f"{k}={v if isinstance(v, str) and ' ' not in v else json.dumps(v)}" for k, v in event.items())
+    return f"{stamp} {level:<7} {name}  {fields}".rstrip() + "\n"
+
+
 @main.command()
 @_location_options
+@_JSON
 @click.pass_obj
-def doctor(ctx: Ctx) -> None:
+def doctor(ctx: Ctx, as_json: bool) -> None:
     """Check the environment and show the memory plan for the configured model, without starting it."""
     from opsctl.doctor import run_checks
 
-    ok = run_checks(ctx.config(), click.echo)
+    checks: list[dict[str, Any]] = []
+    ok = run_checks(ctx.config(), (lambda line: None) if as_json else click.echo, checks)
+    if as_json:
+        click.echo(json.dumps({"ok": ok, "checks": checks}))
     sys.exit(0 if ok else 1)
 
 
@@ -694,16 +791,59 @@ def config() -> None:
 
 @config.command("show")
 @_location_options
+@_JSON
 @click.pass_obj
-def config_show(ctx: Ctx) -> None:
-    """Print the effective configuration as TOML (file values over built-in defaults)."""
+def config_show(ctx: Ctx, as_json: bool) -> None:
+    """Every value in effect, as TOML, each with where it came from (the file, or the built-in default)."""
+    cfg = ctx.config()
+    sections = effective_config(cfg)
+    if as_json:
+        click.echo(json.dumps({"source": cfg.source, **sections}, default=str))
+        return
     import tomli_w
 
-    cfg = ctx.config()
-    data = cfg.as_dict()
-    data["supervisor"] = {k: v for k, v in data["supervisor"].items() if v is not None}
-    click.echo(f"# source: {cfg.source}")
-    click.echo(tomli_w.dumps(data))
+    click.echo(f"# file: {cfg.source}")
+    for name, values in sections.items():
+        click.echo(f"\n[{name}]")
+        for key, item in values.items():
+            if item["value"] is None:
+                click.echo(f"# {key} is unset ({item['from']})")
+                continue
+            text = tomli_w.dumps({key: item["value"]}).strip()
+            click.echo(f"{text}  # {item['from']}")
+
+
+def effective_config(cfg: PagekeeperConfig) -> dict[str, dict[str, dict[str, Any]]]:
+    """{section: {key: {"value": ..., "from": "file" | "default"}}} for every key a config file may set."""
+    from engine.config import EngineConfig
+    from engine.config_file import SECRET_ENV, SERVER_KEYS, engine_file_keys
+
+    def origin(section: str, key: str, flags: tuple[str, ...]) -> str:
+        if key in flags:
+            return "command line"
+        return "file" if key in cfg.keys_in_file.get(section, ()) else "default"
+
+    def default(f: dataclasses.Field) -> Any:  # type: ignore[type-arg]
+        return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+
+    defaults = {f.name: default(f) for f in dataclasses.fields(EngineConfig)} | dict(SERVER_KEYS)
+    engine = {
+        key: {
+            "value": "(set, not shown)"
+            if key in SECRET_ENV and cfg.engine.get(key)
+            else cfg.engine.get(key, defaults[key]),
+            "from": origin("engine", key, cfg.engine_from_command_line),
+        }
+        for key in sorted((engine_file_keys() | set(SERVER_KEYS)) & set(defaults))
+    }
+    supervisor = {
+        f.name: {
+            "value": getattr(cfg.supervisor, f.name),
+            "from": origin("supervisor", f.name, cfg.supervisor_from_command_line),
+        }
+        for f in dataclasses.fields(cfg.supervisor)
+    }
+    return {"engine": engine, "supervisor": supervisor}
 
 
 if __name__ == "__main__":

@@ -109,6 +109,8 @@ class PagekeeperConfig:
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     source: str = "built-in defaults"
     engine_from_command_line: tuple[str, ...] = ()  # [engine] keys `opsctl start --model/--port/--host` gave
+    supervisor_from_command_line: tuple[str, ...] = ()  # [supervisor] keys opsctl's flags gave (--runtime-dir, ...)
+    keys_in_file: dict[str, tuple[str, ...]] = field(default_factory=dict)  # section -> the keys the file sets
 
     @property
     def host(self) -> str:
@@ -149,9 +151,11 @@ def load_config(
     elif path:
         raise ConfigError(f"--config {candidate}: no such file")
     engine, supervisor = sections["engine"], sections["supervisor"]
+    in_file = {name: tuple(values) for name, values in sections.items()}
     for section, values in (overrides or {}).items():
         (engine if section == "engine" else supervisor).update({k: v for k, v in values.items() if v is not None})
     given = tuple(k for k, v in (overrides or {}).get("engine", {}).items() if v is not None)
+    given_supervisor = tuple(k for k, v in (overrides or {}).get("supervisor", {}).items() if v is not None)
     engine = validate_engine_section(engine, source)
     supervisor = validate_section(SupervisorConfig, supervisor, f"{source}: [supervisor]")
     sup = SupervisorConfig(**supervisor)
@@ -159,4 +163,11 @@ def load_config(
         sup.validate()
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
-    return PagekeeperConfig(engine=engine, supervisor=sup, source=source, engine_from_command_line=given)
+    return PagekeeperConfig(
+        engine=engine,
+        supervisor=sup,
+        source=source,
+        engine_from_command_line=given,
+        supervisor_from_command_line=given_supervisor,
+        keys_in_file=in_file,
+    )

@@ -246,6 +246,7 @@ class Supervisor:
                 "metrics_error": obs.metrics_error,
                 "model": reading.model_name if reading else None,
                 "process": proc,
+                "at": time.monotonic(),
             }
             self._refresh_state(alive)
         self.metrics.polls.inc()
@@ -589,6 +590,7 @@ class Supervisor:
                     metrics_error=reading.get("metrics_error"),
                     process=reading.get("process"),
                     last_exit=self.launcher.exit_summary(),
+                    readings_age_s=round(time.monotonic() - reading["at"], 1) if "at" in reading else None,
                 ),
                 gpu=GpuStatus(self.gpu.available, self.gpu.reason, list(self.last_gpu)),
                 last_decision=self.last_decision,

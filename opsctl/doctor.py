@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Callable
+from typing import Any, Callable
 
 from engine.config import ConfigError, EngineConfig
 from engine.kv.kv_cache_manager import blocks_for_tokens
@@ -19,13 +19,16 @@ from opsctl.probes import gpu_probe
 RECOMMENDED_ALLOC_CONF = "expandable_segments:True"
 
 
-def run_checks(cfg: PagekeeperConfig, echo: Callable[[str], None]) -> bool:
+def run_checks(cfg: PagekeeperConfig, echo: Callable[[str], None], collect: list[dict[str, Any]] | None = None) -> bool:
+    """Each check as one line to `echo`, and as {"check", "status": ok|fail|warn, "detail"} into `collect`."""
     ok = True
 
     def report(passed: bool | None, what: str, detail: str) -> None:
         nonlocal ok
         mark = {True: "ok  ", False: "FAIL", None: "warn"}[passed]
         echo(f"[{mark}] {what:<18} {detail}")
+        if collect is not None:
+            collect.append({"check": what, "status": mark.strip().lower(), "detail": detail})
         if passed is False:
             ok = False
 

@@ -32,6 +32,7 @@ class EngineStatus:
     metrics_error: str | None
     process: ProcessReading | None
     last_exit: str | None
+    readings_age_s: float | None = None  # how old the figures above are: the last poll's (None: no poll yet)
 
 
 @dataclass

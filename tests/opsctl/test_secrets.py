@@ -51,7 +51,7 @@ def test_keys_never_reach_a_command_line_and_drain_needs_the_admin_key(deploy):
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     assert httpx.post(d.url + "/drain", params={"timeout": 1}, headers=admin).json()["drained"] is True
     assert httpx.delete(d.url + "/drain", headers=admin).status_code == 200
-    drained = d.opsctl("drain", "--timeout", "2")
+    drained = d.opsctl("drain", "--timeout", "2", "--json")
     assert drained.returncode == 0 and json.loads(drained.stdout)["drained"] is True
     assert httpx.get(d.url + "/health").json() == {"status": "draining"}
     assert d.opsctl("resume").returncode == 0

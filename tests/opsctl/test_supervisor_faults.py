@@ -343,7 +343,7 @@ def test_cli_restart_drain_resume_stop_and_logs(deploy):
     st = d.status()
     assert st["engine"]["pid"] != old and st["restarts"]["recent"][-1]["reason"] == "manual"
     assert st["restarts"]["counted_for_crash_loop"] == 0  # manual restarts are not crashes
-    drained = json.loads(d.opsctl("drain", "--timeout", "5").stdout)
+    drained = json.loads(d.opsctl("drain", "--timeout", "5", "--json").stdout)
     assert drained["drained"] is True
     assert httpx.get(d.url + "/health").json() == {"status": "draining"}
     st = d.opsctl("status")

@@ -1,0 +1,59 @@
+"""One output style (issue 41): every opsctl command answers in sentences by default and, with --json, in one JSON
+document (`opsctl logs --json`: the log's own JSON lines) that parses; what libraries log goes to stderr."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+# (arguments, what the sentence starts with); run in this order against one deployment
+COMMANDS = [
+    (["start"], "already running: serving at"),
+    (["status"], "engine      serving"),
+    (["drain"], "drained: "),
+    (["resume"], "resumed: admitting"),
+    (["drain", "--cancel"], "resumed: admitting"),
+    (["config", "show"], "# file: "),
+    (["doctor"], "[ok  ] config"),
+    (["restart"], "restarted in "),
+]
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from tests.opsctl.harness import deployment
+
+    d = deployment(tmp_path_factory.mktemp("style"), supervisor={"cooldown_seconds": 30.0})
+    r = d.opsctl("start")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("pagekeeper is serving")
+    yield d
+    d.teardown()
+
+
+@pytest.mark.parametrize("args,sentence", COMMANDS, ids=[" ".join(a) for a, _ in COMMANDS])
+def test_sentences_by_default_and_one_json_document_with_json(running, args, sentence):
+    plain = running.opsctl(*args)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert plain.stdout.startswith(sentence), plain.stdout
+    assert not any(line.lstrip().startswith("{") for line in plain.stdout.splitlines()), plain.stdout
+    machine = running.opsctl(*args, "--json")
+    assert machine.returncode == 0, machine.stdout + machine.stderr
+    assert isinstance(json.loads(machine.stdout), dict), machine.stdout
+
+
+def test_logs_render_events_readably_and_json_gives_them_as_written(running):
+    plain = running.opsctl("logs", "-n", "20", "--supervisor")
+    assert plain.returncode == 0 and "supervisor_started" in plain.stdout
+    assert not any(line.startswith("{") for line in plain.stdout.splitlines()), plain.stdout
+    raw = running.opsctl("logs", "-n", "20", "--supervisor", "--json")
+    events = [json.loads(line) for line in raw.stdout.splitlines() if line.startswith("{")]
+    assert events and all("event" in e for e in events)
+
+
+def test_stop_then_stop_again(running):
+    first = running.opsctl("stop", "--json")
+    assert first.returncode == 0 and json.loads(first.stdout)["stopped"] is True, first.stdout + first.stderr
+    again = running.opsctl("stop")
+    assert again.returncode == 0 and again.stdout.strip() == "not running"
