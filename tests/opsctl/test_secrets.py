@@ -72,7 +72,7 @@ def test_drain_and_resume_work_with_an_api_key_and_no_admin_key(deploy):
     supervisor_pid = d.status()["supervisor"]["pid"]
     refused = httpx.post(d.url + "/drain", params={"timeout": 1}, headers={"Authorization": f"Bearer {API_KEY}"})
     assert refused.status_code == 401  # the HTTP endpoint, for load balancers, is as guarded as before
-    drained = d.opsctl("drain", "--timeout", "2")
+    drained = d.opsctl("drain", "--timeout", "2", "--json")
     assert drained.returncode == 0, drained.stdout + drained.stderr
     assert json.loads(drained.stdout)["drained"] is True
     assert httpx.get(d.url + "/health").json() == {"status": "draining"}
