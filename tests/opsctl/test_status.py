@@ -78,6 +78,7 @@ def test_json_shape_is_the_one_opsctl_status_printed():
         "metrics_error",
         "process",
         "last_exit",
+        "readings_age_s",
     ]
     assert data["engine"]["state"] == "serving" and type(data["engine"]["state"]) is str
     assert list(data["gpu"]) == ["available", "detail", "devices"]
