@@ -2,8 +2,9 @@
 
 An engine imports about 4 s of Python on a GPU host, most of it torch.  Where torch's modules have no compiled
 bytecode beside them and the process may not write any (`PYTHONDONTWRITEBYTECODE`, common in container images, or
-a read-only site-packages), every engine start compiles them from source again: `import torch` took 4.5-4.9 s on
-the H100 device image in 2026-11 instead of about half that (issue 35's notes).  The supervisor starts an engine
+a read-only site-packages), every engine start compiles them from source again: `import torch` takes about twice
+as long (benchmarks/results/restart-h100-2026-11-27b.json against restart-h100-2026-11-27.json: the engines'
+`imports_and_flags`).  The supervisor starts an engine
 at every restart and keeps a spare one, so it gives its engines and the weights keeper a bytecode folder of their
 own under the cache folder (`PYTHONPYCACHEPREFIX`), which only the first start fills.  Nothing is written beside
 the installation's sources.  `[supervisor] bytecode_cache = "off"` leaves the environment alone, and so does an

@@ -206,7 +206,7 @@ class TensorParallelRunner:
 
         `process_exiting` (the interpreter's exit: a server that stopped): the workers exit at once and this process
         does not leave the NCCL group either, since the OS reclaims the communicators.  The orderly leave took
-        6.9 s at TP=4 (70B shape, H200), and a restart's successor waits for this process's exit: it must come
+        seconds at TP=4 (the 70B shape), and a restart's successor waits for this process's exit: it must come
         only after every rank's device memory is free, so the workers' exits are waited for."""
         if self._closing:
             return

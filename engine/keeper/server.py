@@ -72,7 +72,7 @@ class Keeper:
         size = self.config.tensor_parallel_size
         devices = [rank_device(self.config, r) for r in range(size)]
         # Built here, one after the other: building sets torch's default dtype, which is the process's, not the
-        # thread's (built on the rank threads, one rank once kept a float32 tensor among bf16 ones: H200 x4).
+        # thread's (built on the rank threads, one rank of a 70B shape once kept a float32 tensor among bf16 ones).
         models = [build_on_meta(info, 1, devices[r], TPGroup(r, size)) for r in range(size)]
         errors: list[BaseException] = []
 

@@ -4,8 +4,9 @@ A restart is a gap in service until the new engine serves.  Capturing the CUDA g
 20 s for a 70B one at TP=4) and warming kernels make steps faster but are not needed to serve: an eager step
 gives the same tokens.  So the server starts eagerly and runs this work in small units between steps (the engine
 core decides when: engine/core/engine_core.py).  Decode graphs come first and each is replayed as soon as it is
-captured, the batch size the steps need now before the others: a decode step of the 8B shape took 28-30 ms eagerly
-after a restart against about 9 ms replayed.  The offline API (`LLM`) runs it all before it returns, as before.
+captured, the batch size the steps need now before the others: an eager decode step of the 8B shape takes about
+three times a replayed one (`first_steps` in benchmarks/results/restart-h100-2026-11-27b.json).  The offline API
+(`LLM`) runs it all before it returns, as before.
 
 Units run on the step loop's thread, inside `ModelRunner.launch` of the plan that asks for them, so that every
 tensor-parallel rank runs the same unit at the same point (a capture runs the collectives inside the graph).  A
