@@ -16,12 +16,15 @@ major, minor = (int(x) for x in torch.__version__.split(".")[:2])
 sys.exit(0 if (major, minor) >= (2, 6) else 1)
 PYEOF
 then
+  echo "setup: installing torch 2.13.0 (the CPU wheel; a minute or two on a fresh environment)..."
   "$PY" -m pip install --quiet --disable-pip-version-check torch==2.13.0
 fi
 
 if (( want_test )); then
+  echo "setup: installing pagekeeper with its test tools (about a minute on a fresh environment; seconds after)..."
   "$PY" -m pip install --quiet --disable-pip-version-check -e ".[test]"
 else
+  echo "setup: installing pagekeeper and its dependencies (about a minute on a fresh environment; seconds after)..."
   "$PY" -m pip install --quiet --disable-pip-version-check -e .
 fi
 echo "pagekeeper installed ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
@@ -29,6 +32,7 @@ echo "pagekeeper installed ($("$PY" -c 'import torch; print("torch", torch.__ver
 # The CPU attention extension (kernels/cpu_ext.py), built now for this host so that no engine start pays for it.
 # Serving without it falls back to torch's attention (slower decode) with a warning; the tests need it (below).
 if (( ! want_test )); then
+  echo "setup: building the CPU attention extension for this host (once; tens of seconds)..."
   "$PY" -m kernels.cpu_ext || echo "warning: the CPU attention extension was not built (see above); CPU decode uses torch's slower path" >&2
 fi
 
@@ -50,6 +54,7 @@ if (( want_test )); then
     fi
     DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "$@" >/dev/null
   }
+  echo "setup: test tools: system packages (prometheus, alertmanager, npm, systemd, tini, g++) where missing..."
   new_daemons=()
   if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
     apt_install prometheus && new_daemons+=(prometheus.service)
@@ -78,12 +83,14 @@ if (( want_test )); then
   # (networkx, packaging, boto3), which must not be downgraded in this environment.
   checkov_version=3.3.30
   if [[ "$(.tools/checkov/bin/checkov --version 2>/dev/null)" != "$checkov_version" ]]; then
+    echo "setup: checkov $checkov_version in a venv of its own (a minute or two, once)..."
     "$PY" -m venv .tools/checkov
     .tools/checkov/bin/pip install --quiet --disable-pip-version-check "checkov==$checkov_version"
   fi
 
   typecheck=grafana/typecheck
   if command -v npm >/dev/null && ! cmp -s "$typecheck/package-lock.json" "$typecheck/node_modules/.pagekeeper-lock"; then
+    echo "setup: the dashboard's type checker (npm ci, once)..."
     npm ci --prefix "$typecheck" --no-audit --no-fund --loglevel=error
     cp "$typecheck/package-lock.json" "$typecheck/node_modules/.pagekeeper-lock"
   fi
