@@ -100,6 +100,17 @@ class Lifecycle:
 LIFECYCLE = Lifecycle()  # this process's (an engine process serves one engine)
 
 
+class _Exit:
+    """How this process ends: `without_teardown` once a server leaves through os._exit after its exit functions
+    (engine/server/__main__.py), so that those functions may skip what only an orderly interpreter exit needs (the
+    tensor-parallel ranks' NCCL leave).  An offline script's interpreter exit stays orderly."""
+
+    without_teardown = False
+
+
+PROCESS_EXIT = _Exit()
+
+
 STANDBY_LIMIT_S = 900.0  # a restart's successor waits this long at most for the engine it replaces
 
 

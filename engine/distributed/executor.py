@@ -39,6 +39,7 @@ from engine.config import ConfigError, EngineConfig, ResolvedConfig
 from engine.core.plan import StepPlan
 from engine.distributed.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
 from engine.distributed.worker import WorkerArgs, reason_file
+from engine.lifecycle import PROCESS_EXIT
 from engine.memory.budget import KVPlan
 from engine.model.loader import ModelInfo
 from engine.model.overlap import set_overlap_tokens
@@ -199,15 +200,16 @@ class TensorParallelRunner:
         os._exit(exit_code)
 
     def _close_at_exit(self) -> None:
-        self.close(process_exiting=True)
+        self.close(process_exiting=PROCESS_EXIT.without_teardown)
 
     def close(self, process_exiting: bool = False) -> None:
         """Stop the workers (they finish the plan they run, then leave); safe to call twice.
 
-        `process_exiting` (the interpreter's exit: a server that stopped): the workers exit at once and this process
-        does not leave the NCCL group either, since the OS reclaims the communicators.  The orderly leave took
-        seconds at TP=4 (the 70B shape), and a restart's successor waits for this process's exit: it must come
-        only after every rank's device memory is free, so the workers' exits are waited for."""
+        `process_exiting` (a server leaving through os._exit: engine/lifecycle.py PROCESS_EXIT): the workers exit at
+        once and this process does not leave the NCCL group either, since the OS reclaims the communicators (an
+        offline script's interpreter exit, which finalizes the group's objects, keeps the orderly leave).  The
+        orderly leave took seconds at TP=4 (the 70B shape), and a restart's successor waits for this process's exit:
+        it must come only after every rank's device memory is free, so the workers' exits are waited for."""
         if self._closing:
             return
         self._closing = True

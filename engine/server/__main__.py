@@ -49,7 +49,7 @@ from engine.chat import load_chat_template
 from engine.config import ConfigError, EngineConfig
 from engine.config_file import SECRET_ENV, engine_args, error_in_file_terms, load_engine_section
 from engine.gc_heap import freeze_startup_heap, resume_startup_collections
-from engine.lifecycle import LIFECYCLE, Phase
+from engine.lifecycle import LIFECYCLE, PROCESS_EXIT, Phase
 from engine.logs import configure_logging
 from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenizer_dir
 from engine.schema import validate_section
@@ -644,6 +644,7 @@ def exit_without_teardown(code: int) -> NoReturn:
     tensor-parallel workers are stopped, logs flushed.
     """
     started = time.monotonic()
+    PROCESS_EXIT.without_teardown = True  # the exit functions may skip an orderly leave (engine/lifecycle.py)
     atexit._run_exitfuncs()
     if code == 0:  # an engine that served (a refusal's exit 2 stays its one error line)
         log.info("exiting", code=code, exit_functions_s=round(time.monotonic() - started, 3))
