@@ -357,17 +357,13 @@ def scenario_restart(d: Deployment, args: argparse.Namespace) -> dict[str, Any]:
     time.sleep(args.settle)
     records = load.stop()
     stats = window_stats(records, t0, t1 + first + args.settle)
-    ready = d.events("engine.log", "engine_ready")
     return {
         "opsctl_restart_rc": r.returncode,
         "opsctl_restart_s": round(t1 - t0, 3),
         "old_pid": old,
         "new_pid": engine_pid(d),
-        "new_engine_phases": ready[-1].get("phases") if ready else None,
-        "new_engine_timeline": startup_timeline(d),
-        "weights_from": ready[-1].get("weights_from") if ready else None,
         "spare_standing_by_after_s": spare_ready_s,
-        "new_engine_first_steps": first_steps(d),
+        **new_engine(d),
         **stats,
     }
 
@@ -385,18 +381,26 @@ def scenario_kill9(d: Deployment, args: argparse.Namespace) -> dict[str, Any]:
     in_flight = [r for r in records if r.start < t0 < r.end]
     after = sorted(r.end - t0 for r in records if r.ok and r.start >= t0)
     stats = window_stats(records, t0, t0 + first + args.settle)
-    ready = d.events("engine.log", "engine_ready")
     return {
         "first_completion_s": round(first, 3),
         "first_load_completion_s": round(after[0], 3) if after else None,
         "in_flight_at_kill": len(in_flight),
         "lost": sum(1 for r in in_flight if not r.ok),
         "spare_standing_by_after_s": spare_ready_s,
+        **new_engine(d),
+        **stats,
+    }
+
+
+def new_engine(d: Deployment) -> dict[str, Any]:
+    """What the engine that took over reported: its start-up phases and timeline, where its weights came from, and
+    its first steps."""
+    ready = d.events("engine.log", "engine_ready")
+    return {
         "new_engine_phases": ready[-1].get("phases") if ready else None,
         "new_engine_timeline": startup_timeline(d),
         "weights_from": ready[-1].get("weights_from") if ready else None,
         "new_engine_first_steps": first_steps(d),
-        **stats,
     }
 
 

@@ -397,6 +397,22 @@ def weights_by_dtype(model: nn.Module) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def throwaway_runner(
+    config: ResolvedConfig, model_info: ModelInfo, model: nn.Module, device: torch.device, num_blocks: int
+) -> ModelRunner:
+    """A runner over a KV cache of `num_blocks` blocks that start-up measures or warms with, then drops."""
+    return ModelRunner(
+        model,
+        num_blocks,
+        config.block_size,
+        model_info.dtype,
+        device,
+        config.seed,
+        max_num_seqs=config.max_num_seqs,
+        kv_dtype=kv_cache_dtype(config, model_info.dtype),
+    )
+
+
 def dummy_step(config: ResolvedConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> None:
     """The largest step the scheduler can build (max_num_batched_tokens over as many sequences as
     max_model_len requires), on a throwaway KV cache: what start-up profiling measures."""
@@ -418,16 +434,7 @@ def dummy_step(config: ResolvedConfig, model_info: ModelInfo, model: nn.Module, 
             SeqStep(sid, 0, n, ids, table_blocks=list(range(next_block, next_block + k)), sample_ids=[sid])
         )
         next_block += k
-    runner = ModelRunner(
-        model,
-        next_block,
-        bs,
-        model_info.dtype,
-        device,
-        config.seed,
-        max_num_seqs=config.max_num_seqs,
-        kv_dtype=kv_cache_dtype(config, model_info.dtype),
-    )
+    runner = throwaway_runner(config, model_info, model, device, next_block)
     runner.rows.reserve()  # the per-sequence rows of penalties and logit_bias, at full capacity
     runner.execute(plan)
     sample_worst_case(runner, config.max_num_seqs, vocab, model_info.dtype)
@@ -444,17 +451,7 @@ def warm_kernels(config: ResolvedConfig, model_info: ModelInfo, model: nn.Module
     n = min(2 * bs - 1, (config.max_model_len or 2 * bs) - 1)
     vocab = int(model_info.hf_config.vocab_size)
     sizes = [size for size in capture_sizes(config.max_num_seqs) if size <= 64]
-    blocks = max(2, sizes[-1] if sizes else 1)
-    runner = ModelRunner(
-        model,
-        blocks,
-        bs,
-        model_info.dtype,
-        device,
-        config.seed,
-        max_num_seqs=config.max_num_seqs,
-        kv_dtype=kv_cache_dtype(config, model_info.dtype),
-    )
+    runner = throwaway_runner(config, model_info, model, device, max(2, sizes[-1] if sizes else 1))
     greedy = SamplingSpec(temperature=0.0)
     ids = [(7 * j + 3) % vocab for j in range(n)]
     prompt = StepPlan(num_batched_tokens=n, new_seqs=[NewSeq("warm", greedy)])
