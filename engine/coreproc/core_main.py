@@ -26,6 +26,7 @@ from engine.coreproc.messages import (
     Admit,
     Fault,
     Finish,
+    PhaseChanged,
     Ready,
     Recycle,
     Recycled,
@@ -35,7 +36,7 @@ from engine.coreproc.messages import (
     YieldCores,
 )
 from engine.cpu_threads import available_cores, bind_compute_thread, plan_cpu_threads
-from engine.lifecycle import PROCESS_EXIT
+from engine.lifecycle import LIFECYCLE, PROCESS_EXIT
 from engine.logs import configure_logging
 
 log = structlog.get_logger("pagekeeper.core")
@@ -125,10 +126,27 @@ class CoreProcess:
         self._last_report = time.monotonic()
 
 
+def die_with(front: int | None) -> None:
+    """SIGKILL when the front dies (Linux's parent-death signal): a front killed by -9 must not leave a core holding
+    the device that its successor's core needs.  A front that is already gone: leave now."""
+    if front is None:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the socket's end still tells
+    if os.getppid() != front:
+        leave(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.coreproc")
     parser.add_argument("--fd", type=int, required=True, help="this end of the front's socket pair")
+    parser.add_argument("--front", type=int, default=None, help="the front's pid: this process dies with it")
     args = parser.parse_args(argv)
+    die_with(args.front)
     # The front decides when this process ends (it closes its end of the socket): a SIGTERM to the whole group
     # (systemd's stop, a terminal's ^C) is for the front, which drains first and needs its core meanwhile.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -142,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     from engine.core.engine_core import EngineCore
 
     config = start.config
+    # a standby start (engine/lifecycle.py: standby_until_exit) is the front's to report
+    LIFECYCLE.listen(lambda old, new: conn.send(PhaseChanged(new.value)))
     try:
         plan = None
         if config.resolved_device() == "cpu" and config.tensor_parallel_size == 1:

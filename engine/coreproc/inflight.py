@@ -46,6 +46,9 @@ class InFlight:
     def __bool__(self) -> bool:
         return bool(self._live)
 
+    def request_ids(self) -> set[str]:
+        return set(self._live)
+
     def admitted(self, request_id: str, valid: ValidRequest, arrival: float) -> None:
         self._live[request_id] = _Live(valid, arrival, {i: [] for i in range(valid.params.n)})
 

@@ -1,8 +1,8 @@
 """What the front and the core say to each other: plain data, pickled over a local socket pair.
 
-Front to core: Start (once), then Admit / Finish / Recycle / YieldCores / Fault.  Core to front: Ready or Refused
-(once), then Stepped after every step (and about four times a second while idle: silence means a hung core),
-Recycled.
+Front to core: Start (once), then Admit / Finish / Recycle / YieldCores / Fault.  Core to front: PhaseChanged
+while it starts, Ready or Refused (once), then Stepped after every step (and about four times a second while
+idle: silence means a hung core), Recycled.
 """
 
 from __future__ import annotations
@@ -65,6 +65,14 @@ class Ready:
     facts: CoreFacts
     pid: int
     cpu_plan: CpuThreadPlan | None = None  # a CPU engine: the cores it computes on, and those left to the front
+
+
+@dataclass(frozen=True)
+class PhaseChanged:
+    """The starting core moved between loading and standby (engine/lifecycle.py): the front, which the supervisor
+    asks, answers the same."""
+
+    phase: str
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,15 @@ then gives up (`on_give_up`, by default an exit with code 1, which the superviso
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Callable
 
@@ -33,6 +36,7 @@ from engine.coreproc.messages import (
     Admit,
     Fault,
     Finish,
+    PhaseChanged,
     Ready,
     Recycle,
     Recycled,
@@ -42,6 +46,7 @@ from engine.coreproc.messages import (
     YieldCores,
 )
 from engine.cpu_threads import CpuThreadPlan
+from engine.lifecycle import LIFECYCLE, Phase
 from engine.metrics import EngineSnapshot
 
 log = structlog.get_logger("pagekeeper.server")
@@ -49,6 +54,26 @@ log = structlog.get_logger("pagekeeper.server")
 POLL_S = 0.01  # how long one step() waits for the core's next message
 # counters of EngineSnapshot that a new core starts again from zero: the front adds the ended cores' totals
 _COUNTERS = ("prefix_queries", "prefix_hits", "prompt_tokens", "generation_tokens", "preemptions", "steps")
+
+
+@dataclass
+class _Resuming:
+    """The requests a core's end left waiting, until each has its first token from the next core."""
+
+    reason: str
+    waiting: set[str]
+    seconds: list[float] = field(default_factory=list)
+
+    def log(self) -> None:
+        done = sorted(self.seconds)
+        log.info(
+            "requests_resumed",
+            reason=self.reason,
+            resumed=len(done),
+            p50_s=round(statistics.median(done), 3) if done else None,
+            max_s=round(done[-1], 3) if done else None,
+            not_resumed=len(self.waiting),  # ended meanwhile (a client that left), or still waiting at a new end
+        )
 
 
 class CoreStartFailed(RuntimeError):
@@ -100,6 +125,7 @@ class RemoteCore:
         self._base = EngineSnapshot()  # the ended cores' counters
         self._facts: CoreFacts | None = None
         self._recycled: Recycled | None = None
+        self._resuming: _Resuming | None = None
         self.pid: int | None = None
         self._spawn()
         while not self._ready:  # the first core: the front needs its facts before it can validate anything
@@ -113,7 +139,8 @@ class RemoteCore:
     def _spawn(self) -> None:
         front_end, core_end = socket.socketpair()
         fd = core_end.fileno()
-        self._proc = subprocess.Popen([sys.executable, "-m", "engine.coreproc", "--fd", str(fd)], pass_fds=(fd,))
+        command = [sys.executable, "-m", "engine.coreproc", "--fd", str(fd), "--front", str(os.getpid())]
+        self._proc = subprocess.Popen(command, pass_fds=(fd,))
         core_end.close()
         self._conn = Connection(front_end.detach())
         self._ready = False
@@ -121,7 +148,9 @@ class RemoteCore:
         self._spawned_at = time.monotonic()
         self._last_heard = self._spawned_at
         self._send(Start(self.config, self.log_level, self.cpu_reserved_cores, self.share_cores_with))
+        # the next core replaces this one, not an engine: it neither shares cores nor waits as a standby
         self.share_cores_with = None
+        self.config = dataclasses.replace(self.config, standby_after=None, standby_spare=False)
         log.info("engine_core_starting", pid=self._proc.pid, in_flight=len(self.inflight))
 
     def _wait_ready(self, timeout: float) -> None:
@@ -131,6 +160,9 @@ class RemoteCore:
             msg = self._conn.recv()
         except (EOFError, OSError):
             self._dead = True
+            return
+        if isinstance(msg, PhaseChanged):
+            self._follow_phase(msg.phase)
             return
         if isinstance(msg, Refused):
             if self._facts is None:
@@ -153,6 +185,15 @@ class RemoteCore:
             seconds=round(self._last_heard - self._spawned_at, 3),
             resumed=0 if first else len(admits),
         )
+
+    @staticmethod
+    def _follow_phase(phase: str) -> None:
+        """The first core waits as a standby (its predecessor holds the device): so does the front, for the
+        supervisor that asks it (engine/server/control.py)."""
+        if phase == Phase.STANDBY.value and LIFECYCLE.phase == Phase.LOADING:
+            LIFECYCLE.move(Phase.STANDBY)
+        elif phase == Phase.LOADING.value and LIFECYCLE.phase == Phase.STANDBY:
+            LIFECYCLE.move(Phase.LOADING)
 
     def _reap(self) -> int:
         """The ended core's exit code (negative: the signal that killed it)."""
@@ -180,7 +221,10 @@ class RemoteCore:
         self.core_restarts += 1
         self._base = self._rebased(self._snapshot)
         self._snapshot = EngineSnapshot()
+        if self._resuming is not None:
+            self._resuming.log()
         given_up = self.inflight.pause(reason, now)
+        self._resuming = _Resuming(reason, self.inflight.request_ids()) if self.inflight else None
         why = f"the engine core ended {self.inflight.max_resumes + 1} times while serving this request; retry it"
         self._failed.extend((request_id, why) for request_id in given_up)
         if self._closing:
@@ -280,6 +324,14 @@ class RemoteCore:
         for resumed in self.inflight.record(fresh, time.monotonic()):
             if self.on_resumed is not None:
                 self.on_resumed(resumed)
+            if self._resuming is not None and resumed.request_id in self._resuming.waiting:
+                self._resuming.waiting.discard(resumed.request_id)
+                self._resuming.seconds.append(resumed.seconds)
+        if self._resuming is not None:
+            self._resuming.waiting &= self.inflight.request_ids()
+            if not self._resuming.waiting:
+                self._resuming.log()
+                self._resuming = None
         self._out.extend(fresh)
 
     def take_failed(self) -> list[tuple[str, str]]:

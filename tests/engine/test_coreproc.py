@@ -164,3 +164,34 @@ def test_a_core_that_keeps_ending_makes_the_front_give_up() -> None:
 def test_a_core_refused_by_its_configuration_is_one_config_error_in_the_front() -> None:
     with pytest.raises(ConfigError, match="max_model_len|max-model-len"):
         RemoteCore(EngineConfig(max_model_len=1_000_000))
+
+
+def test_a_core_dies_with_its_front() -> None:
+    """kill -9 of the front must not leave its core holding the device its successor needs (PR_SET_PDEATHSIG)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import time\nfrom engine.config import EngineConfig\nfrom engine.coreproc.remote import RemoteCore\n"
+        "core = RemoteCore(EngineConfig())\nprint('PID', core.pid, flush=True)\ntime.sleep(120)\n"
+    )
+    front = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert front.stdout is not None
+        pid = next(int(line.split()[1]) for line in front.stdout if line.startswith("PID"))
+        os.kill(front.pid, signal.SIGKILL)
+        front.wait(10)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
+                        break
+            except OSError:
+                break
+            time.sleep(0.01)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError("the core outlived its front by 3 s")
+    finally:
+        front.kill()
