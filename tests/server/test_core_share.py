@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.core_share import CoreShare, process_gone
-from engine.server import core_share
+from engine import core_share
 
 
 @pytest.fixture(autouse=True)
