@@ -8,7 +8,7 @@ During opsctl's overlapping restart the new engine serves while the old one drai
 Each process here loads the engine (`LLM`, prefix caching off), warms up, and reports ready; when both are ready the
 parent starts them together, and each times greedy decode of `--batch` sequences for `--steps` tokens
 (ignore_eos): milliseconds per step.  `--alone` runs one process at a time for the baseline.  A pair `A+B` runs
-one engine with A model threads beside one with B (`engine/server/core_share.py` uses half each: 1+1 on 2 cores).
+one engine with A model threads beside one with B (`engine/core_share.py` uses half each: 1+1 on 2 cores).
 
 The JSON result goes to `<out>/cpu-pair-contention-<YYYY-MM-DD>.json` with the CPU model, the core count and the
 command line.

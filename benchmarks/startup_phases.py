@@ -47,15 +47,16 @@ import torch
 marks["import_torch"] = time.time() - t0
 import engine.server.__main__ as server_main
 import engine.model.loader as loader
+import engine.model.tokenizer_load as tokenizer_load
 marks["import_engine_server"] = time.time() - t0 - marks["import_torch"]
-for name in ("inspect_model", "load_tokenizer"):
-    def timed(*a, _f=getattr(loader, name), _n=name, **k):
+for module, name in ((loader, "inspect_model"), (tokenizer_load, "load_tokenizer")):
+    def timed(*a, _f=getattr(module, name), _n=name, **k):
         t = time.time()
         try:
             return _f(*a, **k)
         finally:
             marks[_n] = time.time() - t
-    setattr(loader, name, timed)
+    setattr(module, name, timed)
 startup = server_main.DrainOnTermServer.startup
 async def announce(self, sockets=None):
     await startup(self, sockets)

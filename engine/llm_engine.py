@@ -7,24 +7,23 @@ with an error naming the parameter, instead of sitting in the queue forever.
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Protocol, Union
 
-from engine.bad_words import BadWordsMatcher, tokenize_bad_words
+from engine.bad_words import tokenize_bad_words
 from engine.config import EngineConfig, ResolvedConfig
+from engine.core.admission import ValidRequest
 from engine.core.deltas import SeqDelta
-from engine.core.engine_core import EngineCore, RecycleReport
-from engine.core.plan import SamplingSpec
-from engine.core.request import Request, RequestStatus
+from engine.core.facts import CoreFacts, RecycleReport
+from engine.core.request import RequestStatus
 from engine.generation_defaults import load_generation_defaults
 from engine.kv.kv_cache_manager import blocks_for_tokens
 from engine.metrics import EngineSnapshot
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
-from engine.structured_output import GrammarCompiler, TokenMatcher
+from engine.structured_output import GrammarCompiler
 
 PromptType = Union[str, dict[str, Any], list[int]]
 
@@ -43,36 +42,53 @@ class Limits:
     num_blocks: int
 
 
-@dataclass(frozen=True)
-class ValidRequest:
-    """A prompt and parameters that passed `LLMEngine.validate`: `add_request` takes it as it is."""
+class Core(Protocol):
+    """What the front asks of a core: engine/core/engine_core.py in this process, or engine/coreproc/remote.py's
+    handle on one in another process."""
 
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int  # the effective limit (max_model_len - prompt when max_tokens is None)
-    grammar: str | None = None  # structured outputs: the compiled constraint
-    banned_token_ids: tuple[int, ...] = ()  # bad words of one token (a -inf bias)
-    bad_word_sequences: tuple[tuple[int, ...], ...] = ()  # bad words of several tokens (a host mask)
+    @property
+    def facts(self) -> CoreFacts: ...
+    def admit(
+        self,
+        request_id: str,
+        valid: ValidRequest,
+        arrival: float | None = None,
+        resumed: dict[int, list[int]] | None = None,
+    ) -> list[str]: ...
+    def finish(self, seq_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> bool: ...
+    def step(self) -> list[SeqDelta]: ...
+    def has_unfinished(self) -> bool: ...
+    def snapshot(self) -> EngineSnapshot: ...
+    def recycle(self) -> tuple[list[SeqDelta], RecycleReport]: ...
+    def has_deferred_work(self) -> bool: ...
+    def run_deferred(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, defer_startup_work: bool = False) -> None:
+    def __init__(self, config: EngineConfig, defer_startup_work: bool = False, core: Core | None = None) -> None:
+        """A core in this process unless `core` is given (a front whose core runs elsewhere: engine/coreproc/)."""
         # read before the model: a --generation-config that is not there fails in a second, not after the load
         self.generation_defaults = load_generation_defaults(config)
-        self.core = EngineCore(config, defer_startup_work)
-        self.config: ResolvedConfig = self.core.config  # the limits the checkpoint gave
-        self.tokenizer = self.core.tokenizer
+        if core is None:
+            from engine.core.engine_core import EngineCore
+
+            local = EngineCore(config, defer_startup_work)
+            self.core: Core = local
+            self.tokenizer = local.tokenizer
+            self.grammars = local.sequences.grammars  # one compiler: the core's matchers reuse what validation compiled
+        else:
+            from engine.model.tokenizer_load import load_tokenizer
+
+            self.core = core
+            self.tokenizer = load_tokenizer(config)
+            facts = core.facts
+            self.grammars = GrammarCompiler(self.tokenizer, facts.vocab_size, facts.eos_token_ids)
+        facts = self.core.facts
+        self.config: ResolvedConfig = facts.config  # the limits the checkpoint gave
         self.outputs = OutputProcessor(self.tokenizer)
-        self.limits = Limits(
-            int(self.core.model_info.hf_config.vocab_size),
-            self.config.max_model_len,
-            self.config.block_size,
-            self.core.kv.num_blocks,
-        )
-        self.grammars = GrammarCompiler(self.tokenizer, self.limits.vocab_size, self.core.eos_token_ids)
+        self.limits = Limits(facts.vocab_size, self.config.max_model_len, self.config.block_size, facts.num_blocks)
         self._seq_ids: dict[str, list[str]] = {}  # request id -> its sequences' ids
-        self._arrival = itertools.count()
 
     @property
     def max_model_len(self) -> int:
@@ -108,17 +124,10 @@ class LLMEngine:
             valid = self.validate(ids, params, text)
         params = valid.params
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        seqs = [self._make_sequence(request_id, i, valid, arrival) for i in range(params.n)]
-        leader, siblings = seqs[0], seqs[1:]
-        # Only the first sequence computes the prompt; the others fork its blocks when it is done.
-        leader.forks = list(siblings)
-        for seq in siblings:
-            seq.held_by = leader
         self.outputs.add(
             request_id, valid.prompt, valid.prompt_token_ids, params, output_kind or params.output_kind, arrival
         )
-        self.core.add(leader)
-        self._seq_ids[request_id] = [s.seq_id for s in seqs]
+        self._seq_ids[request_id] = self.core.admit(request_id, valid, arrival)
         return self._seq_ids[request_id]
 
     def validate(self, ids: list[int], params: SamplingParams, prompt: str | None = None) -> ValidRequest:
@@ -184,52 +193,6 @@ class LLMEngine:
                 sequences, banned = sequences + tuple((t,) for t in banned), ()
         return ValidRequest(prompt, ids, params, max_tokens, grammar, banned, sequences)
 
-    def _make_sequence(self, request_id: str, index: int, valid: ValidRequest, arrival: float) -> Request:
-        p = valid.params
-        return Request(
-            seq_id=f"{request_id}#{index}",
-            parent_id=request_id,
-            index=index,
-            prompt_token_ids=valid.prompt_token_ids,
-            params=p,
-            max_tokens=valid.max_tokens,
-            arrival_order=next(self._arrival),
-            sampling=self._sampling_spec(p, index, valid.banned_token_ids),
-            grammar=self._matcher(valid),
-            arrival_time=arrival,
-        )
-
-    def _matcher(self, valid: ValidRequest) -> TokenMatcher | None:
-        """The sequence's host-side token mask (structured outputs, multi-token bad words), or None."""
-        matcher: TokenMatcher | None = None if valid.grammar is None else self.grammars.matcher(valid.grammar)
-        if valid.bad_word_sequences:
-            matcher = BadWordsMatcher(
-                valid.bad_word_sequences, self.grammars.mask_words, self.core.eos_token_ids, matcher
-            )
-        return matcher
-
-    def _sampling_spec(self, p: SamplingParams, index: int, banned: tuple[int, ...] = ()) -> SamplingSpec:
-        stops: tuple[int, ...] = ()
-        if p.min_tokens > 0:  # vLLM: EOS (unless ignored) and stop_token_ids wait for min_tokens
-            eos = () if p.ignore_eos else tuple(sorted(self.core.eos_token_ids))
-            stops = tuple(dict.fromkeys(eos + tuple(p.stop_token_ids or ())))
-        return SamplingSpec(
-            p.temperature,
-            p.top_p,
-            p.top_k,
-            p.logprobs,
-            None if p.seed is None else p.seed + index,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty,
-            min_p=p.min_p,
-            min_tokens=p.min_tokens,
-            min_tokens_stop_ids=stops,
-            logit_bias=tuple(sorted({**(p.logit_bias or {}), **dict.fromkeys(banned, float("-inf"))}.items())),
-            allowed_token_ids=None if p.allowed_token_ids is None else tuple(sorted(set(p.allowed_token_ids))),
-            prompt_logprobs=p.prompt_logprobs,
-        )
-
     def abort_request(self, request_id: str) -> RequestOutput | None:
         seq_ids = self._seq_ids.pop(request_id, None)
         if seq_ids is None:
@@ -237,6 +200,15 @@ class LLMEngine:
         for sid in seq_ids:
             self.core.finish(sid, RequestStatus.FINISHED_ABORTED)
         return self.outputs.abort(request_id, time.monotonic())
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """Requests a core in another process gave up (engine/coreproc/remote.py), with why; they are dropped."""
+        take = getattr(self.core, "take_failed", None)
+        failed: list[tuple[str, str]] = take() if take is not None else []
+        for request_id, _ in failed:
+            self._seq_ids.pop(request_id, None)
+            self.outputs.abort(request_id, time.monotonic())
+        return failed
 
     def request_ids(self) -> list[str]:
         return self.outputs.request_ids()

@@ -302,6 +302,20 @@ class EngineMetrics:
         self.buffer = gauge("fragmentation_buffer_bytes", "Memory kept free for allocator fragmentation")
         self.steps = counter("engine_steps", "Engine step loop iterations (the heartbeat)")
         self.draining = gauge("engine_draining", "1 while the engine drains")
+        # a core in its own process (engine/coreproc/): its ends, and the requests the next core took over
+        self.core_ends = counter(
+            "engine_core_restarts", "Engine core processes that ended and were replaced", ["reason"]
+        )
+        self.resumed = counter(
+            "requests_resumed", "Requests handed to a new engine core after theirs ended", ["reason"]
+        )
+        self.resume_time = Histogram(
+            "request_resume_seconds",
+            "From an engine core's end to a resumed request's next token",
+            m + ["reason"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         info = Gauge("cache_config_info", "KV cache configuration", m + sorted(cache_config), registry=r)
         info.labels(model_name=model_name, **cache_config).set(1)
 
@@ -391,6 +405,13 @@ class EngineMetrics:
                 self.prefill_time.labels(n).observe(max(0.0, first_token - first_scheduled))
             if longest > 1:
                 self.tpot.labels(n).observe(max(0.0, finished - first_token) / (longest - 1))
+
+    def core_ended(self, reason: str) -> None:
+        self.core_ends.labels(self.model_name, reason).inc()
+
+    def request_resumed(self, reason: str, seconds: float) -> None:
+        self.resumed.labels(self.model_name, reason).inc()
+        self.resume_time.labels(self.model_name, reason).observe(seconds)
 
     def request_failed(self, reason: str) -> None:
         self.failure.labels(self.model_name, reason).inc()

@@ -432,7 +432,7 @@ class ProcessLauncher(Launcher):
 
     def _spawn(self, beside: int | None = None, standby_after: int | None = None, spare: bool = False) -> EngineProcess:
         """`beside`: the pid of an engine this one runs next to until it leaves (an overlapping handover): the new
-        engine runs half the CPU threads meanwhile (engine/server/core_share.py).  `standby_after`: the pid of the
+        engine runs half the CPU threads meanwhile (engine/core_share.py).  `standby_after`: the pid of the
         engine this one replaces, whose exit it waits for before it takes device memory (a standby handover)."""
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         self._serial += 1

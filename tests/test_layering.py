@@ -38,3 +38,26 @@ def test_the_runner_imports_only_the_plan_from_the_core():
 
 def test_the_engine_never_imports_the_ops_kit():
     assert _offenders("engine", "opsctl") == []
+
+
+def test_the_core_and_its_process_never_import_the_server():
+    """engine/coreproc/core_main.py runs the core without the HTTP server: nothing below it may reach back up."""
+    assert _offenders("engine/core", "engine.server") == []
+    assert _offenders("engine/coreproc", "engine.server") == []
+
+
+def test_a_front_whose_core_runs_in_its_own_process_imports_no_torch():
+    """The front stays small so that it is not what dies (issue 38): what it imports to serve, checked in a fresh
+    interpreter (engine/coreproc/remote.py, the server's modules, LLMEngine with a remote core)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import engine.server.__main__, engine.server.app, engine.server.openai_api, engine.llm_engine\n"
+        "import engine.coreproc.remote, engine.model.tokenizer_load, engine.cpu_threads, engine.core_share\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

@@ -14,7 +14,9 @@ import structlog
 import torch
 
 from engine.config import EngineConfig, ResolvedConfig
+from engine.core.admission import SequenceFactory, ValidRequest
 from engine.core.deltas import SeqDelta
+from engine.core.facts import CoreFacts, RecycleReport
 from engine.core.first_steps import FIRST_STEPS_LOGGED, FirstSteps
 from engine.core.plan import StepPlan
 from engine.core.request import Request, RequestStatus
@@ -24,7 +26,8 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.logs import configure_logging
 from engine.memory.budget import KVPlan, ranks_table
 from engine.metrics import EngineSnapshot, GapHistogram
-from engine.model.loader import ModelInfo, check_tensor_parallel, inspect_model, load_tokenizer
+from engine.model.loader import ModelInfo, check_tensor_parallel, inspect_model
+from engine.model.tokenizer_load import load_tokenizer
 from engine.openmp_waits import wait_policy
 from engine.runner.sampler import DeviceSample
 from engine.runner.startup import StepRunner
@@ -41,14 +44,6 @@ class StepStats:
     generation_tokens: int = 0
     last_step_time: float = field(default_factory=time.monotonic)
     token_gaps: GapHistogram = field(default_factory=GapHistogram)  # inter-token latency
-
-
-@dataclass
-class RecycleReport:
-    requeued: int  # running sequences sent back to be recomputed
-    reclaimed_blocks: int  # blocks held by no known sequence (leaked), now free again
-    usage_before: float  # the pool's usage before (leaked blocks included)
-    seconds: float
 
 
 @dataclass
@@ -99,6 +94,7 @@ class EngineCore:
             self.kv_plan.usable_blocks, config.block_size, config.enable_prefix_caching, up.num_cpu_blocks
         )
         self.eos_token_ids = frozenset(self.model_info.eos_token_ids)
+        self.sequences = SequenceFactory(self.tokenizer, int(self.model_info.hf_config.vocab_size), self.eos_token_ids)
         self.scheduler = Scheduler(
             self.kv,
             self.config.max_num_seqs,
@@ -167,6 +163,34 @@ class EngineCore:
         return self.rank_plans
 
     # -- requests ------------------------------------------------------------------------------
+
+    @property
+    def facts(self) -> CoreFacts:
+        """What the front needs to know of this core (engine/core/facts.py)."""
+        return CoreFacts(
+            config=self.config,
+            vocab_size=int(self.model_info.hf_config.vocab_size),
+            num_blocks=self.kv.num_blocks,
+            num_cpu_blocks=self.kv.num_cpu_blocks,
+            eos_token_ids=self.eos_token_ids,
+            fragmentation_buffer_bytes=self.kv_plan.fragmentation_buffer_bytes,
+            device=str(self.device),
+            phases=dict(self.phases),
+        )
+
+    def admit(
+        self,
+        request_id: str,
+        valid: ValidRequest,
+        arrival: float | None = None,
+        resumed: dict[int, list[int]] | None = None,
+    ) -> list[str]:
+        """Queue a validated request's sequences (engine/core/admission.py); their ids."""
+        seqs = self.sequences.sequences(request_id, valid, arrival, resumed)
+        for seq in seqs:
+            if seq.held_by is None:  # n > 1 siblings join when their leader's prompt is done
+                self.scheduler.add(seq)
+        return [s.seq_id for s in seqs]
 
     def add(self, req: Request) -> None:
         self.scheduler.add(req)

@@ -24,7 +24,8 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = 0  # 0: disabled
     logprobs: int | None = None  # top-k logprobs wanted (0: only the chosen token's); None: none
-    seed: int | None = None  # a sequence with a seed draws from its own generator
+    seed: int | None = None  # a sequence with a seed draws output token k's numbers from (seed, seed_offset + k)
+    seed_offset: int = 0  # output tokens produced before this sequence was admitted (a resumed request)
     # vLLM's logits adjustments (engine/runner/logits_adjust.py applies them on the device)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -9,12 +9,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.core.deltas import PromptLogprob
 from engine.core.plan import SamplingSpec
-from engine.runner.sampler import PromptLogprobsChunk
 from engine.sampling_params import SamplingParams
 from engine.structured_output import TokenMatcher
+
+if TYPE_CHECKING:
+    from engine.runner.sampler import PromptLogprobsChunk
 
 
 class RequestStatus(enum.Enum):

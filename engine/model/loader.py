@@ -19,10 +19,9 @@ from torch import nn
 
 from engine.config import ConfigError, EngineConfig
 from engine.distributed.group import SINGLE, TPGroup
-from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenizer_dir
+from engine.model.checkpoint_dir import require_checkpoint_dir
 from engine.model.device_copy import parallel_copies
 from engine.model.hf_config import load_hf_config
-from engine.model.hf_tokenizer import read_tokenizer
 from engine.model.quant import QuantSpec, check_device, check_dtype, resolve_quantization
 from engine.model.registry import ARCHITECTURES, supported
 from engine.model.weights import ModelLoadError, finish_loading, iter_checkpoint
@@ -104,38 +103,6 @@ def _eos_ids(path: Path, hf_config: Any) -> list[int]:
     if ids is None:
         return []
     return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
-
-
-def load_tokenizer(config: EngineConfig) -> Any:
-    """The tokenizer on the `tokenizers` library where engine/model/hf_tokenizer.py can build it as transformers
-    would, else transformers' AutoTokenizer (imported only then).  Transformers' own length limit is lifted: the
-    engine checks every prompt against max_model_len itself (a 400 naming the field), and its "Token indices
-    sequence length is longer than the specified maximum" warning for a prompt it is about to refuse only added a
-    plain line to the log."""
-    source = config.tokenizer or config.model_path()
-    require_tokenizer_dir(source)
-    directory = Path(source).expanduser()
-    if config.trust_remote_code:
-        why = "--trust-remote-code: the checkpoint's own code may build it"
-    else:
-        tokenizer, why = read_tokenizer(directory)
-        if tokenizer is not None:
-            return tokenizer
-    log.debug("tokenizer_loaded_by_transformers", tokenizer=str(directory), reason=why)
-    from transformers import AutoTokenizer
-    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
-
-    from engine.logs import route_library_logger
-
-    route_library_logger("transformers")  # its warnings as our JSON lines, where we log JSON
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(directory), trust_remote_code=config.trust_remote_code, local_files_only=True
-        )
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"tokenizer at {source} could not be loaded: {e}; pass --tokenizer DIR") from e
-    tokenizer.model_max_length = VERY_LARGE_INTEGER
-    return tokenizer
 
 
 @contextlib.contextmanager

@@ -86,6 +86,16 @@ class _SeqState:
     prompt_ids: list[int] | None = None  # kept only for prompt logprobs
 
 
+def position_seed(seed: int | None, k: int) -> int:
+    """The seed of output token k of a sequence seeded with `seed` (splitmix64 of the pair): its tokens depend on the
+    seed and their position only, not on how many numbers earlier steps drew, so a request resumed by another
+    engine core (engine/core/admission.py) draws what it would have drawn."""
+    z = ((seed or 0) * 0x9E3779B97F4A7C15 + k + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
 def kv_cache_shape(model: nn.Module, num_blocks: int, block_size: int, device: torch.device) -> tuple[int, ...]:
     """The KV cache tensor of one layer, in the layout the device's attention kernels read (kernels/)."""
     backend = kernels.attention_backend(device)
@@ -647,6 +657,9 @@ class ModelRunner:
     def _sampling_batch(self, seq_ids: list[str], num_out: list[int]) -> SamplingBatch:
         states = [self._seqs[sid] for sid in seq_ids]
         params = [st.sampling for st in states]
+        for st, k in zip(states, num_out):
+            if st.generator is not None:  # output token k draws from (seed, k): a resumed sequence goes on alike
+                st.generator.manual_seed(position_seed(st.sampling.seed, st.sampling.seed_offset + k))
         adjust = self.rows.adjustment(params, seq_ids, num_out, self._to_device)
         wants = [p.logprobs for p in params if p.logprobs is not None]
         all_greedy = all(p.temperature == 0 for p in params)

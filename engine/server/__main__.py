@@ -48,13 +48,13 @@ import uvicorn
 from engine.chat import load_chat_template
 from engine.config import ConfigError, EngineConfig
 from engine.config_file import SECRET_ENV, engine_args, error_in_file_terms, load_engine_section
+from engine.core_share import CoreShare
 from engine.gc_heap import freeze_startup_heap, resume_startup_collections
 from engine.lifecycle import LIFECYCLE, PROCESS_EXIT, Phase
 from engine.logs import configure_logging
 from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenizer_dir
 from engine.schema import validate_section
 from engine.server.control import ControlSocket, admin_handlers
-from engine.server.core_share import CoreShare
 from engine.server.handover import RESTARTING_MESSAGE, HandoverDrain, HttpTracker, InflightFile
 from engine.server.limits import AcceptErrorsCondensed, BodyLimit, connection_limit, guarded_protocol
 from engine.server.notify import get_notifier
@@ -165,6 +165,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="Serve no /docs, /redoc or /openapi.json (they need no API key): for a server reachable by others.",
     )
     s.add_argument(
+        "--engine-core",
+        default="thread",
+        choices=("thread", "process"),
+        help="Where the model runs: on a thread of this process (thread), or in a process of its own (process): "
+        "when that process dies (killed, a fatal device error, a hang), this one starts a new one and resumes "
+        "every request in flight on it, streams included (engine/coreproc/).",
+    )
+    s.add_argument(
+        "--max-resumes",
+        type=int,
+        default=3,
+        help="--engine-core process: how many times one request is handed to a new engine core before it fails "
+        "with a retryable 503 (default 3).",
+    )
+    s.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=("critical", "error", "warning", "info", "debug", "trace"),
@@ -193,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PID",
         help="Run half the model's CPU threads until process PID (the engine this one replaces) has exited "
-        "(opsctl sets it on an overlapping handover; engine/server/core_share.py says why).",
+        "(opsctl sets it on an overlapping handover; engine/core_share.py says why).",
     )
     s.add_argument(
         "--config",
@@ -283,6 +298,65 @@ def log_inapplicable_flags(engine_config: EngineConfig, device: str) -> None:
             log.info("flag_ignored_on_cpu", flag="--" + name.replace("_", "-"), value=getattr(engine_config, name))
 
 
+def _engine_in_process(
+    server_config: ServerConfig, engine_config: EngineConfig, threads: Any, engine_thread: Any
+) -> tuple[Any, Any]:
+    """The engine core in this process, on the step loop's thread; what follows a `--engine-core thread` start."""
+    import torch
+
+    from engine.cpu_threads import bind_compute_thread
+    from engine.llm_engine import LLMEngine
+
+    engine_thread.call(lambda: bind_compute_thread(threads))
+    # Beside the engine it replaces, this one loads and serves on half the threads (engine/core_share.py).
+    core_share = CoreShare(engine_thread.call(torch.get_num_threads), server_config.share_cores_with)
+    engine_thread.call(core_share)
+    # graph capture and warm-ups run after serving starts (engine/runner/deferred.py): a restart's gap ends sooner
+    engine = engine_thread.call(lambda: LLMEngine(engine_config, defer_startup_work=True))
+    return engine, core_share
+
+
+class _CoreShareByMessage:
+    """The core's thread share, where the core runs in its own process: it applies it (engine/core_share.py);
+    the front only passes on the hand-over's "keep the other half"."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+
+    def __call__(self) -> None:
+        pass
+
+    def yield_to_successor(self) -> None:
+        self.core.yield_cores()
+
+
+def _front_of_core_process(
+    server_config: ServerConfig, engine_config: EngineConfig, engine_thread: Any
+) -> tuple[Any, Any]:
+    """A front whose engine core runs in its own process (engine/coreproc/): no torch here, and the requests in
+    flight outlive the core."""
+    from engine.coreproc.remote import CoreStartFailed, RemoteCore
+    from engine.llm_engine import LLMEngine
+
+    def start() -> Any:
+        core = RemoteCore(
+            engine_config,
+            log_level=server_config.log_level,
+            stall_s=server_config.health_stall_seconds,
+            max_resumes=server_config.max_resumes,
+            cpu_reserved_cores=server_config.cpu_reserved_cores,
+            share_cores_with=server_config.share_cores_with,
+        )
+        return LLMEngine(engine_config, defer_startup_work=True, core=core)
+
+    try:
+        engine = engine_thread.call(start)
+    except CoreStartFailed as e:
+        log.error("engine_core_failed_to_start", error=str(e))
+        raise SystemExit(1) from None
+    return engine, _CoreShareByMessage(engine.core)
+
+
 def serve(
     server_config: ServerConfig,
     engine_config: EngineConfig,
@@ -291,19 +365,10 @@ def serve(
     control: ControlSocket | None = None,
 ) -> int:
     timeline = StartupTimeline()
-    import torch
-
-    from engine.llm_engine import LLMEngine
+    from engine.cpu_threads import CpuThreadPlan, available_cores, bind_serving_threads, plan_cpu_threads
     from engine.metrics import EngineMetrics
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
-    from engine.server.cpu_threads import (
-        CpuThreadPlan,
-        available_cores,
-        bind_compute_thread,
-        bind_serving_threads,
-        plan_cpu_threads,
-    )
     from engine.server.engine_thread import EngineThread
     from engine.server.state import ServerState
     from engine.server.stats_log import StatsLogger, interval_from_env
@@ -311,37 +376,39 @@ def serve(
     timeline.mark("imports_and_flags")
     notifier = get_notifier()
     notifier.status(f"loading {engine_config.model_name()}")
-    threads = CpuThreadPlan(available_cores(), ())
-    if engine_config.resolved_device() == "cpu" and engine_config.tensor_parallel_size == 1:
-        threads = plan_cpu_threads(threads.compute_cores, server_config.cpu_reserved_cores)
     # bound to its cores, then building the engine, then stepping it: one thread (engine/server/engine_thread.py)
     engine_thread = EngineThread()
-    engine_thread.call(lambda: bind_compute_thread(threads))
-    # Beside the engine it replaces, this one loads and serves on half the threads (engine/server/core_share.py).
-    core_share = CoreShare(engine_thread.call(torch.get_num_threads), server_config.share_cores_with)
-    engine_thread.call(core_share)
-    # graph capture and warm-ups run after serving starts (engine/runner/deferred.py): a restart's gap ends sooner
-    engine = engine_thread.call(lambda: LLMEngine(engine_config, defer_startup_work=True))
-    core = engine.core
-    timeline.add(core.phases)
-    log_inapplicable_flags(engine_config, str(core.device))
+    if server_config.engine_core == "process":
+        engine, core_share = _front_of_core_process(server_config, engine_config, engine_thread)
+        threads = engine.core.cpu_plan or CpuThreadPlan(available_cores(), ())  # as the core chose them
+    else:
+        threads = CpuThreadPlan(available_cores(), ())
+        if engine_config.resolved_device() == "cpu" and engine_config.tensor_parallel_size == 1:
+            threads = plan_cpu_threads(threads.compute_cores, server_config.cpu_reserved_cores)
+        engine, core_share = _engine_in_process(server_config, engine_config, threads, engine_thread)
+    facts = engine.core.facts
+    timeline.add(facts.phases)
+    log_inapplicable_flags(engine_config, facts.device)
     model_name = engine_config.model_name()
     cache_info = {
         "block_size": str(engine_config.block_size),
         "cache_dtype": engine_config.kv_cache_dtype,  # vLLM's label: auto, fp8, fp8_e4m3
-        "num_gpu_blocks": str(core.kv.num_blocks),
-        "num_cpu_blocks": str(core.kv.num_cpu_blocks),
+        "num_gpu_blocks": str(facts.num_blocks),
+        "num_cpu_blocks": str(facts.num_cpu_blocks),
         "gpu_memory_utilization": str(engine_config.gpu_memory_utilization),
         "enable_prefix_caching": str(engine_config.enable_prefix_caching),
-        "max_model_len": str(core.config.max_model_len),
+        "max_model_len": str(facts.config.max_model_len),
     }
     metrics = EngineMetrics(
         model_name,
         cache_info,
-        fragmentation_buffer_bytes=core.kv_plan.fragmentation_buffer_bytes,
+        fragmentation_buffer_bytes=facts.fragmentation_buffer_bytes,
         names=server_config.metrics_names,
-        max_model_len=core.config.max_model_len,
+        max_model_len=facts.config.max_model_len,
     )
+    if server_config.engine_core == "process":  # the core's ends and the requests resumed, counted
+        engine.core.on_core_ended = metrics.core_ended
+        engine.core.on_resumed = lambda r: metrics.request_resumed(r.reason, r.seconds)
     async_engine = AsyncEngine(
         engine, metrics, server_config.health_stall_seconds, server_config.max_waiting, engine_thread, LIFECYCLE
     )
@@ -410,6 +477,8 @@ def serve(
         server.run(sockets=[sock])
     finally:
         async_engine.stop()
+        if server_config.engine_core == "process":
+            engine.close()  # the core leaves (and frees its device) before this process does
     log.info("stopped", reason=server.exit_reason)
     return 0
 

@@ -25,8 +25,9 @@ from typing import AsyncIterator, Callable, Union
 
 import structlog
 
+from engine.core.admission import ValidRequest
 from engine.lifecycle import Lifecycle, Phase
-from engine.llm_engine import LLMEngine, RequestRejected, ValidRequest
+from engine.llm_engine import LLMEngine, RequestRejected
 from engine.metrics import EngineMetrics
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind
@@ -454,6 +455,11 @@ class AsyncEngine:
             self._fail_everything(EngineStepError(f"the engine step failed: {e}"))
             return
         self._publish(outputs)
+        for request_id, why in self.engine.take_failed():  # resumed too often (engine/coreproc/)
+            self.metrics.request_failed("error")
+            slot = self._slots.get(request_id)
+            if slot is not None:
+                slot.publish(error=EngineStopping(why))
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         woken: list[_Slot] = []

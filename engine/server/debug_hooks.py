@@ -15,6 +15,8 @@ from typing import Any, Awaitable, Callable
 import structlog
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 
+from engine.kv.leak import KVLeak
+from engine.server.errors import OpenAIError
 from engine.server.state import ServerState, require_admin
 
 log = structlog.get_logger("pagekeeper.server")
@@ -25,38 +27,28 @@ _GARBAGE = b"this is {not prometheus text\nvllm_num_requests_running{{{ 1\n"
 
 
 class DebugHooks:
-    def __init__(self, kv: Any = None) -> None:
+    def __init__(self, kv: Any = None, core_fault: Callable[..., None] | None = None) -> None:
         self._frozen = threading.Event()
         self._freeze_until = 0.0
         self.metrics_mode = "normal"
         self.metrics_seconds = 0.0
-        self._kv = kv  # the engine's KV cache manager (engine/kv/), for the leak
-        self._leak = 0  # blocks still to leak
-        self._leave = 0  # free blocks the leak leaves
-        self._leak_pool: Any = None  # the pool the leak was asked of (a recycle makes a new one: the leak ends)
-        self.leaked = 0
+        self._leak = KVLeak(kv) if kv is not None else None  # a core in this process
+        self.core_fault = core_fault  # a core in its own process (engine/coreproc/remote.py): told by message
+
+    @property
+    def leaked(self) -> int:
+        return self._leak.leaked if self._leak is not None else 0
 
     def leak(self, blocks: int, leave: int) -> None:
-        self._leak, self._leave = blocks, leave
-        self._leak_pool = self._kv.pool if self._kv is not None else None
-        log.warning("kv_leak_requested", blocks=blocks, leave=leave)
+        if self._leak is not None:
+            self._leak.start(blocks, leave)
+        elif self.core_fault is not None:
+            self.core_fault("leak", blocks=blocks, leave=leave)
 
     def leak_blocks(self) -> None:
-        """A step-loop hook: take free blocks from the pool that no sequence will ever give back (a bug's leak),
-        leaving `leave` free, at every iteration (blocks that requests give back are taken too) until `blocks` are
-        taken or the pool is rebuilt (a recycle, which also frees them) or the engine restarts."""
-        if not self._leak or self._kv is None:
-            return
-        pool = self._kv.pool
-        if pool is not self._leak_pool:
-            self._leak = 0  # the pool was rebuilt: this leak is over
-            return
-        n = min(self._leak, pool.num_free - self._leave)
-        if n > 0:
-            pool.allocate(n)
-            self._leak -= n
-            self.leaked += n
-            log.warning("kv_blocks_leaked", blocks=n, total=self.leaked, usage=round(self._kv.usage(), 4))
+        """A step-loop hook (engine/kv/leak.py)."""
+        if self._leak is not None:
+            self._leak.step()
 
     def freeze(self, seconds: float) -> None:
         self._freeze_until = time.monotonic() + seconds
@@ -93,6 +85,17 @@ async def leak_kv(
     """Leak up to `blocks` KV blocks, leaving `leave` free (the stuck-cache cure's fault)."""
     _hooks(http).leak(blocks, leave)
     return {"leak_blocks": blocks, "leave": leave}
+
+
+@router.post("/debug/core-fault")
+async def core_fault(http: Request, kind: str = Query(..., pattern="^(exit|fatal)$")) -> dict[str, str]:
+    """Kill the engine core process at once ("exit", as kill -9 would) or make its next step raise as a fatal
+    device error does ("fatal"); only where the core runs in its own process (engine/coreproc/)."""
+    hooks = _hooks(http)
+    if hooks.core_fault is None:
+        raise OpenAIError(400, "the engine core runs in the server process here (--engine-core thread)", param="kind")
+    hooks.core_fault(kind)
+    return {"fault": kind}
 
 
 @router.post("/debug/block-http-loop")
@@ -142,13 +145,16 @@ class _MetricsFaults:
 
 
 def install(app: FastAPI, state: ServerState) -> DebugHooks:
-    hooks = DebugHooks(state.engine.core.kv)
+    core = state.engine.core
+    remote = getattr(core, "fault", None)  # a core in its own process is told by message (engine/coreproc/)
+    hooks = DebugHooks(None if remote is not None else core.kv, remote)
     app.state.debug_hooks = hooks
     state.async_engine.add_loop_hook(hooks.hold_step_loop)
     state.async_engine.add_loop_hook(hooks.leak_blocks)
     app.include_router(router)
     app.add_middleware(_MetricsFaults, hooks=hooks)
     log.warning(
-        "debug_hooks_enabled", routes=["/debug/freeze", "/debug/block-http-loop", "/debug/metrics", "/debug/leak-kv"]
+        "debug_hooks_enabled",
+        routes=["/debug/freeze", "/debug/block-http-loop", "/debug/metrics", "/debug/leak-kv", "/debug/core-fault"],
     )
     return hooks

@@ -18,7 +18,8 @@ import structlog
 from fastapi import Request
 
 from engine.chat import ChatTemplateError, render_chat
-from engine.llm_engine import LLMEngine, ValidRequest
+from engine.core.admission import ValidRequest
+from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
 from engine.server.async_engine import AsyncEngine, EngineDraining, EngineOverloaded
 from engine.server.errors import OpenAIError

@@ -20,7 +20,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from engine.config import EngineConfig
 from engine.default_model import DEFAULT_MODEL_DIR
 from engine.model.hf_tokenizer import QWEN2_PRETOKENIZE_REGEX, FastTokenizer, read_tokenizer
-from engine.model.loader import load_tokenizer
+from engine.model.tokenizer_load import load_tokenizer
 
 TEXTS = [
     "", " ", "  ", "\n", "\t", "a", "Beautiful is better than ugly.", "Errors should never pass silently.",

@@ -49,7 +49,7 @@ def test_two_unbuffered_engines_appending_to_one_log_never_share_a_line(tmp_path
 LIBRARIES = """
 import logging, warnings
 from engine.logs import configure_logging
-from engine.model.loader import load_tokenizer
+from engine.model.tokenizer_load import load_tokenizer
 from engine.config import EngineConfig
 configure_logging()
 tokenizer = load_tokenizer(EngineConfig())  # transformers configures its own stderr handler on import

