@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.core_share import CoreShare, process_gone
 from engine import core_share
+from engine.core_share import CoreShare, process_gone
 
 
 @pytest.fixture(autouse=True)
