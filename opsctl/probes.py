@@ -4,19 +4,25 @@ Every probe returns a reading or says plainly why it has none; none of them rais
 supervisor's loop, because a monitoring daemon that dies on a bad scrape is worse than none.
 Metrics are parsed with prometheus_client's own text parser, so labels, escaping and exemplars
 are handled (the seed sidecar split lines on spaces and broke on the first label).
+
+httpx (which imports rich for its own command line) and the parser are imported at the first probe, not with this
+module: `opsctl` only reads the readings' types from here, and the supervisor spawns the engine before it first
+probes it, so neither process pays for them before the engine starts (benchmarks/opsctl_start.py).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import httpx
 import psutil
 import structlog
-from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    import httpx
 
 log = structlog.get_logger("pagekeeper.supervisor")
 
@@ -53,11 +59,19 @@ class EngineReading:
 class EngineProbe:
     def __init__(self, url: str, timeout: float, admin_key: str | None = None) -> None:
         self.url = url.rstrip("/")
-        self.client = httpx.Client(timeout=timeout)
+        self.timeout = timeout
         # /drain needs the admin key once the engine has an API key (loopback alone is not trusted then)
         self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
 
+    @functools.cached_property
+    def client(self) -> httpx.Client:
+        import httpx
+
+        return httpx.Client(timeout=self.timeout)
+
     def read(self) -> EngineReading:
+        import httpx
+
         health, detail = self._health()
         reading = EngineReading(health=health, health_detail=detail)
         if health in ("unreachable", "timeout"):
@@ -75,6 +89,8 @@ class EngineProbe:
         return reading
 
     def _health(self) -> tuple[str, str]:
+        import httpx
+
         try:
             r = self.client.get(self.url + "/health")
         except httpx.TimeoutException:
@@ -109,6 +125,8 @@ class EngineProbe:
 
     def _admin(self, method: str, params: dict[str, Any], timeout: float) -> dict[str, Any]:
         """/drain with the admin key; a refusal or a failure is one RuntimeError line that says what to change."""
+        import httpx
+
         try:
             r = self.client.request(
                 method, self.url + "/drain", params=params, timeout=timeout, headers=self.admin_headers
@@ -126,11 +144,14 @@ class EngineProbe:
         return r.json()
 
     def close(self) -> None:
-        self.client.close()
+        if "client" in self.__dict__:  # never probed: no client was made
+            self.client.close()
 
 
 def parse_engine_metrics(text: str) -> tuple[dict[str, float], str | None]:
     """{policy field: value} for the engine metrics we use; ValueError if the text is not Prometheus."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     sums: dict[str, float] = {}
     model = None
     for family in text_string_to_metric_families(text):
