@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import psutil
@@ -143,11 +143,25 @@ def _flags(engine: dict[str, Any]) -> list[str]:
     return flags
 
 
-def scenario_ab(engine: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """The serving benchmark against thread and process servers, alternating, on the same machine."""
+def scenario_ab(
+    engine: dict[str, Any], args: argparse.Namespace, work: Path, progress: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
+    """The serving benchmark against thread and process servers, alternating, on the same machine; `progress` gets
+    the runs so far after each one (a run cut short by a time limit keeps them)."""
     workload = ["--input-len", "256", "--output-len", "128"]
     if args.quick:
-        workload = ["--input-len", "32", "--output-len", "32", "--max-input-len", "64", "--max-output-len", "96"]
+        workload = [
+            "--input-len",
+            "32",
+            "--output-len",
+            "32",
+            "--max-input-len",
+            "64",
+            "--max-output-len",
+            "96",
+            "--vocab",
+            "300",
+        ]
     runs: dict[str, list[Any]] = {"thread": [], "process": []}
     for i, mode in enumerate(("thread", "process") * args.ab_rounds):
         path = work / f"ab-{i}-{mode}.json"
@@ -165,12 +179,13 @@ def scenario_ab(engine: dict[str, Any], args: argparse.Namespace, work: Path) ->
             {
                 "rate": r["request_rate"],
                 "tok_s": r["output_throughput"],
-                "tpot_median_ms": (r["tpot_ms"] or {}).get("median"),
+                "tpot_median_ms": (r["tpot_ms"] or {}).get("p50"),
                 "failed": r["failed"],
             }
             for r in result["runs"]
         ]
         runs[mode].append(row)
+        progress({"runs": runs, "prompts_per_rate": args.ab_prompts})
         print(f"  ab {i} {mode}: {row}", flush=True)
     summary = []
     for k, rate in enumerate(args.rates):
@@ -266,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         if "ab" not in skip:
             print("throughput: thread vs process, alternating...", flush=True)
             (root / "ab").mkdir()
-            result["ab"] = scenario_ab(engine, args, root / "ab")
+            result["ab"] = scenario_ab(engine, args, root / "ab", lambda partial: (result.update(ab=partial), save()))
             save()
     finally:
         if args.logs:

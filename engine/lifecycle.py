@@ -114,8 +114,36 @@ PROCESS_EXIT = _Exit()
 STANDBY_LIMIT_S = 900.0  # a restart's successor waits this long at most for the engine it replaces
 
 
+def descendants(pid: int) -> set[int]:
+    """The processes under `pid` now (Linux /proc: every thread's children, recursively; empty elsewhere)."""
+    import os
+
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{current}/task/{tid}/children") as f:
+                    children = {int(c) for c in f.read().split()}
+            except OSError:
+                continue
+            todo.extend(children - found)
+            found |= children
+    return found
+
+
+STANDBY_POLL_S = 0.2  # how often a standby looks again at the processes under the one it waits for
+
+
 def standby_until_exit(pid: int, limit_s: float | None = STANDBY_LIMIT_S) -> float:
-    """In STANDBY, wait for process `pid` to exit (the engine this one replaces frees the GPU); the seconds waited.
+    """In STANDBY, wait for process `pid` and every process under it to exit (the engine this one replaces frees
+    the GPU: its engine core or tensor-parallel ranks hold device memory too, and a killed engine's children die a
+    moment after it); the seconds waited.
 
     A spare engine the supervisor keeps ready waits without a limit (`limit_s` None); every standby also ends if
     this process's parent (its supervisor) exits first: a successor nobody supervises must not wake up and serve
@@ -125,6 +153,7 @@ def standby_until_exit(pid: int, limit_s: float | None = STANDBY_LIMIT_S) -> flo
     import time
 
     started = time.monotonic()
+    deadline = None if limit_s is None else started + limit_s
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -135,19 +164,27 @@ def standby_until_exit(pid: int, limit_s: float | None = STANDBY_LIMIT_S) -> flo
     except ProcessLookupError:
         parent_fd = None
     moved = LIFECYCLE.phase == Phase.LOADING and LIFECYCLE.move(Phase.STANDBY)
+    under: set[int] = set()
     try:
         poller = select.poll()
         poller.register(fd, select.POLLIN)
         if parent_fd is not None:
             poller.register(parent_fd, select.POLLIN)
-        ready = poller.poll(None if limit_s is None else limit_s * 1000)
-        if not ready:
-            raise TimeoutError(f"process {pid} (the engine this one replaces) did not exit within {limit_s:.0f} s")
-        if parent_fd is not None and any(f == parent_fd for f, _ in ready) and not any(f == fd for f, _ in ready):
-            raise SystemExit(
-                f"the process that started this one (pid {parent}: the supervisor, or rank 0 for a tensor-parallel "
-                "rank) is gone: a standby engine does not start on its own"
-            )
+        while True:
+            under |= descendants(pid)  # seen while it lives: they may outlive it by a moment
+            wait = STANDBY_POLL_S if deadline is None else min(STANDBY_POLL_S, deadline - time.monotonic())
+            if wait <= 0:
+                raise TimeoutError(f"process {pid} (the engine this one replaces) did not exit within {limit_s:.0f} s")
+            ready = poller.poll(wait * 1000)
+            if not ready:
+                continue
+            if parent_fd is not None and any(f == parent_fd for f, _ in ready) and not any(f == fd for f, _ in ready):
+                raise SystemExit(
+                    f"the process that started this one (pid {parent}: the supervisor, or rank 0 for a tensor-parallel "
+                    "rank) is gone: a standby engine does not start on its own"
+                )
+            break
+        _wait_all_gone(under, deadline)
     finally:
         os.close(fd)
         if parent_fd is not None:
@@ -155,3 +192,24 @@ def standby_until_exit(pid: int, limit_s: float | None = STANDBY_LIMIT_S) -> flo
         if moved and LIFECYCLE.phase == Phase.STANDBY:
             LIFECYCLE.move(Phase.LOADING)
     return time.monotonic() - started
+
+
+def _wait_all_gone(pids: set[int], deadline: float | None) -> None:
+    """Until every one of `pids` has exited (TimeoutError at `deadline`)."""
+    import os
+    import select
+    import time
+
+    for pid in sorted(pids):
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            if not poller.poll(None if wait is None else wait * 1000):
+                raise TimeoutError(f"process {pid}, under the engine this one replaces, did not exit in time")
+        finally:
+            os.close(fd)

@@ -136,7 +136,11 @@ class RemoteCore:
 
     # -- the core's process ---------------------------------------------------------------------
 
-    def _spawn(self) -> None:
+    def _spawn(self, after: int | None = None) -> None:
+        """Start a core; `after`: the pid of the core it replaces, whose exit it waits for before it takes device
+        memory (a standby start)."""
+        if after is not None:
+            self.config = dataclasses.replace(self.config, standby_after=after, standby_spare=False)
         front_end, core_end = socket.socketpair()
         fd = core_end.fileno()
         command = [sys.executable, "-m", "engine.coreproc", "--fd", str(fd), "--front", str(os.getpid())]
@@ -148,9 +152,7 @@ class RemoteCore:
         self._spawned_at = time.monotonic()
         self._last_heard = self._spawned_at
         self._send(Start(self.config, self.log_level, self.cpu_reserved_cores, self.share_cores_with))
-        # the next core replaces this one, not an engine: it neither shares cores nor waits as a standby
-        self.share_cores_with = None
-        self.config = dataclasses.replace(self.config, standby_after=None, standby_spare=False)
+        self.share_cores_with = None  # a later core replaces a core, not an engine: all the threads are its own
         log.info("engine_core_starting", pid=self._proc.pid, in_flight=len(self.inflight))
 
     def _wait_ready(self, timeout: float) -> None:
@@ -195,27 +197,33 @@ class RemoteCore:
         elif phase == Phase.LOADING.value and LIFECYCLE.phase == Phase.STANDBY:
             LIFECYCLE.move(Phase.LOADING)
 
-    def _reap(self) -> int:
+    def _reap(self, proc: subprocess.Popen | None = None) -> int:  # type: ignore[type-arg]
         """The ended core's exit code (negative: the signal that killed it)."""
+        proc = proc or self._proc
         try:
-            return self._proc.wait(timeout=5.0)
+            return proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
-            self._proc.kill()
-            return self._proc.wait()
+            proc.kill()
+            return proc.wait()
 
     def _core_ended(self, why: str) -> None:
+        """The core is gone (or hung: killed here).  The next one starts at once, as a standby of the old one's
+        process (engine/lifecycle.py: it imports and sets up beside the dying process, and takes device memory
+        only once that has exited), while this reaps the old one."""
         now = time.monotonic()
+        old = self._proc
         if why == "hang":
-            self._proc.kill()
-        code = self._reap()
+            old.kill()
         self._conn.close()
-        reason = why if why == "hang" else "killed" if code < 0 else "error" if code else "exit"
         self._ends.append(now)
         while self._ends and now - self._ends[0] > self.crash_window_s:
             self._ends.popleft()
-        log.warning(
-            "engine_core_ended", reason=reason, exit_code=code, pid=self._proc.pid, in_flight=len(self.inflight)
-        )
+        crash_loop = len(self._ends) >= self.crash_limit
+        if not self._closing and not crash_loop:
+            self._spawn(after=old.pid)
+        code = self._reap(old)
+        reason = why if why == "hang" else "killed" if code < 0 else "error" if code else "exit"
+        log.warning("engine_core_ended", reason=reason, exit_code=code, pid=old.pid, in_flight=len(self.inflight))
         if self.on_core_ended is not None:
             self.on_core_ended(reason)
         self.core_restarts += 1
@@ -227,13 +235,9 @@ class RemoteCore:
         self._resuming = _Resuming(reason, self.inflight.request_ids()) if self.inflight else None
         why = f"the engine core ended {self.inflight.max_resumes + 1} times while serving this request; retry it"
         self._failed.extend((request_id, why) for request_id in given_up)
-        if self._closing:
-            return
-        if len(self._ends) >= self.crash_limit:
+        if crash_loop and not self._closing:
             log.error("engine_core_crash_loop", ends=len(self._ends), window_s=self.crash_window_s)
             self.on_give_up(1)
-            return
-        self._spawn()
 
     def _send(self, msg: object) -> None:
         try:

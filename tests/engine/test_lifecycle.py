@@ -73,3 +73,22 @@ def test_standby_waits_for_the_predecessor_to_exit_and_says_so(monkeypatch):
     finally:
         forever.kill()
         forever.wait()
+
+
+def test_standby_also_waits_for_the_processes_under_the_predecessor(monkeypatch):
+    """A killed engine's core (or tensor-parallel rank) holds the device a moment longer than the engine itself:
+    its successor must not take memory before it is gone too."""
+    lc = Lifecycle()
+    monkeypatch.setattr(lifecycle, "LIFECYCLE", lc)
+    code = (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1.5)'])\n"
+        "time.sleep(0.5)\n"
+    )  # the predecessor leaves after 0.5 s; its child lives until 1.5 s
+    old = subprocess.Popen([sys.executable, "-c", code])
+    started = time.monotonic()
+    lifecycle.standby_until_exit(old.pid)
+    waited = time.monotonic() - started
+    old.wait()
+    assert waited > 1.2, f"the standby ended after {waited:.2f} s, before the predecessor's child exited"
+    assert waited < 10
