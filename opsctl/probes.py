@@ -313,13 +313,25 @@ class ProcessReading:
     alive: bool
     pid: int | None = None
     status: str = "absent"
-    rss_bytes: int | None = None
+    rss_bytes: int | None = None  # the engine and every process under it (its engine core, tensor-parallel ranks)
     cpu_percent: float | None = None
 
 
 class ProcessProbe:
     def __init__(self) -> None:
         self._proc: psutil.Process | None = None
+
+    @staticmethod
+    def _tree_rss(proc: psutil.Process) -> int:
+        """Resident memory of `proc` and the processes under it: an engine whose core runs in a process of its
+        own (engine/coreproc/) holds most of its memory there."""
+        total = proc.memory_info().rss
+        for child in proc.children(recursive=True):
+            try:
+                total += child.memory_info().rss
+            except psutil.Error:
+                pass  # gone between the listing and the reading
+        return total
 
     def read(self, pid: int | None) -> ProcessReading:
         if pid is None:
@@ -334,7 +346,7 @@ class ProcessProbe:
                 alive=alive,
                 pid=pid,
                 status=status,
-                rss_bytes=self._proc.memory_info().rss,
+                rss_bytes=self._tree_rss(self._proc),
                 cpu_percent=self._proc.cpu_percent(None),
             )
         except psutil.Error:

@@ -166,11 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--engine-core",
-        default="thread",
+        default="process",
         choices=("thread", "process"),
-        help="Where the model runs: on a thread of this process (thread), or in a process of its own (process): "
-        "when that process dies (killed, a fatal device error, a hang), this one starts a new one and resumes "
-        "every request in flight on it, streams included (engine/coreproc/).",
+        help="Where the model runs: in a process of its own (process, the default): when that process dies "
+        "(killed, a fatal device error, a hang), this one starts a new one and resumes every request in flight on "
+        "it, streams included (engine/coreproc/); or on a thread of this process (thread).",
     )
     s.add_argument(
         "--max-resumes",

@@ -23,8 +23,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def tp_workers(pid: int) -> list[psutil.Process]:
-    """The tensor-parallel worker processes (ranks > 0) an engine process started."""
-    return [p for p in psutil.Process(pid).children() if "engine.distributed.worker" in " ".join(p.cmdline())]
+    """The tensor-parallel worker processes (ranks > 0) under an engine process (its core's, by default)."""
+    return [
+        p for p in psutil.Process(pid).children(recursive=True) if "engine.distributed.worker" in " ".join(p.cmdline())
+    ]
 
 
 def _ephemeral_low() -> int:
