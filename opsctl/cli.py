@@ -46,7 +46,7 @@ from opsctl.instances import INSTANCE_PATTERN, instance_record, pid_alive, port_
 from opsctl.launcher import recorded_engine, stop_unsupervised
 from opsctl.runtime import open_private, prepare_runtime_dir, read_last_failure
 from opsctl.state import EXIT_DRAINING, EXIT_ERROR, EXIT_GAVE_UP, EXIT_NOT_RUNNING, EXIT_USAGE, EngineState
-from opsctl.status import Status
+from opsctl.status import Status, no_gpu_line
 
 
 def _version() -> str:
@@ -609,13 +609,6 @@ def status_document(runtime: Path) -> dict[str, Any]:
     return json.loads(json.dumps(st.to_json(), default=str))
 
 
-def _no_gpu(detail: str) -> str:
-    """Why no GPU is shown, plainly: a machine without NVIDIA's driver is a CPU machine, not an error."""
-    if "LibraryNotFound" in detail or "Shared Library Not Found" in detail or "DriverNotLoaded" in detail:
-        return "none (no NVIDIA driver on this machine: the engine runs on the CPU)"
-    return f"not readable: {detail}"
-
-
 def _status_lines(st: Status) -> list[str]:
     """The human view: integers, nothing it does not know, one line per topic."""
     e, d, r, c, s = st.engine, st.last_decision, st.restarts, st.crash_loop, st.supervisor
@@ -654,7 +647,7 @@ def _status_lines(st: Status) -> list[str]:
         parts.append(f"xid {int(g.xid_errors_total)}")
         lines.append(f"gpu {g.index}       " + "  ".join(parts))
     if not gpu.devices:
-        lines.append(f"gpu         {_no_gpu(gpu.detail)}")
+        lines.append(f"gpu         {no_gpu_line(gpu.detail)}")
     if d:
         evidence = ", ".join(f"{k}={v}" for k, v in (d.evidence or {}).items() if v is not None)
         lines.append(f"decision    {d.action} ({d.reason})" + (f": {evidence}" if evidence else ""))
