@@ -121,6 +121,9 @@ LATENCY_BUCKETS = (
 
 FINISHED_REASONS = ("stop", "length", "abort")
 FAILURE_REASONS = ("rejected", "invalid", "error")
+# why an engine core in its own process ended (engine/coreproc/remote.py): killed by a signal, exited after an error
+# or on its own, or killed by its front for a silence past --health-stall-seconds
+CORE_END_REASONS = ("killed", "error", "exit", "hang")
 
 
 def token_buckets(max_model_len: int) -> tuple[float, ...]:
@@ -324,6 +327,10 @@ class EngineMetrics:
             self.success.labels(name, reason)
         for reason in FAILURE_REASONS:
             self.failure.labels(name, reason)
+        for reason in CORE_END_REASONS:  # series at zero from the start, whichever --engine-core (alerts read them)
+            self.core_ends.labels(name, reason)
+            self.resumed.labels(name, reason)
+            self.resume_time.labels(name, reason)
         for h in (
             self.ttft,
             self.tpot,

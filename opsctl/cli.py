@@ -46,7 +46,7 @@ from opsctl.instances import INSTANCE_PATTERN, instance_record, pid_alive, port_
 from opsctl.launcher import recorded_engine, stop_unsupervised
 from opsctl.runtime import open_private, prepare_runtime_dir, read_last_failure
 from opsctl.state import EXIT_DRAINING, EXIT_ERROR, EXIT_GAVE_UP, EXIT_NOT_RUNNING, EXIT_USAGE, EngineState
-from opsctl.status import Status
+from opsctl.status import Status, no_gpu_line
 
 
 def _version() -> str:
@@ -589,6 +589,68 @@ def status(ctx: Ctx, as_json: bool) -> None:
     sys.exit(code)
 
 
+@main.command()
+@click.option("--config", "sub_config", default=None, help="TOML config file (as before the subcommand).")
+@click.option("--runtime-dir", "sub_runtime", default=None, help="Runtime dir (as before the subcommand).")
+@click.option(
+    "--instance",
+    "instances",
+    multiple=True,
+    callback=lambda c, p, v: tuple(_check_instance(x) for x in v),
+    help="An instance to watch; repeat it to watch several (default: the configured instance).",
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between refreshes: rates and percentiles cover this window.",
+)
+@click.option("--once", is_flag=True, help="Print one frame (two scrapes --interval apart) and exit.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Figures as JSON: one document with --once, else one per line at each refresh.",
+)
+@click.pass_obj
+def top(
+    ctx: Ctx,
+    sub_config: str | None,
+    sub_runtime: str | None,
+    instances: tuple[str, ...],
+    interval: float,
+    once: bool,
+    as_json: bool,
+) -> None:
+    """A live view: requests, KV cache, tokens/s, TTFT and TPOT percentiles, GPUs and the supervisor's recent
+    decisions, from the metrics Prometheus scrapes.  q or Ctrl-C quits.
+
+    Exits 0; with --once, 3 when an instance's supervisor is not running.
+    """
+    if not (once or as_json) and not sys.stdout.isatty():
+        _fail("`opsctl top` draws on a terminal and stdout is not one: use --once for one frame, or --json", EXIT_USAGE)
+    from opsctl.top import Watcher
+
+    watchers: list[Watcher] = []
+    seen: dict[Path, str] = {}
+    timeout = max(1.0, min(interval, 5.0))
+    for name in dict.fromkeys(instances or (ctx.instance,)):
+        sup = Ctx(sub_config or ctx.config_path, sub_runtime or ctx.runtime_dir, name).config().supervisor
+        runtime = sup.runtime_path()
+        if runtime in seen:
+            _fail(
+                f"instances {seen[runtime]!r} and {sup.instance!r} both read runtime dir {runtime}: "
+                "--runtime-dir (or [supervisor] runtime_dir) names one instance's dir; leave it out to watch several",
+                EXIT_USAGE,
+            )
+        seen[runtime] = sup.instance
+        watchers.append(Watcher(sup.instance, runtime, timeout))
+    from opsctl.top_view import run
+
+    sys.exit(run(watchers, interval, once=once, as_json=as_json))
+
+
 def unsupervised_status(runtime: Path) -> tuple[dict[str, Any], EngineState]:
     """`opsctl status --json`'s document when no supervisor answers: an engine left serving, or nothing."""
     orphan = recorded_engine(runtime)
@@ -607,13 +669,6 @@ def status_document(runtime: Path) -> dict[str, Any]:
     if st is None:
         return unsupervised_status(runtime)[0]
     return json.loads(json.dumps(st.to_json(), default=str))
-
-
-def _no_gpu(detail: str) -> str:
-    """Why no GPU is shown, plainly: a machine without NVIDIA's driver is a CPU machine, not an error."""
-    if "LibraryNotFound" in detail or "Shared Library Not Found" in detail or "DriverNotLoaded" in detail:
-        return "none (no NVIDIA driver on this machine: the engine runs on the CPU)"
-    return f"not readable: {detail}"
 
 
 def _status_lines(st: Status) -> list[str]:
@@ -654,7 +709,7 @@ def _status_lines(st: Status) -> list[str]:
         parts.append(f"xid {int(g.xid_errors_total)}")
         lines.append(f"gpu {g.index}       " + "  ".join(parts))
     if not gpu.devices:
-        lines.append(f"gpu         {_no_gpu(gpu.detail)}")
+        lines.append(f"gpu         {no_gpu_line(gpu.detail)}")
     if d:
         evidence = ", ".join(f"{k}={v}" for k, v in (d.evidence or {}).items() if v is not None)
         lines.append(f"decision    {d.action} ({d.reason})" + (f": {evidence}" if evidence else ""))

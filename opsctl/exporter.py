@@ -37,6 +37,15 @@ class GpuSource(Protocol):
     last_gpu: list[GpuReading]
 
 
+# GpuReading field -> the gauge it is exported as (per GPU, label `gpu`); `read_gpu_metrics` reads them back.
+GPU_GAUGES = {
+    "memory_used_bytes": ("pagekeeper_gpu_memory_used_bytes", "GPU memory used (NVML)"),
+    "memory_total_bytes": ("pagekeeper_gpu_memory_total_bytes", "GPU memory total (NVML)"),
+    "utilization_ratio": ("pagekeeper_gpu_utilization_ratio", "GPU utilization 0-1 (NVML)"),
+    "temperature_celsius": ("pagekeeper_gpu_temperature_celsius", "GPU temperature (NVML)"),
+}
+
+
 class _GpuCollector:
     """Exports the latest NVML readings at scrape time (values come from the last poll)."""
 
@@ -45,20 +54,7 @@ class _GpuCollector:
 
     def collect(self) -> Iterator[Any]:
         readings: list[GpuReading] = self.source.last_gpu
-        fams = {
-            "memory_used_bytes": GaugeMetricFamily(
-                "pagekeeper_gpu_memory_used_bytes", "GPU memory used (NVML)", labels=["gpu"]
-            ),
-            "memory_total_bytes": GaugeMetricFamily(
-                "pagekeeper_gpu_memory_total_bytes", "GPU memory total (NVML)", labels=["gpu"]
-            ),
-            "utilization_ratio": GaugeMetricFamily(
-                "pagekeeper_gpu_utilization_ratio", "GPU utilization 0-1 (NVML)", labels=["gpu"]
-            ),
-            "temperature_celsius": GaugeMetricFamily(
-                "pagekeeper_gpu_temperature_celsius", "GPU temperature (NVML)", labels=["gpu"]
-            ),
-        }
+        fams = {key: GaugeMetricFamily(name, doc, labels=["gpu"]) for key, (name, doc) in GPU_GAUGES.items()}
         xid = CounterMetricFamily("pagekeeper_gpu_xid_errors", "Critical XID events seen (NVML)", labels=["gpu"])
         ecc = CounterMetricFamily("pagekeeper_gpu_ecc_errors", "Uncorrected volatile ECC errors (NVML)", labels=["gpu"])
         for g in readings:
@@ -72,6 +68,34 @@ class _GpuCollector:
         yield from fams.values()
         yield xid
         yield ecc
+
+
+def read_gpu_metrics(text: str) -> list[GpuReading]:
+    """The GPUs in a supervisor's /metrics text (what Prometheus scrapes), by index; names are not exported ("").
+    ValueError if the text is not Prometheus."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    by_name = {name: key for key, (name, _) in GPU_GAUGES.items()} | {"pagekeeper_gpu_xid_errors_total": "xid"}
+    gpus: dict[int, dict[str, Any]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = by_name.get(sample.name)
+            if key and "gpu" in sample.labels:
+                gpus.setdefault(int(sample.labels["gpu"]), {})[key] = sample.value
+    readings = []
+    for index, values in sorted(gpus.items()):
+        readings.append(
+            GpuReading(
+                index=index,
+                name="",
+                memory_used_bytes=int(values.get("memory_used_bytes", 0)),
+                memory_total_bytes=int(values.get("memory_total_bytes", 0)),
+                utilization_ratio=values.get("utilization_ratio"),
+                temperature_celsius=values.get("temperature_celsius"),
+                xid_errors_total=int(values.get("xid", 0)),
+            )
+        )
+    return readings
 
 
 # (action, reason) pairs the policy can decide (opsctl/policy.py).

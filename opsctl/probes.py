@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("pagekeeper.supervisor")
 
-# Engine metrics the policy and the status read (base names, see engine/metrics.py), summed over their label
-# sets.  An engine exports vLLM's names (vllm:x), the seed's (vllm_x) or both (--metrics-names); each field is
+# Engine metrics the policy, the status and `opsctl top` read (base names, see engine/metrics.py), summed over their
+# label sets.  An engine exports vLLM's names (vllm:x), the seed's (vllm_x) or both (--metrics-names); each field is
 # read from the first name present in this order, so that an engine exporting both is not counted twice.
 WANTED_BASES = {
     "cache_usage": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
@@ -40,11 +40,21 @@ WANTED_BASES = {
     "token_utilization": ("kv_cache_token_utilization",),
     "preemptions": ("num_preemptions_total",),
     "oldest_waiting_s": ("oldest_waiting_seconds",),
+    # counters `opsctl top` turns into rates
+    "generation_tokens": ("generation_tokens_total",),
+    "prompt_tokens": ("prompt_tokens_total",),
+    "requests_finished": ("request_success_total",),
 }
-WANTED = {
-    key: tuple(prefix + base for prefix in ("vllm:", "vllm_") for base in bases) for key, bases in WANTED_BASES.items()
+# Histograms `opsctl top` reads percentiles from (their _bucket series, by upper bound), under the same rule.
+HISTOGRAM_BASES = {
+    "ttft": "time_to_first_token_seconds",
+    "tpot": "request_time_per_output_token_seconds",
 }
+_PREFIXES = ("vllm:", "vllm_")
+WANTED = {key: tuple(prefix + base for prefix in _PREFIXES for base in bases) for key, bases in WANTED_BASES.items()}
 _WANTED_NAMES = {name for names in WANTED.values() for name in names}
+HISTOGRAMS = {key: tuple(prefix + base + "_bucket" for prefix in _PREFIXES) for key, base in HISTOGRAM_BASES.items()}
+_HISTOGRAM_NAMES = {name for names in HISTOGRAMS.values() for name in names}
 
 
 @dataclass
@@ -150,24 +160,51 @@ class EngineProbe:
 
 def parse_engine_metrics(text: str) -> tuple[dict[str, float], str | None]:
     """{policy field: value} for the engine metrics we use; ValueError if the text is not Prometheus."""
+    scrape = scrape_engine_metrics(text)
+    if not scrape.values:
+        raise ValueError("none of the engine metrics the supervisor needs (vllm:* or vllm_*) are present")
+    return scrape.values, scrape.model
+
+
+@dataclass
+class EngineScrape:
+    """One /metrics text, read once: the wanted values, the wanted histograms and the model's name."""
+
+    values: dict[str, float]
+    histograms: dict[str, dict[float, float]]  # key -> {bucket upper bound (inf last): cumulative count}
+    model: str | None
+
+
+def scrape_engine_metrics(text: str) -> EngineScrape:
+    """The values of WANTED and the buckets of HISTOGRAMS in `text`, each summed over its label sets (a histogram
+    per upper bound); ValueError if the text is not Prometheus."""
     from prometheus_client.parser import text_string_to_metric_families
 
     sums: dict[str, float] = {}
+    buckets: dict[str, dict[float, float]] = {}
     model = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name not in _WANTED_NAMES:
+            if sample.name in _WANTED_NAMES:
+                sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+            elif sample.name in _HISTOGRAM_NAMES and "le" in sample.labels:
+                per_bound = buckets.setdefault(sample.name, {})
+                bound = float(sample.labels["le"])
+                per_bound[bound] = per_bound.get(bound, 0.0) + float(sample.value)
+            else:
                 continue
-            sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
             model = sample.labels.get("model_name", model)
     values = {}
     for key, names in WANTED.items():
         found = next((name for name in names if name in sums), None)
         if found is not None:
             values[key] = sums[found]
-    if not values:
-        raise ValueError("none of the engine metrics the supervisor needs (vllm:* or vllm_*) are present")
-    return values, model
+    histograms = {}
+    for key, names in HISTOGRAMS.items():
+        found = next((name for name in names if name in buckets), None)
+        if found is not None:
+            histograms[key] = dict(sorted(buckets[found].items()))
+    return EngineScrape(values, histograms, model)
 
 
 # -- GPU ---------------------------------------------------------------------------------------

@@ -131,3 +131,10 @@ class Status:
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a status this opsctl reads ({exc!r}); is the supervisor another version?") from exc
+
+
+def no_gpu_line(detail: str) -> str:
+    """Why no GPU is shown, plainly: a machine without NVIDIA's driver is a CPU machine, not an error."""
+    if "LibraryNotFound" in detail or "Shared Library Not Found" in detail or "DriverNotLoaded" in detail:
+        return "none (no NVIDIA driver on this machine: the engine runs on the CPU)"
+    return f"not readable: {detail}"

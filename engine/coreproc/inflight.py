@@ -3,7 +3,8 @@
 For each request: what was admitted (the validated request, its arrival) and, per sequence, the tokens the core
 has produced so far and whether it has ended.  When a core dies, every request still running into
 an Admit for the next core (its prompt plus what it produced: engine/core/admission.py), or gives it up once it
-has been resumed `max_resumes` times (`pause`, then `admits` once the next core is ready).
+has been resumed `max_resumes` times (`pause`, then `admits` once the next core is ready) or has waited for a
+new core longer than its limit (`expired`).
 """
 
 from __future__ import annotations
@@ -89,6 +90,15 @@ class InFlight:
             if live.paused_at is None:
                 live.paused_at = now
         return given_up
+
+    def expired(self, now: float, limit_s: float) -> list[str]:
+        """Requests that have waited for a new core longer than `limit_s` since theirs ended: given up (removed)."""
+        gone = [
+            rid for rid, live in self._live.items() if live.paused_at is not None and now - live.paused_at > limit_s
+        ]
+        for request_id in gone:
+            del self._live[request_id]
+        return gone
 
     def admits(self) -> list[Admit]:
         """What to tell a new core: every running request, with the tokens each sequence has produced."""

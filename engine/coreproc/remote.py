@@ -94,6 +94,7 @@ class RemoteCore:
         log_level: str = "info",
         stall_s: float = 30.0,
         max_resumes: int = 3,
+        resume_timeout_s: float = 300.0,
         crash_limit: int = 5,
         crash_window_s: float = 60.0,
         on_resumed: Callable[[Resumed], None] | None = None,
@@ -114,6 +115,7 @@ class RemoteCore:
         self.on_core_ended = on_core_ended
         self.on_give_up = on_give_up
         self.inflight = InFlight(max_resumes)
+        self.resume_timeout_s = resume_timeout_s
         self._send_lock = threading.Lock()
         self._closing = False
         self.core_restarts = 0
@@ -324,6 +326,11 @@ class RemoteCore:
 
     def _collect(self, timeout: float) -> None:
         self._pump(timeout)
+        if not self._ready:  # a core that takes too long to start: who waited past the limit is told to retry
+            why = (
+                f"no engine core took this request over within {self.resume_timeout_s:g} s (--resume-timeout); retry it"
+            )
+            self._failed.extend((rid, why) for rid in self.inflight.expired(time.monotonic(), self.resume_timeout_s))
         fresh, self._stash = self._stash, []
         for resumed in self.inflight.record(fresh, time.monotonic()):
             if self.on_resumed is not None:

@@ -180,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
         "with a retryable 503 (default 3).",
     )
     s.add_argument(
+        "--resume-timeout",
+        type=float,
+        default=300.0,
+        help="--engine-core process: seconds a request may wait for a new engine core after its own ended before "
+        "it fails with a retryable 503 (default 300).",
+    )
+    s.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=("critical", "error", "warning", "info", "debug", "trace"),
@@ -344,6 +351,7 @@ def _front_of_core_process(
             log_level=server_config.log_level,
             stall_s=server_config.health_stall_seconds,
             max_resumes=server_config.max_resumes,
+            resume_timeout_s=server_config.resume_timeout,
             cpu_reserved_cores=server_config.cpu_reserved_cores,
             share_cores_with=server_config.share_cores_with,
         )

@@ -67,6 +67,7 @@ class ServerConfig:
     cpu_reserved_cores: Annotated[int, Field(ge=0)] | None = None  # None: 1 on a CPU engine with >= 2 cores
     engine_core: Literal["thread", "process"] = "process"  # engine/coreproc/: a core may die without its requests
     max_resumes: Annotated[int, Field(ge=0, le=100)] = 3  # times one request is handed to a new core
+    resume_timeout: Annotated[float, Field(gt=0, le=86400)] = 300.0  # seconds one request may wait for a new core
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "warning"
     listen_fd: int | None = None
     control_socket: str | None = None

@@ -195,3 +195,22 @@ def test_a_core_dies_with_its_front() -> None:
             raise AssertionError("the core outlived its front by 3 s")
     finally:
         front.kill()
+
+
+def test_a_request_that_waits_for_a_new_core_past_the_resume_timeout_fails_with_the_reason() -> None:
+    engine = _remote(resume_timeout_s=0.5)
+    try:
+        engine.add_request("patient", "Special cases aren't", GREEDY)
+        while not engine.core.inflight._live["patient"].produced[0]:
+            engine.step()
+        pid = engine.core.pid
+        os.kill(pid, signal.SIGKILL)
+        failed: list[tuple[str, str]] = []
+        deadline = time.monotonic() + 30
+        while not failed and time.monotonic() < deadline:
+            engine.step()
+            failed = engine.take_failed()
+        assert failed and failed[0][0] == "patient" and "--resume-timeout" in failed[0][1], failed
+        assert engine.core.pid != pid or not engine.core._ready  # given up while the next core was starting
+    finally:
+        engine.close()

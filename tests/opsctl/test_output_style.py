@@ -11,6 +11,7 @@ import pytest
 COMMANDS = [
     (["start"], "already running: serving at"),
     (["status"], "engine      serving"),
+    (["top", "--once", "--interval", "0.2"], "opsctl top   every 0.2 s"),
     (["drain"], "drained: "),
     (["resume"], "resumed: admitting"),
     (["drain", "--cancel"], "resumed: admitting"),
