@@ -65,7 +65,7 @@ async def announce(self, sockets=None):
     marks["to_serving_cpu_s"] = cpu.user + cpu.system + cpu.children_user + cpu.children_system
     print("STARTUP " + json.dumps(marks), flush=True)
 server_main.DrainOnTermServer.startup = announce
-code = server_main.main(["--port", sys.argv[1]])
+code = server_main.main(["--port", sys.argv[1], "--engine-core", "thread"])  # every phase in this process
 cpu = os.times()
 print(f"EXITING {cpu.user + cpu.system + cpu.children_user + cpu.children_system:.4f}", flush=True)
 if sys.argv[2] == "skip":

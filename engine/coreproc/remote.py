@@ -155,7 +155,10 @@ class RemoteCore:
         self._last_heard = self._spawned_at
         self._send(Start(self.config, self.log_level, self.cpu_reserved_cores, self.share_cores_with))
         self.share_cores_with = None  # a later core replaces a core, not an engine: all the threads are its own
-        log.info("engine_core_starting", pid=self._proc.pid, in_flight=len(self.inflight))
+        # the first core's start is the engine's own (its engine_ready and serving lines say it); a later one is news
+        (log.info if self._facts is not None else log.debug)(
+            "engine_core_starting", pid=self._proc.pid, in_flight=len(self.inflight)
+        )
 
     def _wait_ready(self, timeout: float) -> None:
         try:

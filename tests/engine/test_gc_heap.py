@@ -156,7 +156,7 @@ def seen(phase, info):
         events.append([info["generation"], gc.get_freeze_count(), gc.isenabled()])
 gc.callbacks.append(seen)
 atexit.register(lambda: print("COLLECTIONS " + json.dumps({"events": events, "enabled": gc.isenabled()}), flush=True))
-sys.argv = ["engine.server", "--port", sys.argv[1]]
+sys.argv = ["engine.server", "--port", sys.argv[1], "--engine-core", "thread"]  # the heap of a one-process server
 runpy.run_module("engine.server", run_name="__main__")
 """
 

@@ -73,16 +73,19 @@ def test_opsctl_serves_restarts_and_recovers_a_tp2_engine(deploy, tmp_path):
     (worker,) = tp_workers(second)
     worker.send_signal(signal.SIGKILL)
     killed = time.monotonic()
-    st, _ = d.wait_for(
-        lambda s: s["engine"]["state"] == "serving" and s["engine"]["pid"] not in (None, first, second),
-        120,
-        "a new engine after a rank died",
-    )
-    recovered = time.monotonic() - killed
-    assert st["restarts"]["recent"][-1]["reason"] == "engine_exited"
+    # The engine core (a process of its own, the ranks under it) ends with its rank; the engine's front starts a
+    # new core and resumes what was in flight (engine/coreproc/): the supervisor has nothing to restart.
+    replaced: list = []
+    while time.monotonic() - killed < 120 and not replaced:
+        replaced = [w for w in tp_workers(second) if w.pid != worker.pid]
+        time.sleep(0.2)
+    assert replaced, "no new rank under the engine after a rank died"
     assert _complete(d.url) == " better than never."
-    (last_worker,) = tp_workers(st["engine"]["pid"])
+    recovered = time.monotonic() - killed
+    assert d.engine_pid() == second
+    assert d.status()["restarts"]["recent"][-1]["reason"] == "manual"  # no supervisor restart
+    (last_worker,) = replaced
     assert "tensor-parallel rank 1" in d.log("engine.log") + d.opsctl("logs").stdout
-    print(f"tp=2 under opsctl: manual restart ok; rank 1 SIGKILL -> serving again in {recovered:.1f} s")
+    print(f"tp=2 under opsctl: manual restart ok; rank 1 SIGKILL -> a new engine core served in {recovered:.1f} s")
     r = d.opsctl("stop")
     assert r.returncode == 0 and _gone(last_worker)

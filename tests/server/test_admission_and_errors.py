@@ -203,11 +203,17 @@ def test_client_disconnect_aborts_the_request_and_frees_its_blocks(launch):
     # closed after a few chunks; a non-streaming request cut off by a client timeout too
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.3)
+    # The gauges come from the engine core's next report (its own process by default): all three, within 10 s.
+    want = (
+        f'vllm_request_success_total{{finished_reason="abort",model_name="{MODEL}"}} 2.0',
+        f'vllm_gpu_cache_usage_perc{{model_name="{MODEL}"}} 0.0',
+        f'vllm_num_requests_running{{model_name="{MODEL}"}} 0.0',
+    )
     deadline = time.monotonic() + 10
     metrics = ""
     while time.monotonic() < deadline:
         metrics = httpx.get(server.url + "/metrics").text
-        if f'vllm_request_success_total{{finished_reason="abort",model_name="{MODEL}"}} 2.0' in metrics:
+        if all(w in metrics for w in want):
             break
         time.sleep(0.1)
     assert f'vllm_request_success_total{{finished_reason="abort",model_name="{MODEL}"}} 2.0' in metrics

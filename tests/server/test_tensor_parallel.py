@@ -7,6 +7,7 @@ and its last line must say which rank failed and how.
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -23,7 +24,8 @@ MODEL = "pagekeeper-default"
 
 
 def test_tp2_server_serves_then_exits_1_with_one_line_when_a_rank_dies(launch):
-    server = launch("--tensor-parallel-size", "2", "--max-num-seqs", "8")
+    """One process (--engine-core thread): the engine is rank 0, and ends with its rank."""
+    server = launch("--tensor-parallel-size", "2", "--max-num-seqs", "8", "--engine-core", "thread")
     (worker,) = tp_workers(server.proc.pid)
     r = httpx.post(
         server.url + "/v1/completions",
@@ -62,6 +64,39 @@ def test_tp2_server_serves_then_exits_1_with_one_line_when_a_rank_dies(launch):
     )
     assert not client.is_alive()
     assert not psutil.pid_exists(worker.pid) or psutil.Process(worker.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_tp2_split_server_resumes_its_requests_on_a_new_core_when_a_rank_dies(launch):
+    """The default (--engine-core process): the core, rank 0 with its ranks under it, ends with its rank in one
+    line; the front starts a new core and the stream in flight finishes, all its tokens there."""
+    server = launch("--tensor-parallel-size", "2", "--max-num-seqs", "8")
+    (worker,) = tp_workers(server.proc.pid)
+    streamed: list[str] = []
+
+    def stream() -> None:
+        body = {"model": MODEL, "prompt": "Beautiful is", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        body["stream_options"] = {"include_usage": True}
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as resp:
+                for line in resp.iter_lines():
+                    streamed.append(line)
+        except httpx.HTTPError as e:
+            streamed.append(f"error: {type(e).__name__}")
+
+    client = threading.Thread(target=stream)
+    client.start()
+    deadline = time.monotonic() + 30
+    while len(streamed) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker.send_signal(signal.SIGKILL)
+    client.join(timeout=120)
+    assert not client.is_alive()
+    usage = [u for u in (json.loads(ln[6:]).get("usage") for ln in streamed if ln.startswith("data: {")) if u]
+    assert streamed[-1] == "data: [DONE]" and not any(ln.startswith("error") for ln in streamed), streamed[-3:]
+    assert usage and usage[-1]["completion_tokens"] == 200, usage[-1:]
+    assert server.proc.poll() is None
+    assert f"tensor-parallel rank 1 (pid {worker.pid}) failed: killed by signal 9" in server.log()
+    assert [w for w in tp_workers(server.proc.pid) if w.pid != worker.pid], "no new rank under the new core"
 
 
 def test_tp2_server_stopped_exits_0_after_its_rank_and_skips_the_groups_teardown(launch):
