@@ -24,9 +24,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 def tp_workers(pid: int) -> list[psutil.Process]:
     """The tensor-parallel worker processes (ranks > 0) under an engine process (its core's, by default)."""
-    return [
-        p for p in psutil.Process(pid).children(recursive=True) if "engine.distributed.worker" in " ".join(p.cmdline())
-    ]
+    found = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "engine.distributed.worker" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:  # gone, or a zombie not yet reaped: no longer a rank
+            pass
+    return found
 
 
 def _ephemeral_low() -> int:
