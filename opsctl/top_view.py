@@ -91,7 +91,7 @@ def render(figures: list[Figures], interval: float) -> RenderableType:
             Text(f.state, style=state_style),
             NONE if f.running is None else str(f.running),
             NONE if f.waiting is None else str(f.waiting),
-            NONE if f.kv_cache_usage is None else f"{f.kv_cache_usage * 100:.1f}%",
+            NONE if f.kv_cache_usage is None else percent(f.kv_cache_usage),
             _number(f.generation_tokens_per_s),
             _number(f.requests_per_s, 2),
             _latency(f.ttft),
@@ -210,3 +210,10 @@ def _quit_within(fd: int | None, seconds: float) -> bool:
         if any(k in data for k in QUIT_KEYS):
             return True
     return False
+
+
+def percent(ratio: float) -> str:
+    """A share as a percentage, with a second decimal below 1 %: a few requests in a large pool hold a few
+    hundredths of a percent, which "0.0%" would hide."""
+    value = ratio * 100
+    return f"{value:.1f}%" if value >= 1 or value == 0 else f"{value:.2f}%"

@@ -328,10 +328,12 @@ def test_top_shows_the_figures_move_under_load_and_quits_on_q(web):
         started = time.monotonic()
         load = Load(web.url, clients=4)
         busy, frame = term.wait_for_row(
-            "web", lambda r: int(r["running"]) >= 1 and _number(r["tok/s"]) > 0, 60, "requests running, tokens/s"
+            "web",
+            lambda r: int(r["running"]) >= 1 and _number(r["tok/s"]) > 0 and _number(r["kv"]) > 0,
+            60,
+            "requests running, tokens/s, KV blocks held",
         )
         print(f"under load after {time.monotonic() - started:.1f} s: {busy}")
-        assert _number(busy["kv"]) > 0, busy  # the running requests hold KV blocks
         finished, _ = term.wait_for_row("web", lambda r: r["ttft"] != "-", 30, "TTFT percentiles of finished requests")
         assert all(float(v) > 0 for v in finished["ttft"].split("/")), finished
         load.finish()
@@ -431,3 +433,9 @@ def test_top_is_refused_with_one_runtime_dir_for_two_instances(tmp_path: Path):
         timeout=60,
     )
     assert r.returncode == 2 and "both read runtime dir" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_kv_usage_below_one_percent_keeps_its_hundredths() -> None:
+    from opsctl.top_view import percent
+
+    assert (percent(0.0), percent(0.0005), percent(0.0123), percent(0.25)) == ("0.0%", "0.05%", "1.2%", "25.0%")
