@@ -216,7 +216,10 @@ def _wait_until_serving(ctx: Ctx, proc: subprocess.Popen | None, timeout: float,
                 if state == EngineState.FAILED
                 else f"keeps failing; the supervisor gave up after {st.restarts.total} restart(s)"
             )
-            _fail(f"the engine {kind}: {one_line(st.crash_loop.reason)}; fix it, then `opsctl restart`", EXIT_GAVE_UP)
+            # an engine that exited 2 named a mistake (the table above: start exits 2), whether this sees the failed
+            # state or the supervisor's own exit with 2 first
+            code = EXIT_USAGE if state == EngineState.FAILED else EXIT_GAVE_UP
+            _fail(f"the engine {kind}: {one_line(st.crash_loop.reason)}; fix it, then `opsctl restart`", code)
         if st is None and proc is None and waited > 5:
             _fail("the supervisor is gone; see `opsctl logs --supervisor`", EXIT_ERROR)
         if waited > timeout:

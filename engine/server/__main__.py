@@ -246,6 +246,14 @@ def parse_args(argv: list[str] | None) -> tuple[ServerConfig, EngineConfig]:
             values[key] = section[key]
     validate_section(ServerConfig, values, "flags", flag_style=True)
     server = ServerConfig(**values)
+    if server.engine_core == "thread":  # a core in this process is never resumed: its bounds would do nothing
+        defaults = ServerConfig()
+        for key in ("max_resumes", "resume_timeout"):
+            if getattr(server, key) != getattr(defaults, key):
+                flag = "--" + key.replace("_", "-")
+                raise ConfigError(
+                    f"{flag} bounds the resumes of --engine-core process; this server runs --engine-core thread"
+                )
     if server.enable_auto_tool_choice and server.tool_call_parser is None:
         raise ConfigError(
             "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): the format the model "
