@@ -686,6 +686,14 @@ def _status_lines(st: Status) -> list[str]:
     if e.model:
         head.append(f"model {e.model}")
     lines = ["  ".join(head)]
+    core_pid = e.process.core_pid if e.process else None
+    if core_pid:
+        core = [f"core        pid {core_pid}"]
+        if e.core_restarts is not None:
+            core.append(f"restarts {e.core_restarts}")
+        if e.requests_resumed is not None:
+            core.append(f"resumed {e.requests_resumed} request(s)")
+        lines.append("  ".join(core))
     queue = []
     if e.kv_cache_usage is not None:
         queue.append(f"kv cache {e.kv_cache_usage * 100:.1f}% used")

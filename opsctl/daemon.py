@@ -591,6 +591,8 @@ class Supervisor:
                     process=reading.get("process"),
                     last_exit=self.launcher.exit_summary(),
                     readings_age_s=round(time.monotonic() - reading["at"], 1) if "at" in reading else None,
+                    core_restarts=count("core_restarts"),
+                    requests_resumed=count("requests_resumed"),
                 ),
                 gpu=GpuStatus(self.gpu.available, self.gpu.reason, list(self.last_gpu)),
                 last_decision=self.last_decision,

@@ -44,6 +44,9 @@ WANTED_BASES = {
     "generation_tokens": ("generation_tokens_total",),
     "prompt_tokens": ("prompt_tokens_total",),
     "requests_finished": ("request_success_total",),
+    # the engine core's own process (engine/coreproc/): its restarts behind the front and the requests it resumed
+    "core_restarts": ("engine_core_restarts_total",),
+    "requests_resumed": ("requests_resumed_total",),
 }
 # Histograms `opsctl top` reads percentiles from (their _bucket series, by upper bound), under the same rule.
 HISTOGRAM_BASES = {
@@ -352,6 +355,10 @@ class ProcessReading:
     status: str = "absent"
     rss_bytes: int | None = None  # the engine and every process under it (its engine core, tensor-parallel ranks)
     cpu_percent: float | None = None
+    core_pid: int | None = None  # the engine core's process under the engine (engine/coreproc/); None: one process
+
+
+CORE_MODULE = "engine.coreproc"  # what the engine core's command line runs (`python -m engine.coreproc`)
 
 
 class ProcessProbe:
@@ -359,16 +366,19 @@ class ProcessProbe:
         self._proc: psutil.Process | None = None
 
     @staticmethod
-    def _tree_rss(proc: psutil.Process) -> int:
-        """Resident memory of `proc` and the processes under it: an engine whose core runs in a process of its
-        own (engine/coreproc/) holds most of its memory there."""
+    def _tree(proc: psutil.Process) -> tuple[int, int | None]:
+        """Resident memory of `proc` and the processes under it (an engine whose core runs in a process of its
+        own, engine/coreproc/, holds most of its memory there), and the pid of that core (None: none)."""
         total = proc.memory_info().rss
+        core_pid = None
         for child in proc.children(recursive=True):
             try:
                 total += child.memory_info().rss
+                if core_pid is None and CORE_MODULE in child.cmdline():
+                    core_pid = child.pid
             except psutil.Error:
                 pass  # gone between the listing and the reading
-        return total
+        return total, core_pid
 
     def read(self, pid: int | None) -> ProcessReading:
         if pid is None:
@@ -379,12 +389,14 @@ class ProcessProbe:
                 self._proc.cpu_percent(None)  # prime the CPU counter
             status = self._proc.status()
             alive = self._proc.is_running() and status != psutil.STATUS_ZOMBIE
+            rss, core_pid = self._tree(self._proc)
             return ProcessReading(
                 alive=alive,
                 pid=pid,
                 status=status,
-                rss_bytes=self._tree_rss(self._proc),
+                rss_bytes=rss,
                 cpu_percent=self._proc.cpu_percent(None),
+                core_pid=core_pid,
             )
         except psutil.Error:
             return ProcessReading(alive=False, pid=pid, status="gone")

@@ -79,6 +79,8 @@ def test_json_shape_is_the_one_opsctl_status_printed():
         "process",
         "last_exit",
         "readings_age_s",
+        "core_restarts",
+        "requests_resumed",
     ]
     assert data["engine"]["state"] == "serving" and type(data["engine"]["state"]) is str
     assert list(data["gpu"]) == ["available", "detail", "devices"]
