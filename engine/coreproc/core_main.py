@@ -36,6 +36,7 @@ from engine.coreproc.messages import (
     YieldCores,
 )
 from engine.cpu_threads import available_cores, bind_compute_thread, plan_cpu_threads
+from engine.gc_heap import freeze_startup_heap, pause_startup_collections, resume_startup_collections
 from engine.lifecycle import LIFECYCLE, PROCESS_EXIT
 from engine.logs import configure_logging
 
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True, help="this end of the front's socket pair")
     parser.add_argument("--front", type=int, default=None, help="the front's pid: this process dies with it")
     args = parser.parse_args(argv)
+    pause_startup_collections()  # until the start-up heap is frozen, as the server does (engine/gc_heap.py)
     die_with(args.front)
     # The front decides when this process ends (it closes its end of the socket): a SIGTERM to the whole group
     # (systemd's stop, a terminal's ^C) is for the front, which drains first and needs its core meanwhile.
@@ -171,8 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         share()
         core = EngineCore(config, defer_startup_work=True)
     except ConfigError as e:
+        resume_startup_collections()
         conn.send(Refused(str(e)))
         return 2
+    # the model, the KV pool and the imports live as long as this process: out of the collector's full passes
+    log.info("core_ready", pid=os.getpid(), heap_frozen=freeze_startup_heap())
     try:
         conn.send(Ready(core.facts, os.getpid(), plan))
     except OSError:

@@ -199,3 +199,40 @@ def test_a_server_start_runs_no_automatic_collection_until_its_heap_is_frozen(tm
     [(generation, frozen_then)] = explicit
     assert generation == 2 and frozen_then > 100_000
     assert report["enabled"]
+
+
+def test_the_engine_core_process_freezes_its_start_up_heap_too(tmp_path) -> None:
+    """The engine core's own process (`--engine-core process`) holds the model and the KV pool: it pauses its
+    collector while it starts and freezes what it built, as a one-process server does."""
+    import httpx
+
+    from tests.server.harness import free_port
+
+    port = free_port()
+    log_path = tmp_path / "engine.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.server", "--port", str(port), "--engine-core", "process"],
+            cwd=REPO,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    ready = [json.loads(ln) for ln in log_path.read_text().splitlines() if '"core_ready"' in ln]
+    assert len(ready) == 1, log_path.read_text()[-3000:]
+    assert ready[0]["pid"] != proc.pid
+    assert ready[0]["heap_frozen"] > 100_000  # the imported modules (torch's) and what the engine built
