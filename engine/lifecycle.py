@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 from enum import Enum
+from pathlib import Path
 from typing import Callable
 
 
@@ -140,10 +141,60 @@ def descendants(pid: int) -> set[int]:
 STANDBY_POLL_S = 0.2  # how often a standby looks again at the processes under the one it waits for
 
 
+def _start_ticks(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat, field 22): with the pid, a name no
+    later process has.  None: no such process (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[19]
+
+
+def released_marker(pid: int) -> Path | None:
+    """Where process `pid` says it has freed its device memory (engine/runner/release.py); None: no such process.
+    Under the cache folder, which an engine and its successor share (engine/cache_dir.py)."""
+    from engine.cache_dir import cache_root
+
+    ticks = _start_ticks(pid)
+    return None if ticks is None else cache_root() / "released" / f"{pid}-{ticks}"
+
+
+def announce_released(held_bytes: int) -> bool:
+    """Tell a standby successor that this process, which is exiting, holds no more device memory than
+    `held_bytes` (its allocator's; the context's come on top): it stops waiting for this process.  False when the
+    marker cannot be written (the successor then waits for the exit)."""
+    import json
+    import os
+
+    marker = released_marker(os.getpid())
+    if marker is None:
+        return False
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        for old in marker.parent.iterdir():  # markers of processes that are gone
+            pid = old.name.split("-")[0]
+            if pid.isdigit() and released_marker(int(pid)) != old:
+                old.unlink(missing_ok=True)
+        tmp = marker.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"held_bytes": held_bytes}))
+        tmp.rename(marker)
+    except OSError:
+        return False
+    return True
+
+
+def _released(pid: int) -> bool:
+    marker = released_marker(pid)
+    return marker is not None and marker.exists()
+
+
 def standby_until_exit(pid: int, limit_s: float | None = STANDBY_LIMIT_S) -> float:
     """In STANDBY, wait for process `pid` and every process under it to exit (the engine this one replaces frees
     the GPU: its engine core or tensor-parallel ranks hold device memory too, and a killed engine's children die a
-    moment after it); the seconds waited.
+    moment after it); the seconds waited.  A process that announced it has freed its device memory
+    (`announce_released`) counts as gone: its exit's teardown is not waited for.
 
     A spare engine the supervisor keeps ready waits without a limit (`limit_s` None); every standby also ends if
     this process's parent (its supervisor) exits first: a successor nobody supervises must not wake up and serve
@@ -177,6 +228,8 @@ def standby_until_exit(pid: int, limit_s: float | None = STANDBY_LIMIT_S) -> flo
                 raise TimeoutError(f"process {pid} (the engine this one replaces) did not exit within {limit_s:.0f} s")
             ready = poller.poll(wait * 1000)
             if not ready:
+                if _released(pid):
+                    break
                 continue
             if parent_fd is not None and any(f == parent_fd for f, _ in ready) and not any(f == fd for f, _ in ready):
                 raise SystemExit(
@@ -206,10 +259,13 @@ def _wait_all_gone(pids: set[int], deadline: float | None) -> None:
         except ProcessLookupError:
             continue
         try:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             poller = select.poll()
             poller.register(fd, select.POLLIN)
-            if not poller.poll(None if wait is None else wait * 1000):
-                raise TimeoutError(f"process {pid}, under the engine this one replaces, did not exit in time")
+            while not _released(pid):
+                wait = STANDBY_POLL_S if deadline is None else min(STANDBY_POLL_S, deadline - time.monotonic())
+                if wait <= 0:
+                    raise TimeoutError(f"process {pid}, under the engine this one replaces, did not exit in time")
+                if poller.poll(wait * 1000):
+                    break
         finally:
             os.close(fd)

@@ -47,6 +47,7 @@ from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.deferred import DeferredWork
 from engine.runner.model_runner import ModelRunner
 from engine.runner.piecewise import PiecewiseForward
+from engine.runner.release import release_at_exit, release_for_successor
 from engine.runner.sampler import DeviceSample
 from engine.runner.startup import StartedRunner, start_runner
 
@@ -220,10 +221,12 @@ class TensorParallelRunner:
                 conn.send_bytes(pickle.dumps(EXIT_NOW if process_exiting else None))
             except (BrokenPipeError, OSError):
                 pass
+        local = getattr(self, "local", None)  # None: rank 0's start-up failed, so close() runs from __init__
         if process_exiting:
+            if local is not None:  # while the workers free theirs (engine/runner/release.py)
+                release_for_successor(local)
             self._wait_workers()
             return
-        local = getattr(self, "local", None)  # None: rank 0's start-up failed, so close() runs from __init__
         if local is not None:
             local.release_graphs()
         # Every rank leaves the process group at the same time (NCCL's teardown waits for its peers);
@@ -307,6 +310,7 @@ def start_engine_runner(
     """(the started rank-0 runner, the runner the core drives, every rank's KV plan); `defer`: see start_runner."""
     if config.tensor_parallel_size == 1:
         up = start_runner(config, info, rank_device(config, 0), defer=defer)
+        release_at_exit(up.runner)  # a server's exit frees the GPU before its teardown (engine/runner/release.py)
         return up, up.runner, [up.kv_plan]
     check_overlap_supported(config, info)
     tp = TensorParallelRunner(config, info, defer)

@@ -117,6 +117,7 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
     from engine.logs import configure_logging
     from engine.memory.budget import KVPlan
     from engine.model.overlap import set_overlap_tokens
+    from engine.runner.release import release_for_successor
     from engine.runner.sampler import DeviceSample
     from engine.runner.startup import start_runner
 
@@ -149,6 +150,7 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
             if message is None:
                 break
             if message == ("exit",):  # rank 0's process is exiting (executor.EXIT_NOW): no teardown to wait for
+                release_for_successor(runner)  # the successor need not wait for this exit (engine/runner/release.py)
                 os._exit(0)
             if isinstance(message[0], str):  # ("overlap_tokens", n): rank 0's set_overlap_tokens, between steps
                 set_overlap_tokens(runner.model, message[1])

@@ -207,6 +207,15 @@ class ModelRunner:
     def close(self) -> None:
         """Nothing to stop on one device (the tensor-parallel runner stops its workers here)."""
 
+    def drop_device_state(self) -> None:
+        """Forget the KV cache and the captured graphs (engine/runner/release.py): the process is leaving.  The
+        cache's list is emptied in place, since the piecewise graphs and the static inputs share it."""
+        self.graphs = None
+        self.static = None
+        self.pieces = None
+        self.kv_caches.clear()
+        self.deferred = DeferredWork()  # pending units refer to the graphs they would capture
+
     def release_graphs(self) -> None:
         """Destroy the captured decode graphs.  A graph that captured NCCL all-reduces keeps the
         communicator busy: NCCL's teardown (destroy_process_group) hangs until the graphs are gone

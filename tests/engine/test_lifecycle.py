@@ -92,3 +92,66 @@ def test_standby_also_waits_for_the_processes_under_the_predecessor(monkeypatch)
     old.wait()
     assert waited > 1.2, f"the standby ended after {waited:.2f} s, before the predecessor's child exited"
     assert waited < 10
+
+
+ANNOUNCES = (
+    "import subprocess, sys, time\n"
+    "from engine.lifecycle import announce_released\n"
+    "child = subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+    "time.sleep(0.3)\n"
+    "assert announce_released(4096)\n"
+    "time.sleep(30)\n"
+)
+CHILD_ANNOUNCES = (
+    "from engine.lifecycle import announce_released; import time; time.sleep(0.6); announce_released(0); time.sleep(30)"
+)
+
+
+def test_processes_that_announced_their_memory_free_are_not_waited_for(monkeypatch, tmp_path):
+    """A predecessor (and the processes under it: its core, its ranks) that freed its device memory and said so
+    (engine/runner/release.py) counts as gone while its exit's teardown still runs; one that did not is waited for."""
+    import os
+    from pathlib import Path
+
+    monkeypatch.setenv("PAGEKEEPER_CACHE_DIR", str(tmp_path))
+    lc = Lifecycle()
+    monkeypatch.setattr(lifecycle, "LIFECYCLE", lc)
+    env = {**os.environ, "PYTHONPATH": str(Path(lifecycle.__file__).parents[1])}
+    old = subprocess.Popen([sys.executable, "-c", ANNOUNCES.format(child=CHILD_ANNOUNCES)], env=env)
+    try:
+        waited = lifecycle.standby_until_exit(old.pid, limit_s=20)
+        assert old.poll() is None  # still running: its announcement (and its child's) ended the wait
+        assert 0.5 < waited < 10, waited
+        marker = lifecycle.released_marker(old.pid)
+        assert marker is not None and marker.exists() and '"held_bytes": 4096' in marker.read_text()
+    finally:
+        for p in __import__("psutil").Process(old.pid).children(recursive=True):
+            p.kill()
+        old.kill()
+        old.wait()
+    silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(TimeoutError, match="did not exit"):
+            lifecycle.standby_until_exit(silent.pid, limit_s=0.6)
+    finally:
+        silent.kill()
+        silent.wait()
+
+
+def test_a_marker_names_one_process_not_a_later_one_with_its_pid(monkeypatch, tmp_path):
+    """The marker's name carries the process's start time: a pid the kernel gives again is not taken as released,
+    and writing a marker prunes those of processes that are gone."""
+    import os
+
+    monkeypatch.setenv("PAGEKEEPER_CACHE_DIR", str(tmp_path))
+    marker = lifecycle.released_marker(os.getpid())
+    assert marker is not None
+    stale = marker.parent / f"{os.getpid()}-1"  # this pid, another start time
+    gone = marker.parent / "999999999-5"
+    marker.parent.mkdir(parents=True)
+    stale.write_text("{}")
+    gone.write_text("{}")
+    assert not lifecycle._released(os.getpid())
+    assert lifecycle.announce_released(0) and lifecycle._released(os.getpid())
+    assert not stale.exists() and not gone.exists()
+    marker.unlink()

@@ -32,16 +32,15 @@ def test_status_names_the_core_and_counts_its_restarts_behind_the_front(deploy) 
 
     os.kill(core, signal.SIGKILL)
     st, _ = d.wait_for(
-        lambda s: s["engine"]["core_restarts"] == 1
-        and (s["engine"]["process"] or {}).get("core_pid") not in (None, core),
+        lambda s: (
+            s["engine"]["core_restarts"] == 1 and (s["engine"]["process"] or {}).get("core_pid") not in (None, core)
+        ),
         timeout=60,
         what="the killed core counted and a new one in the status",
     )
     assert st["engine"]["pid"] == front  # the front lived: no supervisor restart
     assert st["restarts"]["total"] == 0
-    reply = httpx.post(
-        d.url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4}, timeout=60
-    )
+    reply = httpx.post(d.url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4}, timeout=60)
     assert reply.status_code == 200, reply.text
     text = d.opsctl("status")
     assert f"core        pid {st['engine']['process']['core_pid']}  restarts 1" in text.stdout, text.stdout

@@ -1,0 +1,71 @@
+"""A serving process frees its device memory before it exits, and says so to the engine that replaces it.
+
+A restart's successor waits in standby until the engine it replaces has freed the GPU (engine/lifecycle.py).
+Waiting for the process to exit made that wait include the driver's teardown of every process of the old engine
+(at TP=4 the ranks' exits came one after the other: seconds).  Instead each process of the old engine, once it
+has stopped stepping, drops its KV cache and graphs, returns the allocator's cache to the driver, and writes a
+marker (`announce_released`): the successor counts it as gone and allocates while the old process finishes its
+exit.  A process that still holds more than RELEASE_SLACK_BYTES announces nothing: its successor waits for the
+exit, as before."""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+
+from engine.lifecycle import PROCESS_EXIT, announce_released
+
+if TYPE_CHECKING:
+    from engine.runner.model_runner import ModelRunner
+
+log = structlog.get_logger("pagekeeper.engine")
+
+# What a process may still hold (the allocator's reserved bytes: small buffers of the model, the sampler's rows) and
+# be counted as gone; the CUDA context and NCCL's buffers are outside the allocator and come on top.
+RELEASE_SLACK_BYTES = 1 << 30
+
+
+def release_for_successor(runner: ModelRunner) -> bool:
+    """Free `runner`'s device memory and announce it (True) unless more than the slack stays reserved (False).
+
+    Only for a process that is exiting: the runner cannot step afterwards."""
+    if runner.device.type != "cuda":
+        return False
+    started = time.monotonic()
+    torch.cuda.synchronize(runner.device)  # the last plan's kernels, and its collectives with the other ranks
+    runner.drop_device_state()
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_reserved(runner.device)
+    if held > RELEASE_SLACK_BYTES:  # something still refers to a graph or the cache through a cycle
+        gc.unfreeze()
+        gc.collect()
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_reserved(runner.device)
+    announced = held <= RELEASE_SLACK_BYTES and announce_released(held)
+    log.info(
+        "device_memory_released",
+        seconds=round(time.monotonic() - started, 3),
+        held_bytes=held,
+        announced=announced,
+    )
+    return announced
+
+
+def release_at_exit(runner: ModelRunner) -> None:
+    """Register the release for this process's exit through `exit_without_teardown` (a server or an engine core);
+    an offline script's orderly exit, and a runner already collected, are left alone."""
+    import atexit
+
+    ref = weakref.ref(runner)
+
+    def release() -> None:
+        found = ref()
+        if found is not None and PROCESS_EXIT.without_teardown:
+            release_for_successor(found)
+
+    atexit.register(release)
