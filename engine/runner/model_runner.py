@@ -546,6 +546,8 @@ class ModelRunner:
         in flight, whose tokens some sequences of this step take as input (their `pending_row`);
         they are copied on the device, so this step is queued before the host has read them.
         """
+        if plan.seqs:  # a unit run before this step captures the decode graph of this batch first (not the largest)
+            self.recent_batch = len(plan.seqs)
         for _ in range(plan.deferred_units):
             self.deferred.run_one()
         self.update_state(plan)
