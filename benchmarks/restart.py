@@ -392,6 +392,42 @@ def scenario_kill9(d: Deployment, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def scenario_rank_kill(d: Deployment, args: argparse.Namespace) -> dict[str, Any]:
+    """kill -9 of one tensor-parallel rank (not rank 0) under load: the engine core's group ends with one line and
+    the front resumes what was in flight on a new core (engine/coreproc/), with no supervisor restart."""
+    import psutil
+
+    load = Load(d.url, args.clients, args.max_tokens).start()
+    time.sleep(args.settle)
+    front = engine_pid(d)
+    under = psutil.Process(front).children(recursive=True)
+    ranks = [p for p in under if "engine.distributed.worker" in " ".join(p.cmdline())]
+    if not ranks:
+        load.stop()
+        return {"skipped": "no tensor-parallel worker under the engine"}
+    victim = ranks[-1]
+    restarts_before = d.status()["restarts"]["total"]
+    t0 = time.monotonic()
+    victim.kill()
+    first = first_completion(d.url, t0, 600)
+    time.sleep(args.settle)
+    records = load.stop()
+    in_flight = [r for r in records if r.start < t0 < r.end]
+    stats = window_stats(records, t0, t0 + first + args.settle)
+    failed_lines = d.events("engine.log", "tp_rank_failed")
+    return {
+        "killed_rank_pid": victim.pid,
+        "first_completion_s": round(first, 3),
+        "in_flight_at_kill": len(in_flight),
+        "lost": sum(1 for r in in_flight if not r.ok),
+        "same_front": engine_pid(d) == front,
+        "supervisor_restarts": d.status()["restarts"]["total"] - restarts_before,
+        "rank_failed": {k: failed_lines[-1].get(k) for k in ("rank", "reason")} if failed_lines else None,
+        **new_engine(d),
+        **stats,
+    }
+
+
 def new_engine(d: Deployment) -> dict[str, Any]:
     """What the engine that took over reported: its start-up phases and timeline, where its weights came from, and
     its first steps."""
@@ -566,7 +602,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--settle", type=float, default=5.0, help="seconds of load before and after each action")
-    p.add_argument("--skip", default="", help="comma-separated scenarios to skip: first,restart,kill9,recycle,real")
+    p.add_argument(
+        "--skip", default="", help="comma-separated scenarios to skip: first,restart,kill9,rank_kill,recycle,real"
+    )
     p.add_argument("--keep-weights", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--logs", default=None, help="also write the engine and supervisor logs here, as one .tar.gz")
@@ -657,6 +695,12 @@ def _scenarios(args, skip, result, save, root, d, deploy, engine, path) -> int: 
             result["kill9"] = scenario_kill9(d, args)
             key = "tp4_" if args.tp == 4 else ""
             result[f"{key}kill9_first_completion_s"] = result["kill9"]["first_completion_s"]
+            save()
+        if "rank_kill" not in skip and args.tp > 1:
+            print("kill -9 of one tensor-parallel rank under load...", flush=True)
+            time.sleep(FAST_POLICY["cooldown_seconds"] + 1)
+            result["rank_kill"] = scenario_rank_kill(d, args)
+            result["rank_kill_failed"] = result["rank_kill"].get("failed")
             save()
         if "recycle" not in skip:
             print("stuck cache: a KV leak under load, cured in place...", flush=True)
