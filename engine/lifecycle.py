@@ -237,7 +237,7 @@ def standby_until_exit(pid: int, limit_s: float | None = STANDBY_LIMIT_S) -> flo
                     "rank) is gone: a standby engine does not start on its own"
                 )
             break
-        _wait_all_gone(under, deadline)
+        wait_gone_or_released(under, deadline)
     finally:
         os.close(fd)
         if parent_fd is not None:
@@ -247,8 +247,9 @@ def standby_until_exit(pid: int, limit_s: float | None = STANDBY_LIMIT_S) -> flo
     return time.monotonic() - started
 
 
-def _wait_all_gone(pids: set[int], deadline: float | None) -> None:
-    """Until every one of `pids` has exited (TimeoutError at `deadline`)."""
+def wait_gone_or_released(pids: set[int], deadline: float | None) -> None:
+    """Until every one of `pids` has exited or announced its device memory free (TimeoutError at `deadline`, a
+    time.monotonic() value; None: no limit)."""
     import os
     import select
     import time

@@ -46,7 +46,7 @@ from engine.coreproc.messages import (
     YieldCores,
 )
 from engine.cpu_threads import CpuThreadPlan
-from engine.lifecycle import LIFECYCLE, Phase
+from engine.lifecycle import LIFECYCLE, Phase, descendants, wait_gone_or_released
 from engine.metrics import EngineSnapshot
 
 log = structlog.get_logger("pagekeeper.server")
@@ -391,11 +391,17 @@ class RemoteCore:
         self._send(Fault(kind, blocks, leave))
 
     def close(self) -> None:
-        """Let the core go: it leaves when its end of the socket closes; killed if it has not within 10 s."""
+        """Let the core go: it leaves when its end of the socket closes; killed if it has not within 10 s.
+
+        Waited for until it (and its tensor-parallel ranks) has exited or announced its device memory free
+        (engine/runner/release.py), not for the driver's teardown of its exit: a restart's successor waits for this
+        process, and at TP=4 that teardown took 5 s after the memory was free."""
         self._closing = True
+        under = {self._proc.pid} | descendants(self._proc.pid)
         self._conn.close()
         try:
-            self._proc.wait(timeout=10.0)
-        except subprocess.TimeoutExpired:
+            wait_gone_or_released(under, time.monotonic() + 10.0)
+        except TimeoutError:
             self._proc.kill()
             self._proc.wait()
+        self._proc.poll()  # reaped if it has exited

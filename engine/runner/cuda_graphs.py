@@ -57,11 +57,15 @@ class DecodeGraphs:
         self.pool = None
 
     def size_for(self, batch: int) -> int | None:
-        """The padded size of `batch` when its graph is captured, else None (run eagerly)."""
+        """The padded size of `batch` when its graph is captured; while it is not (captures still deferred), the
+        smallest captured size that holds the batch: a decode step reads every weight whatever its rows, so more
+        padding rows cost little beside an eager step (3-8x slower).  None: no captured graph holds it (eager)."""
         if not self.planned or batch > self.planned[-1]:
             return None
         size = padded_size(batch, self.planned)
-        return size if size in self.graphs else None
+        if size in self.graphs:
+            return size
+        return next((s for s in self.sizes if s >= batch), None)
 
     def capture(self, sizes: list[int], forward: Callable[[int], torch.Tensor]) -> None:
         """Capture `forward(size)` (which reads the static buffers) for every size, largest first."""
