@@ -247,7 +247,7 @@ def plan_kv_cache(
             - plan.non_torch_bytes
             - plan.weights_bytes
             - plan.activation_bytes
-            - plan.fragmentation_buffer_bytes  # type: ignore[operator]
+            - plan.fragmentation_buffer_bytes
             - (plan.graph_bytes or 0)
         )
         plan.source = f"--gpu-memory-utilization {config.gpu_memory_utilization}"

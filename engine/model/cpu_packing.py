@@ -19,7 +19,6 @@ product replaced.
 from __future__ import annotations
 
 import types
-from typing import Callable
 
 import torch
 from torch import nn
@@ -42,20 +41,20 @@ def packing_available(dtype: torch.dtype) -> bool:
         return False
 
 
-def _packed_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
+class _PackedProduct:
+    """``x @ W^T (+ bias)`` over oneDNN's packed copy of W."""
 
-    def product(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
+        self.bias = bias
 
-    product.packed = packed  # type: ignore[attr-defined]
-    return product
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def _replace_weight(layer: nn.Module, product: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def _replace_weight(layer: nn.Module, product: _PackedProduct) -> None:
     """Drop the plain weight (the packed one holds the same numbers), keeping its shape and dtype readable."""
-    packed = product.packed  # type: ignore[attr-defined]
-    layer.weight = nn.Parameter(packed, requires_grad=False)
+    layer.weight = nn.Parameter(product.packed, requires_grad=False)
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -85,24 +84,24 @@ def _is_embedding(model: nn.Module, module: nn.Module) -> bool:
 
 
 def _pack_column(layer: MergedLinear) -> None:
-    product = _packed_product(layer.weight, layer.bias)
+    product = _PackedProduct(layer.weight, layer.bias)
     _replace_weight(layer, product)
-    layer.forward = product  # type: ignore[method-assign]
+    layer.forward = product  # type: ignore[assignment]  # nn.Linear.forward names its argument `input`
 
 
 def _pack_row(layer: RowLinear) -> None:
     if not layer.tp.is_parallel:
-        product = _packed_product(layer.weight, layer.bias)
+        product = _PackedProduct(layer.weight, layer.bias)
         _replace_weight(layer, product)
         layer.forward = product  # type: ignore[method-assign]
         return
-    partial = _packed_product(layer.weight, None)  # the bias is added once, after the sum (RowLinear.forward)
+    partial = _PackedProduct(layer.weight, None)  # the bias is added once, after the sum (RowLinear.forward)
     _replace_weight(layer, partial)
     layer.partial = partial  # type: ignore[method-assign]
 
 
 def _pack_head(head: VocabEmbedding) -> None:
-    product = _packed_product(head.weight, None)
+    product = _PackedProduct(head.weight, None)
     _replace_weight(head, product)
 
     def logits(self: VocabEmbedding, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,20 +15,21 @@ norm) with the L attentions launched eagerly between them over the real rows onl
 write fixed buffers (`PieceBuffers`): what crosses a piece boundary is copied into them at the end of a
 piece, so nothing a graph allocates outlives its capture and every capture reuses the same pool blocks.
 
-Models that offer the split (`embed`, `before_attention`, `attention`, `after_attention`, `final_norm`:
-the Llama family) get it; others run such steps eagerly.  `PiecewiseForward` runs the same pieces without
-graphs (the CPU tests check the split and the padding against the plain forward with it).
+Models that offer the split (a `PiecewiseLM`, engine/model/interface.py: the Llama family) get it; others
+run such steps eagerly.  `PiecewiseForward` runs the same pieces without graphs (the CPU tests check the split
+and the padding against the plain forward with it).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Iterator, TypeGuard
 
 import torch
 from torch import nn
 
 from engine.distributed.group import SINGLE, TPGroup
+from engine.model.interface import PiecewiseLM
 from engine.model.layers.attention import AttentionMetadata
 from engine.runner.cuda_graphs import padded_size
 
@@ -75,10 +76,9 @@ def cheapest_buckets(costs: dict[int, float]) -> list[int]:
     return sorted(keep)
 
 
-def supports_pieces(model: nn.Module) -> bool:
+def supports_pieces(model: nn.Module) -> TypeGuard[PiecewiseLM]:
     """Whether the model offers its forward split at the attentions (the Llama family does, OPT does not)."""
-    names = ("embed", "before_attention", "attention", "after_attention", "final_norm")
-    return all(hasattr(model, name) for name in names)
+    return isinstance(model, PiecewiseLM)
 
 
 def fused_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
@@ -99,9 +99,9 @@ def fused_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
 class PieceBuffers:
     """What crosses a piece boundary, at fixed addresses, sized for `max_tokens` rows."""
 
-    def __init__(self, model: nn.Module, max_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model: PiecewiseLM, max_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
         attn = model.attention(0)
-        hidden = model.shape.hidden_size
+        hidden = model.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
 
         def buf(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
@@ -130,7 +130,7 @@ class PiecewiseForward:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: PiecewiseLM,
         kv_caches: list[torch.Tensor],
         max_tokens: int,
         dtype: torch.dtype,
@@ -196,7 +196,9 @@ class PieceGraphs(PiecewiseForward):
 
     graphs: dict[int, list[torch.cuda.CUDAGraph]]  # by bucket, one per piece: set by `capture`
 
-    def capture(self, pool: object | None = None, only_largest: bool = False, tp: TPGroup = SINGLE) -> float:
+    def capture(
+        self, pool: torch.cuda._POOL_HANDLE | None = None, only_largest: bool = False, tp: TPGroup = SINGLE
+    ) -> float:
         """Capture every candidate's pieces, largest first, then keep the buckets `choose_buckets` picks
         (start-up profiling: only the largest, whose blocks the others reuse); returns the seconds it took."""
         started = time.monotonic()
@@ -205,7 +207,7 @@ class PieceGraphs(PiecewiseForward):
         return time.monotonic() - started
 
     def capture_steps(
-        self, pool: object | None = None, buckets: list[int] | None = None, tp: TPGroup = SINGLE
+        self, pool: torch.cuda._POOL_HANDLE | None = None, buckets: list[int] | None = None, tp: TPGroup = SINGLE
     ) -> Iterator[None]:
         """Capture one bucket's pieces per step of the iteration (engine/runner/deferred.py), largest first.
         `buckets`: exactly these (the largest alone while profiling, or the ones an earlier start chose:
@@ -215,7 +217,7 @@ class PieceGraphs(PiecewiseForward):
         stream = torch.cuda.Stream()
         graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.graphs = graphs
-        for rows in sorted(buckets if chosen else candidate_buckets(self.max_tokens), reverse=True):
+        for rows in sorted(buckets if buckets is not None else candidate_buckets(self.max_tokens), reverse=True):
             with torch.inference_mode():
                 graphs[rows] = [self._capture(index, rows, pool, stream) for index in range(self.num_layers + 1)]
             yield
@@ -269,7 +271,9 @@ class PieceGraphs(PiecewiseForward):
         b.residual.zero_()
         return torch.tensor(times, dtype=torch.float64)
 
-    def _capture(self, index: int, rows: int, pool: object, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    def _capture(
+        self, index: int, rows: int, pool: torch.cuda._POOL_HANDLE, stream: torch.cuda.Stream
+    ) -> torch.cuda.CUDAGraph:
         # Warm-up outside the graph on a side stream (Triton compiles, cuBLAS picks its kernels), as
         # torch.cuda.graphs recommends; the slots are all -1, so neither run writes the cache.
         stream.wait_stream(torch.cuda.current_stream())
