@@ -337,7 +337,7 @@ class EngineConfig:
         return cls(**kwargs)
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+    def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
         """Add one `--flag-name` per field, vLLM-style (booleans also accept --no-flag-name)."""
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")

@@ -28,16 +28,19 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import structlog
 
 from engine.sampling_params import SamplingParamsError, StructuredOutputsParams
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of its stubs
+
 log = structlog.get_logger("pagekeeper.structured_output")
 
-_COMPACT = {"whitespace_flexible": False}
+_COMPACT: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 class TokenMatcher(Protocol):
