@@ -42,3 +42,30 @@ def test_every_path_the_architecture_document_names_exists():
     assert len(named) > 20  # the document names the modules of both paths
     missing = sorted(p for p in named if not (REPO / p.rstrip("/")).exists())
     assert missing == []
+
+
+def _package_sources() -> list[Path]:
+    return [p for pkg in ("engine", "kernels", "opsctl") for p in sorted((REPO / pkg).rglob("*.py"))]
+
+
+def test_no_dated_measurement_sits_in_the_packages_source():
+    """Dated measurements go to docs/decisions/ (the decision, its command and its results file): a docstring keeps
+    one line of the reason and the link, and stays true when the next machine gives other numbers."""
+    dated = []
+    for path in _package_sources():
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if re.search(r"\b20\d\d-\d\d-\d\d", line):
+                dated.append(f"{path.relative_to(REPO)}:{n}")
+    assert dated == []
+
+
+def test_every_decision_the_code_links_to_exists_and_says_how_to_repeat_it():
+    linked = set()
+    for path in _package_sources():
+        linked |= set(re.findall(r"docs/decisions/([\w-]+\.md)", path.read_text(encoding="utf-8")))
+    assert len(linked) >= 10
+    for name in sorted(linked):
+        text = (REPO / "docs" / "decisions" / name).read_text(encoding="utf-8")
+        assert "## Decision" in text and "## Measurement" in text and "## Command and results" in text, name
+    index = (REPO / "docs" / "decisions" / "README.md").read_text(encoding="utf-8")
+    assert sorted(linked) == sorted(set(re.findall(r"\]\(([\w-]+\.md)\)", index)) & linked)

@@ -1,14 +1,13 @@
 """Linear layers on the CPU through oneDNN with weights reordered once, at load, into its blocked layout.
 
-`F.linear` on a bf16 CPU tensor goes through oneDNN too, but reorders the weight into oneDNN's blocked (AMX /
-AVX-512) layout on every call: for a decode step's few rows that reorder, a pass over the whole weight, costs
-as much as the product.  Reordering once at load (`torch.ops.mkldnn._reorder_linear_weight`, the packing torch's
-own CPU inductor uses) and calling the packed product (`_linear_pointwise`) measured 1.5-2x faster on this
-project's 2-core test machine (hidden 512: 143 -> 89 us at 10 rows for the QKV projection, 4.9 -> 2.9 ms for a
-32k-vocabulary LM head, single thread).  The results are bf16 products summed in float32 either way, but
-not always in the same order as the unpacked call, so a near-tie between two tokens of a random-weight model can
-flip (greedy tokens of a 512-wide test model first differed at one token in 128).  float32 weights are left to
-MKL: the reference path's float32 numbers are what the parity tests compare with transformers.
+`F.linear` on a bf16 CPU tensor goes through oneDNN too, but reorders the weight into oneDNN's blocked (AMX / AVX-512)
+layout on every call: for a decode step's few rows that reorder, a pass over the whole weight, costs as much as the
+product.  Reordering once at load (`torch.ops.mkldnn._reorder_linear_weight`, the packing torch's own CPU inductor uses)
+and calling the packed product (`_linear_pointwise`) is 1.5-2x faster for a decode step's few rows
+(docs/decisions/cpu-packing.md).  The results are bf16 products summed in float32 either way, but not always in the same
+order as the unpacked call, so a near-tie between two tokens of a random-weight model can flip (greedy tokens of a
+512-wide test model first differed at one token in 128).  float32 weights are left to MKL: the reference path's float32
+numbers are what the parity tests compare with transformers.
 
 A packed weight replaces the layer's parameter (no second copy of the model in memory); the layer's forward is
 replaced by the packed product, with the tensor-parallel all-gather its own forward would do; a row-parallel

@@ -279,11 +279,8 @@ class ModelRunner:
         that holds them (past the largest, the next multiple of 64), the extra rows repeating the last one.
 
         cuBLAS waits for every kernel queued before it when it first meets a row count for the vocabulary-wide
-        GEMM (H200, 2026-11-26, benchmarks/launch_overhead.py: 10.26 ms with 10.37 ms queued, against 0.04 ms at
-        a row count seen before).  A mixed step samples a different number of rows nearly every time: the first
-        mixed steps of a long-tailed run spent 1.16 s of their 1.39 s of launch in that call (H100, cProfile,
-        step-phases-h100-long-tailed-cprofile-2026-11-26.json), each waiting for the step queued before it.
-        A few repeated rows cost microseconds of GEMM."""
+        GEMM, and a mixed step samples a different number of rows nearly every time; a few repeated rows cost
+        microseconds of GEMM (docs/decisions/lm-head-rows.md)."""
         return padded_size(n, self.lm_head_sizes)
 
     def warm_lm_head(self) -> int:

@@ -2,10 +2,8 @@
 
 A decode step replays one whole-model graph (engine/runner/cuda_graphs.py).  A step with prompt chunks
 cannot: its attention launches depend on how its tokens split into sequences (decode rows, paged chunks,
-fresh chunks on cuDNN, each with its own grid).  Run eagerly, such a step is ~11 launches a layer, and on
-an H200 its host launches took as long as its kernels (benchmarks/step_phases.py, long-tailed workload,
-2026-11-26: 25.2 ms of launch against 23.8 ms on the device per mixed step, 85 % of mixed steps paced by
-the host), so the GPU waited for Python.
+fresh chunks on cuDNN, each with its own grid).  Run eagerly, such a step is ~11 launches a layer, and its
+host launches took as long as its kernels: the GPU waited for Python (docs/decisions/piecewise-graphs.md).
 
 Everything but the attention itself does not care how tokens split into sequences: norms, projections,
 rotary, the KV write (whose padding rows have slot -1), the MLP.  So a step of T tokens is padded to a
@@ -40,20 +38,17 @@ MAX_GRAPH_TOKENS = 1024
 
 def token_buckets(max_tokens: int) -> list[int]:
     """Token counts that get graphs: every 32 up to 256, every 64 up to 512, every 128 above, capped at
-    `max_tokens`, which is always one.  Padding costs at most ~1/8 of a step's tokens (8.9 % of the graph steps'
-    tokens in the long-tailed H100 run of 2026-11-26), and the 16 buckets of the 8B shape captured, with the
-    decode graphs, in 1.8-3.5 s (against 1.1-1.5 s for the decode graphs alone)."""
+    `max_tokens`, which is always one.  Padding costs at most ~1/8 of a step's tokens, and capture stays a few
+    seconds (docs/decisions/piecewise-graphs.md)."""
     limit = max(1, min(max_tokens, MAX_GRAPH_TOKENS))
     sizes = list(range(32, 257, 32)) + list(range(320, 513, 64)) + list(range(640, MAX_GRAPH_TOKENS + 1, 128))
     return sorted({s for s in sizes if s < limit} | {limit})
 
 
 # Above this many tokens the projections are compute-bound, and the cost of a step's GEMMs jumps between neighbouring
-# token counts with cuBLAS's choice of tiles and how its tiles fill the GPU's waves.  H100, Llama-3-8B shape, one
-# layer's four projections x 32 (benchmarks/overlap_probe.py --gemm-only --m-step 32, 2026-11-26): 448 tokens took
-# 14.8 ms against 11.5 for 512, 832 took 21.3 against 17.6 for 800 and 20.3 for 864.  So the buckets above it are
-# chosen at start-up from every multiple of 32 by what a layer's piece costs there (`cheapest_buckets`); below it
-# the costs rise smoothly with the tokens and every multiple of 32 is a bucket.
+# token counts with cuBLAS's choice of tiles (448 tokens cost more than 512: docs/decisions/piecewise-graphs.md).
+# So the buckets above it are chosen at start-up from every multiple of 32 by what a layer's piece costs there
+# (`cheapest_buckets`); below it the costs rise smoothly with the tokens and every multiple of 32 is a bucket.
 MEASURED_ABOVE = 256
 CANDIDATE_STEP = 32
 
