@@ -273,9 +273,8 @@ class EngineConfig:
         return ResolvedConfig(self, max_model_len, batched, min(self.max_num_seqs, batched))
 
     def pipeline_depth(self, device_type: str) -> int:
-        """Steps in flight: --max-num-on-the-fly-batches capped at 2, or by device when left out.  Measured on a
-        2-core CPU (bf16 Llama, hidden 512, 8 layers), depth 1 against 2: serving TTFT 41 against 49 ms at 1 req/s
-        with the same TPOT, and the same offline throughput (1,290-1,324 against 1,271-1,320 tok/s)."""
+        """Steps in flight: --max-num-on-the-fly-batches capped at 2, or by device when left out: on a CPU the overlap
+        buys no throughput and delays the first token (docs/decisions/pipeline-depth.md)."""
         if self.max_num_on_the_fly_batches is None:
             return 2 if device_type == "cuda" else 1
         return min(self.max_num_on_the_fly_batches, 2)
@@ -337,7 +336,7 @@ class EngineConfig:
         return cls(**kwargs)
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+    def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
         """Add one `--flag-name` per field, vLLM-style (booleans also accept --no-flag-name)."""
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")

@@ -3,15 +3,8 @@
 A restart with `handover = "overlap"` (opsctl's default on CPU) runs the new engine beside the old one: the new one
 loads and serves while the old one finishes what it accepted.  Each engine's OpenMP workers spin between a step's
 many small parallel regions, so two full thread teams on the same cores take turns spinning at each other's
-barriers.  Measured on a 2-core machine (2026-11-25, two processes decoding at once, ms per step):
-
-| model, batch | one engine alone, 2 threads | both with 2 threads | 2 + 1 | both with 1 thread |
-|---|---|---|---|---|
-| embedded default (tiny), batch 4 | 1.6 | 10.9 / 17.9 | 5.3 / 2.5 | 1.65 / 1.64 |
-| Llama hidden 512 x 8 layers bf16, batch 4 | 7.5 | 25.7 / 28.4 | 18.8 / 13.8 | 10.2 / 11.4 |
-
-Both at full width, the old engine's drain ran 7-11x slower than alone and a policy restart under a backlog ran
-past its drain timeout (tests/opsctl/test_chaos.py lost requests).  So, during the overlap:
+barriers: both at full width, the old engine's drain ran 7-11x slower than alone (docs/decisions/core-share.md).
+So, during the overlap:
 
 - the new engine starts with `--share-cores-with PID` (the engine it replaces): it loads and serves with half the
   threads, and takes them all back once that process is gone (checked twice a second on its step loop, so a

@@ -1,11 +1,10 @@
 """Which CPU cores the model computes on and which the server keeps for HTTP, tokenizing and detokenizing.
 
-On a CPU the model's intra-op threads (one per core by default) and the server's event loop compete for the
-same cores.  An operator's parallel region waits at its barrier for every thread, so when the event loop (or any
-other process) takes one core for a moment, every small op of the step waits for it: on a 2-core machine a
-batch-10 decode step measured 265 ms with two model threads against 58 ms with one (bf16, hidden 512, 8 layers,
-the machine otherwise busy).  vLLM's CPU backend reserves one core for its API server and runs the model's threads
-on the rest; pagekeeper does the same by default (`--cpu-reserved-cores`, 0 turns it off).
+On a CPU the model's intra-op threads (one per core by default) and the server's event loop compete for the same cores.
+An operator's parallel region waits at its barrier for every thread, so when the event loop (or any other process) takes
+one core for a moment, every small op of the step waits for it (a decode step on a busy 2-core machine ran 4x slower:
+docs/decisions/cpu-reserved-cores.md).  vLLM's CPU backend reserves one core for its API server and runs the model's
+threads on the rest; pagekeeper does the same by default (`--cpu-reserved-cores`, 0 turns it off).
 
 With two or more compute cores the step loop's thread (and the OpenMP workers it starts) is pinned to them and the
 rest of the process to the reserved cores, so that no model thread shares a core with the event loop.  With one

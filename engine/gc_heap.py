@@ -1,21 +1,14 @@
 """Keep the garbage collector's full passes off the step loop.
 
-A full (generation-2) collection walks every object the collector tracks.  After start-up that is the model,
-torch's and transformers' modules and the KV pool: about 450,000 objects, and a pass took 230-340 ms on the
-device host's CPU (H100, 2026-11-26).  The host stalls that long, the device runs out of queued steps (two at
-most) and sits idle: one pass cost 3.9 % of the uniform benchmark's wall time, three passes 2.4-2.6 % of the
-long-tailed one (`benchmarks/step_phases.py`, its `gc` and `idle` keys).
-
-What start-up built lives as long as the engine, so scanning it again finds nothing.  `gc.freeze()` moves it
-to the collector's permanent generation: later passes walk only what was made since (requests, outputs),
-and took 17-24 ms in the same runs.
+A full (generation-2) collection walks every object the collector tracks, the model, torch's modules and the KV
+pool included: the host stalls while it runs and the device, out of queued steps, sits idle.  What start-up built
+lives as long as the engine, so scanning it again finds nothing: `gc.freeze()` moves it to the collector's
+permanent generation, and later passes walk only what was made since (docs/decisions/gc-heap.md).
 
 - A process that exists for one engine (the server, a tensor-parallel rank) freezes its heap once, after
   start-up: `freeze_startup_heap`.  While it starts, the collector is paused (`pause_startup_collections`):
-  its automatic passes walked the growing start-up heap again and again and found little (the embedded model's
-  server: 457 young, 41 middle and 4 full passes, 0.64 s of a 4.1 s CPU start, 7,800 objects freed).  The
-  freeze's one pass then frees that garbage; it walks more objects (tuples and dicts the skipped passes would
-  have stopped tracking), and the start still used 0.4-0.6 s less CPU in four interleaved pairs of starts.
+  its automatic passes walked the growing start-up heap again and again and found little; the freeze's one pass
+  then frees that garbage.
   The imported modules are frozen before the engine is built, uncollected (`freeze_imported_heap`), so that
   the final pass walks only what the engine built, where garbage that holds device memory would be.
 - The offline API runs inside the caller's process, whose other objects it must not keep alive: `frozen_heap`

@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for o in outputs:
-        print(f"{o.prompt}\033[1m{o.outputs[0].text}\033[0m" if sys.stdout.isatty() else o.prompt + o.outputs[0].text)
+        prompt = o.prompt or ""  # every prompt here is text
+        print(f"{prompt}\033[1m{o.outputs[0].text}\033[0m" if sys.stdout.isatty() else prompt + o.outputs[0].text)
     return 0
 
 

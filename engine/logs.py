@@ -23,7 +23,7 @@ from typing import TextIO
 import structlog
 
 
-class _LibraryHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _LibraryHandler(logging.StreamHandler[TextIO]):
     """The root logger's handler: a library's record rendered as one of our lines (one write, as ours)."""
 
 
@@ -50,7 +50,10 @@ def configure_logging(level: str = "info", force: bool = False, stream: TextIO |
     stream = stream or sys.stderr
     tty = stream.isatty()
     renderer = structlog.dev.ConsoleRenderer(colors=tty) if tty else structlog.processors.JSONRenderer()
-    stamp = [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True)]
+    stamp: list[structlog.types.Processor] = [
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
     handler = _LibraryHandler(stream)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(

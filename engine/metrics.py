@@ -1,4 +1,4 @@
-"""Every metric the engine exports, defined once: the contract in DESIGN.md.
+"""Every metric the engine exports, defined once: the contract in docs/architecture.md.
 
 Each measurement is defined once, under its base name (vLLM's, e.g. `num_requests_waiting`), and exported
 under one or both name sets, picked with `--metrics-names`:

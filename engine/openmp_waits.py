@@ -3,12 +3,8 @@
 Why: torch's CPU ops run on libgomp's thread team, whose idle threads by default spin for a while at every
 barrier before they sleep.  A decode step on the CPU is hundreds of small parallel regions, so on a host whose
 cores are also busy (the HTTP thread, a supervisor, clients, other engines) a spinning thread burns the core that
-the straggler it waits for needs.  `python -m benchmarks.openmp_waits --policies
-libgomp-default,spin-1000,passive,libgomp-default,spin-1000,passive --requests 20` on the 2-vCPU build machine
-(benchmarks/results/openmp-waits-cpu-2026-11-26.json, the embedded default model, 640 tokens per run): beside two
-busy processes libgomp's default took 19.3-20.4 ms and 17.8-18.6 ms of CPU per token, PASSIVE 8.5-10.7 ms and
-4.3-5.4 ms; on the otherwise idle machine 5.1-5.6 ms against 5.6-6.1 ms per token, with 7.6-8.4 ms of CPU against
-4.2-4.7.
+the straggler it waits for needs: beside two busy processes PASSIVE halved the CPU per token and more
+(docs/decisions/openmp-waits.md).
 
 libgomp reads the policy once, when it is loaded (with torch), so this runs first in an engine process's entry
 point, before anything imports torch.  An operator who sets OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 class RequestOutputKind(enum.Enum):
@@ -37,7 +37,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None  # any JSON object
     param: str = "structured_outputs"  # the request field it came from, for error messages
 
-    def source(self) -> tuple[str, str]:
+    def source(self) -> tuple[Literal["json", "choice", "regex", "grammar"], str]:
         """(llguidance format, grammar text); a SamplingParamsError unless exactly one is set."""
         given = [
             name
@@ -60,10 +60,11 @@ class StructuredOutputsParams:
             if not choice or not all(isinstance(c, str) and c for c in choice):
                 raise SamplingParamsError(self.param, f"{self.param} choice must be a list of non-empty strings")
             return "choice", json.dumps(choice)
-        text = getattr(self, kind)
+        fmt: Literal["regex", "grammar"] = "regex" if kind == "regex" else "grammar"  # the two left
+        text = getattr(self, fmt)
         if not isinstance(text, str) or not text:
-            raise SamplingParamsError(self.param, f"{self.param} {kind} must be a non-empty string")
-        return kind, text
+            raise SamplingParamsError(self.param, f"{self.param} {fmt} must be a non-empty string")
+        return fmt, text
 
 
 @dataclass
@@ -124,7 +125,7 @@ class SamplingParams:
             raise SamplingParamsError(
                 "truncate_prompt_tokens", f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}"
             )
-        if any(t < 0 for t in self.stop_token_ids):
+        if any(t < 0 for t in self.stop_token_ids or []):
             raise SamplingParamsError("stop_token_ids", "stop_token_ids must be non-negative token ids")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise SamplingParamsError("seed", f"seed must be in [0, 2**63), got {self.seed}")

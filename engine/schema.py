@@ -22,7 +22,10 @@ from engine.config import ConfigError
 def _schema(cls: type, exclude: tuple[str, ...] = ()) -> type[BaseModel]:
     """A strict pydantic model of a dataclass's fields (types and the ranges in their Annotated metadata)."""
     hints = get_type_hints(cls, include_extras=True)
-    fields = {f.name: (hints[f.name], f.default) for f in dataclasses.fields(cls) if f.name not in exclude}
+    # (type, default) per field; Any: create_model takes them as keyword arguments beside its own `__config__`
+    fields: dict[str, Any] = {
+        f.name: (hints[f.name], f.default) for f in dataclasses.fields(cls) if f.name not in exclude
+    }
     return create_model(f"{cls.__name__}Schema", __config__=ConfigDict(extra="forbid", strict=True), **fields)
 
 

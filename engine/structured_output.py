@@ -1,14 +1,10 @@
 """Structured outputs: JSON schema, JSON object, regex, choice and grammar constraints on what a request
 may generate, compiled at admission and enforced by a token mask every step.
 
-The grammar engine is llguidance (https://github.com/guidance-ai/llguidance).  Measured against xgrammar
-on the same 20 generated JSON schemas and a 32k-token BPE (`python3 -m benchmarks.grammar_engines`,
-benchmarks/results/grammar-engines-cpu-2026-11-23.json): llguidance compiles a schema in 0.49 ms
-(median; 2.4 ms max) vs 1.69 ms (64 ms max), and its worst per-token mask was 0.54 ms vs 4.4 ms (p99 0.41 vs 3.2 ms)
-(xgrammar's median mask is faster, 1.3 vs 15 us, but one slow mask holds up the whole step).  Compile
-time is paid at admission and the slowest mask every step, so the tails decide.  llguidance is also
-one self-contained wheel (no torch, triton or TVM runtime to pin) and reads Lark and GBNF grammars,
-regexes and choices as well as JSON schemas.
+The grammar engine is llguidance (https://github.com/guidance-ai/llguidance): compile time is paid at admission and the
+slowest mask every step, so the tails decide, and its tails were several times shorter than xgrammar's
+(docs/decisions/grammar-engine.md).  It is also one self-contained wheel and reads Lark and GBNF grammars, regexes and
+choices as well as JSON schemas.
 
 The host keeps one matcher per sequence: the scheduler asks it for the next token mask when it plans
 a step (sent with the plan, so tensor-parallel ranks apply the same mask) and feeds it every token it
@@ -28,16 +24,19 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import structlog
 
 from engine.sampling_params import SamplingParamsError, StructuredOutputsParams
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of its stubs
+
 log = structlog.get_logger("pagekeeper.structured_output")
 
-_COMPACT = {"whitespace_flexible": False}
+_COMPACT: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 class TokenMatcher(Protocol):

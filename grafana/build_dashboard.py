@@ -8,7 +8,7 @@ committed JSON matches this script, type-checks it against Grafana's schema (gra
 query against a real Prometheus scraping a real engine and supervisor. Edit here, not in the JSON (a dashboard
 changed in Grafana's UI can be exported and its changes brought back here).
 
-Queries follow the metric contract in DESIGN.md: engine series by vLLM's names (`vllm:*`, exported unless the
+Queries follow the metric contract in docs/architecture.md: engine series by vLLM's names (`vllm:*`, exported unless the
 engine runs with --metrics-names seed) carry `model_name` (variable $model_name); supervisor and NVML series carry
 the supervisor's `instance` (variable $supervisor).
 """

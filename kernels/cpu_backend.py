@@ -4,15 +4,12 @@ The CPU cache is token-major within a block, ``[2, num_blocks, block_size, num_k
 where the GPU's (and the reference's) is head-major ``[..., num_kv_heads, block_size, head_dim]``.  Gathering a
 sequence's blocks then gives ``[L, H, D]`` rows whose transpose ``[H, L, D]`` is a strided *view*, which torch's
 fused CPU attention (``scaled_dot_product_attention``) reads as it is: one copy of the context per layer instead
-of the reference's gather plus permute, and one fused kernel instead of many small matmuls.  Measured on this
-project's 2-core test machine, one thread, bf16, 8 heads of 64 (decode, per layer): 10 sequences of 200 tokens
-632 us against 1,112 us for the previous block-wise decode path and 3,089 us for the reference; 64 of 200 tokens
-3.8 ms against 17.8 and 33.7 ms.
+of the reference's gather plus permute, and one fused kernel instead of many small matmuls
+(docs/decisions/cpu-attention.md has the measurements behind this file's choices).
 
 Decode (one query token per sequence) runs the compiled kernel of kernels/cpu_ext.py when it is built: it reads each
-block where it lies instead of gathering the context first, 4-7x faster on bf16 caches on this project's 2-core
-test machine (256 sequences of 192 tokens, 8 heads of 64, per layer: 52 ms gathered, 7.4 ms in place).  The gather
-path below stays for fp8 caches, prefill chunks over a cached context, and hosts without the kernel.
+block where it lies instead of gathering the context first, 4-7x faster on bf16 caches.  The gather path below stays for
+fp8 caches, prefill chunks over a cached context, and hosts without the kernel.
 
 Block copies (forks, swap) move whole blocks and do not care about the layout; they are the reference's.  The
 reference stays the oracle: tests run both on the same keys and values, each in its own layout.
@@ -79,9 +76,8 @@ def write_kv(
 class _Scratch:
     """Reused buffers for the gathered context, one per role ("k", "v", and the fp8 bytes).
 
-    A fresh tensor of this size comes from mmap'd pages that the kernel must fault in and zero on first touch:
-    measured on this project's 2-core machine, gathering 64 MiB of bf16 blocks took 18 ms into a new tensor and
-    3.0 ms into a reused one, and at 256 decoding sequences the gather was two thirds of a step.  The attention
+    A fresh tensor of this size comes from mmap'd pages that the kernel must fault in and zero on first touch, which
+    made the gather several times slower, two thirds of a step at 256 decoding sequences.  The attention
     call reads the gathered view before the next layer overwrites it, so one buffer per role serves every layer.
     Buffers grow to the largest context seen, up to `_SCRATCH_CAP_BYTES` each; a larger gather allocates.
     """

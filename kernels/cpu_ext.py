@@ -83,7 +83,7 @@ def _ninja_on_path() -> None:
     PATH holds: a venv's python started by its full path (as a systemd unit does) does not have it on PATH, and
     another ninja found there (a distribution's 1.11 beside the package's 1.13) writes a build log the other cannot
     read, so each rebuilt the cached extension the other had built: 10-40 s at every start that alternated between
-    `opsctl start` from a shell and systemd (seen in the systemd tests, 2026-11-26)."""
+    `opsctl start` from a shell and systemd (seen in the systemd tests)."""
     try:
         import ninja
     except ImportError:
@@ -105,7 +105,7 @@ def _build_lock(directory: Path) -> Iterator[None]:
 
     torch's own lock is a file its holder deletes when done: an engine killed inside `cpp_extension.load` (kill -9
     during start-up, a restart of a hung start, the OOM killer) left it behind, and every later engine on the host
-    waited on it forever in start-up (seen 2026-11-27: opsctl start timed out at 90 s, three tests in a row).  Under
+    waited on it forever in start-up (opsctl start timed out at 90 s in three tests in a row).  Under
     this flock no other live engine is inside `load` for this folder, so a `lock` file there is one a dead process
     left, and is removed.
     """

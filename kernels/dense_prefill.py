@@ -1,17 +1,14 @@
 """Fresh prompt chunks through a dense causal attention kernel, over the K/V the step just computed.
 
-A chunk that starts at position 0 (no earlier chunk, no prefix-cache hit) attends only to itself, and
-its keys and values were produced by this very step's projection: they sit contiguously in the
-layer's output, so the block tables are not needed to read them.  Such chunks run on torch's fused
-SDPA, which on Hopper means cuDNN's attention: 0.087 ms against the paged Triton kernel's 0.121 ms for
-a 2,048-token chunk of the Llama-3-8B shape on an H100 (1.38x; 1.63x at 4 x 2,048;
-benchmarks/results/kernels-h100-2026-11-24.json).  torch's FlashAttention-2 backend was slower than the
-Triton kernel there (0.167 ms), so on CUDA only cuDNN is used, and only where a probe at start-up shows
-that it takes the engine's tensor layout and matches the math backend; otherwise the paged kernel keeps
-every chunk.  cuDNN plans each new shape (40-80 ms), so on CUDA only the lengths whose shapes were planned at
-start-up take this path (kernels/triton_backend.py says which, and why padding to them does not pay).
-On the CPU the fused kernel is the CPU backend's own choice, and taking the fresh K/V saves gathering the
-chunk back out of the cache.
+A chunk that starts at position 0 (no earlier chunk, no prefix-cache hit) attends only to itself, and its keys and
+values were produced by this very step's projection: they sit contiguously in the layer's output, so the block tables
+are not needed to read them.  Such chunks run on torch's fused SDPA, which on Hopper means cuDNN's attention, faster
+than the paged Triton kernel for long chunks (docs/decisions/dense-prefill.md).  torch's FlashAttention-2 backend was
+slower than the Triton kernel there, so on CUDA only cuDNN is used, and only where a probe at start-up shows that it
+takes the engine's tensor layout and matches the math backend; otherwise the paged kernel keeps every chunk.  cuDNN
+plans each new shape (40-80 ms), so on CUDA only the lengths whose shapes were planned at start-up take this path
+(kernels/triton_backend.py says which, and why padding to them does not pay). On the CPU the fused kernel is the CPU
+backend's own choice, and taking the fresh K/V saves gathering the chunk back out of the cache.
 
 Chunks with cached context before them stay on the paged kernels, which beat cuDNN there (cuDNN needs a
 dense lower-right bias for them).  An fp8 cache never takes this path: the paged kernels read the

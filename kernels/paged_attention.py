@@ -419,16 +419,12 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
 
-# A serving batch mixes a few long contexts with many short ones, and with one program per (sequence, KV head)
-# the step waits on the programs of its longest sequences long after the short ones are done.  Contexts that
-# may be 1,024 tokens or longer are split into pieces of about this many tokens however large the batch (a
-# sequence shorter than a split's start leaves that program empty).  H200, 2026-11-26, lognormal contexts up to
-# 3,072 (benchmarks/decode_long_tailed.py, decode-long-tailed-h200-2026-11-26.json): batch 80, 1 split 0.106 ms
-# against 6 splits 0.070; batch 256, 0.236 against 0.210; batch 32, 0.082 (2 splits: 0.064) against 0.043.  In the
-# long-tailed engine run a captured decode step took 7.93 ms against 8.67 (median of 1,341 steps,
-# step-phases-h200-long-tailed-ab-2026-11-26.jsonl).  Uniform long contexts pay a little for the combine: 64 x 2,048
-# tokens 0.138 -> 0.145 ms at 4 splits, 64 x 8,192 0.498 -> 0.530 at 16 (decode-uniform-*-h200-2026-11-26.json).
-# Graphs are captured with max_model_len as the longest context, so that, not the step's, sets their split.
+# A serving batch mixes a few long contexts with many short ones, and with one program per (sequence, KV head) the step
+# waits on the programs of its longest sequences long after the short ones are done.  Contexts that may be 1,024 tokens
+# or longer are split into pieces of about this many tokens however large the batch (a sequence shorter than a split's
+# start leaves that program empty); uniform long contexts pay a little for the combine
+# (docs/decisions/decode-split-k.md).  Graphs are captured with max_model_len as the longest context, so that, not the
+# step's, sets their split.
 LONG_CONTEXT_SPLIT_TOKENS = 512
 
 

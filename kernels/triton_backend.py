@@ -52,15 +52,9 @@ def _on_device(t: torch.Tensor):
 
 
 # Fresh chunks run on cuDNN only at the lengths whose shapes are planned at start-up: 1,024 x 2^k and
-# 1.5 x 1,024 x 2^k (`is_planned_length`).  H100, Llama-3-8B shape, 2026-11-25 (benchmarks/results/
-# kernels-h100-2026-11-25*.json):
-# - cuDNN builds an execution plan for every new shape, 40-80 ms each (`cudnn_plan_cost`); with one shape per
-#   prompt length a long-tailed run of 500 requests lost 31 % of its throughput to it (5,122 against 7,380
-#   tok/s: step-phases-h100-long-tailed-unplanned-cudnn-2026-11-25.json, ...-500-no-dense-...);
-# - padding a chunk up to a planned length costs more than cuDNN saves: 1,100 tokens padded to 1,536 took
-#   0.096 ms against the paged kernel's 0.063 (`dense_threshold` in the -padding file);
-# - at planned lengths cuDNN wins from 1,024 tokens (batch 4: 0.089 against 0.143 ms), where its 40-110 us of
-#   host time per call hides behind the step's GEMMs (about 0.7 ms per layer at 1,024 tokens).
+# 1.5 x 1,024 x 2^k (`is_planned_length`).  cuDNN builds an execution plan for every new shape (tens of ms each),
+# padding a chunk up to a planned length costs more than cuDNN saves, and cuDNN wins from 1,024 tokens, where its
+# host time per call hides behind the step's GEMMs (docs/decisions/dense-prefill.md).
 DENSE_PREFILL_MIN_TOKENS = 1024
 
 
@@ -147,12 +141,8 @@ def paged_attention(
             out = torch.empty_like(query)
         d = num_decodes  # rows 0..d-1 are the decodes' queries; the slices below keep aligned bases
         if d:
-            # Long contexts split as in a decode step.  While mixed steps ran eagerly they were paced by their host
-            # launches and the split's second kernel (the combine) cost more than it saved (H200, 2026-11-26,
-            # long-tailed step_phases: 8,409 / 8,951 tok/s with it against 9,443 / 9,802 without); with the
-            # piecewise graphs (engine/runner/piecewise.py) the host is ahead again, and the decodes' attention took
-            # 6.8 ms of a mixed step against 6.4 ms in a decode step of as many sequences, split
-            # (step-phases-h100-long-tailed-kernels-2026-11-26.json, `kernels_by_kind`).
+            # Long contexts split as in a decode step: with the piecewise graphs (engine/runner/piecewise.py) the
+            # host is ahead of the device again, so the combine kernel pays (docs/decisions/decode-split-k.md).
             splits = num_decode_splits(d, kv_cache.shape[2], max_seq_len, query.device)
             paged_attention_decode(
                 query[:d],

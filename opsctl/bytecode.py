@@ -1,14 +1,12 @@
 """Compiled bytecode for the engine's imports where the installation keeps none.
 
-An engine imports about 4 s of Python on a GPU host, most of it torch.  Where torch's modules have no compiled
-bytecode beside them and the process may not write any (`PYTHONDONTWRITEBYTECODE`, common in container images, or
-a read-only site-packages), every engine start compiles them from source again: `import torch` takes about twice
-as long (benchmarks/results/restart-h100-2026-11-27b.json against restart-h100-2026-11-27.json: the engines'
-`imports_and_flags`).  The supervisor starts an engine
-at every restart and keeps a spare one, so it gives its engines and the weights keeper a bytecode folder of their
-own under the cache folder (`PYTHONPYCACHEPREFIX`), which only the first start fills.  Nothing is written beside
-the installation's sources.  `[supervisor] bytecode_cache = "off"` leaves the environment alone, and so does an
-operator's own `PYTHONPYCACHEPREFIX`.
+An engine imports about 4 s of Python on a GPU host, most of it torch.  Where torch's modules have no compiled bytecode
+beside them and the process may not write any (`PYTHONDONTWRITEBYTECODE`, common in container images, or a read-only
+site-packages), every engine start compiles them from source again: `import torch` takes about twice as long
+(docs/decisions/bytecode-cache.md).  The supervisor starts an engine at every restart and keeps a spare one, so it gives
+its engines and the weights keeper a bytecode folder of their own under the cache folder (`PYTHONPYCACHEPREFIX`), which
+only the first start fills.  Nothing is written beside the installation's sources.  `[supervisor] bytecode_cache =
+"off"` leaves the environment alone, and so does an operator's own `PYTHONPYCACHEPREFIX`.
 """
 
 from __future__ import annotations

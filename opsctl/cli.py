@@ -889,8 +889,8 @@ def effective_config(cfg: PagekeeperConfig) -> dict[str, dict[str, dict[str, Any
             return "command line"
         return "file" if key in cfg.keys_in_file.get(section, ()) else "default"
 
-    def default(f: dataclasses.Field) -> Any:  # type: ignore[type-arg]
-        return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+    def default(f: dataclasses.Field[Any]) -> Any:
+        return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
 
     defaults = {f.name: default(f) for f in dataclasses.fields(EngineConfig)} | dict(SERVER_KEYS)
     engine = {

@@ -40,12 +40,14 @@ def send(
             data += chunk
     if not data:
         raise SupervisorNotRunning("the supervisor closed the connection without answering")
-    return json.loads(data)
+    reply: dict[str, Any] = json.loads(data)  # the supervisor answers with one JSON object
+    return reply
 
 
 def status(runtime_dir: Path) -> dict[str, Any]:
     """The status as the JSON `opsctl status --json` prints."""
-    return send(runtime_dir, "status", timeout=STATUS_TIMEOUT_S)["status"]
+    status_: dict[str, Any] = send(runtime_dir, "status", timeout=STATUS_TIMEOUT_S)["status"]
+    return status_
 
 
 def read_status(runtime_dir: Path) -> Status:

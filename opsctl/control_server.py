@@ -23,7 +23,8 @@ Submit = Callable[[str, dict[str, Any], float], dict[str, Any]]
 
 class _ControlHandler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
-        submit: Submit = self.server.submit  # type: ignore[attr-defined]
+        assert isinstance(self.server, _ControlServer)
+        submit = self.server.submit
         try:
             request = json.loads(self.rfile.readline() or b"{}")
             reply = submit(
@@ -38,6 +39,7 @@ class _ControlHandler(socketserver.StreamRequestHandler):
 
 class _ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
+    submit: Submit  # set by serve_control before the first connection
 
 
 def serve_control(submit: Submit, path: Path) -> socketserver.BaseServer:
@@ -50,6 +52,6 @@ def serve_control(submit: Submit, path: Path) -> socketserver.BaseServer:
     finally:
         os.umask(old)
     os.chmod(path, 0o600)
-    server.submit = submit  # type: ignore[attr-defined]
+    server.submit = submit
     threading.Thread(target=server.serve_forever, name="control", daemon=True).start()
     return server

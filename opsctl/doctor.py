@@ -14,7 +14,10 @@ from engine.config import ConfigError, EngineConfig
 from engine.kv.kv_cache_manager import blocks_for_tokens
 from opsctl import control
 from opsctl.config import PagekeeperConfig
-from opsctl.probes import gpu_probe
+from opsctl.probes import GpuProbe, gpu_probe
+
+# One line of the report: passed (None: not applicable), what was checked, and what was found.
+Report = Callable[[bool | None, str, str], None]
 
 RECOMMENDED_ALLOC_CONF = "expandable_segments:True"
 
@@ -81,7 +84,7 @@ def _port_free(host: str, port: int) -> bool:
             return False
 
 
-def _checkpoint(econf: EngineConfig, report) -> bool:  # type: ignore[no-untyped-def]
+def _checkpoint(econf: EngineConfig, report: Report) -> bool:
     """Every safetensors file readable, every weight present with its shape (headers only, no data)."""
     from engine.model.loader import check_checkpoint, inspect_model
 
@@ -94,7 +97,7 @@ def _checkpoint(econf: EngineConfig, report) -> bool:  # type: ignore[no-untyped
     return True
 
 
-def _memory_plan(cfg: PagekeeperConfig, gpu, report) -> bool:  # type: ignore[no-untyped-def]
+def _memory_plan(cfg: PagekeeperConfig, gpu: GpuProbe, report: Report) -> bool:
     from engine.memory.estimate import estimate
 
     engine_kwargs = {k: v for k, v in cfg.engine.items() if k in EngineConfig.field_names()}

@@ -1,6 +1,6 @@
 """The supervisor's Prometheus exporter: its metric definitions and the HTTP server that serves them.
 
-Kept apart from the daemon's loop so that the metric contract (DESIGN.md: `pagekeeper_supervisor_*` and
+Kept apart from the daemon's loop so that the metric contract (docs/architecture.md: `pagekeeper_supervisor_*` and
 the NVML readings as `pagekeeper_gpu_*`) is one short file that the alert rules' tests can load without
 starting anything (tests/alerts/test_rules.py).  Every labelled series exists from the start, so that
 `increase()` sees the first restart of each kind.

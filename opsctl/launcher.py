@@ -404,7 +404,7 @@ class ProcessLauncher(Launcher):
 
     # -- adoption ---------------------------------------------------------------------------------
 
-    def _adopt(self):  # type: ignore[no-untyped-def]
+    def _adopt(self) -> socket.socket | None:
         """Take over the engine a dead predecessor left serving, with its listening socket (or None)."""
         state_file = self.runtime / ENGINE_STATE_NAME
         engine = recorded_engine(self.runtime)
@@ -500,8 +500,9 @@ class ProcessLauncher(Launcher):
         if not self.spare_enabled:
             return None
         spare = self.spare
-        alive = spare is not None and spare.alive()
-        return {"pid": spare.pid if alive else None, "state": spare.state() if alive else "none"}  # type: ignore[union-attr]
+        if spare is None or not spare.alive():
+            return {"pid": None, "state": "none"}
+        return {"pid": spare.pid, "state": spare.state()}
 
     def maintain(self) -> None:
         """Start a spare behind a serving engine when there is none (or it died); the keeper must be there, so that

@@ -52,7 +52,7 @@ fragmentation rules need a condition to hold for a duration.  Every action carri
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Sequence
+from typing import Annotated, Any, Callable, Sequence
 
 from pydantic import Field  # range metadata on the thresholds only; the policy itself does no I/O
 
@@ -261,7 +261,7 @@ def _stuck_cache(history: Sequence[Observation], cfg: PolicyConfig, now: float) 
     )
 
 
-def _held_since(history: Sequence[Observation], predicate) -> float | None:  # type: ignore[no-untyped-def]
+def _held_since(history: Sequence[Observation], predicate: Callable[[Observation], bool]) -> float | None:
     """Start time of the trailing run of observations for which `predicate` holds (None if the last fails)."""
     since = None
     for obs in reversed(history):

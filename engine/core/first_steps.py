@@ -33,6 +33,7 @@ class FirstSteps:
     def __init__(self, count: int = FIRST_STEPS_LOGGED) -> None:
         self.count = count
         self.steps: list[list[object]] = []
+        self._slowest_ms = 0.0
         self._first_at = 0.0
         self.done = count <= 0
 
@@ -43,6 +44,7 @@ class FirstSteps:
             self._first_at = launched_at
         ms = round((read_at - launched_at) * 1000, 1)
         self.steps.append([step_kind(plan), len(plan.seqs), plan.num_batched_tokens, plan.deferred_units, ms])
+        self._slowest_ms = max(self._slowest_ms, ms)
         if len(self.steps) >= self.count:
             self.done = True
             log.info(
@@ -50,6 +52,6 @@ class FirstSteps:
                 fields=["kind", "seqs", "tokens", "deferred_units", "ms"],
                 steps=self.steps,
                 seconds=round(read_at - self._first_at, 3),
-                slowest_ms=max(float(s[4]) for s in self.steps),  # type: ignore[arg-type]
+                slowest_ms=self._slowest_ms,
             )
             self.steps = []

@@ -202,7 +202,7 @@ class RemoteCore:
         elif phase == Phase.LOADING.value and LIFECYCLE.phase == Phase.STANDBY:
             LIFECYCLE.move(Phase.LOADING)
 
-    def _reap(self, proc: subprocess.Popen | None = None) -> int:  # type: ignore[type-arg]
+    def _reap(self, proc: subprocess.Popen[bytes] | None = None) -> int:
         """The ended core's exit code (negative: the signal that killed it)."""
         proc = proc or self._proc
         try:

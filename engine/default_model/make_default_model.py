@@ -28,6 +28,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -53,7 +54,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
 )
 
-MODEL_KWARGS = dict(
+MODEL_KWARGS: dict[str, Any] = dict(
     hidden_size=128,
     intermediate_size=384,
     num_hidden_layers=4,
@@ -298,9 +299,9 @@ def main(argv=None) -> int:
     with open(out / "zen_prefixes.json", "w", encoding="utf-8") as f:
         json.dump([{"prefix": p, "completion": c} for p, c in pairs], f, indent=1, ensure_ascii=False)
         f.write("\n")
-    for f_ in out.iterdir():
-        if f_.is_file() and f_.suffix in {".json", ".jinja", ".safetensors"}:
-            f_.chmod(0o644)  # save_pretrained may write 0600 via a temp file
+    for path in out.iterdir():
+        if path.is_file() and path.suffix in {".json", ".jinja", ".safetensors"}:
+            path.chmod(0o644)  # save_pretrained may write 0600 via a temp file
 
     size = dir_size(out)
     n_params = sum(p.numel() for p in model.parameters())

@@ -62,7 +62,7 @@ class TensorParallelRunner:
     """Looks like a ModelRunner to the engine core (launch, graphs); fans each plan out first."""
 
     def __init__(self, config: ResolvedConfig, info: ModelInfo, defer: bool = False) -> None:
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in torch.distributed.__all__
+        from torch.distributed import TCPStore
 
         size = config.tensor_parallel_size
         self.size = size

@@ -110,7 +110,7 @@ def _report(args: WorkerArgs, e: BaseException) -> None:
 def _serve(args: WorkerArgs, conn: Connection) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    from torch.distributed import TCPStore
 
     from engine.distributed.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
     from engine.gc_heap import freeze_imported_heap, freeze_startup_heap

@@ -66,17 +66,17 @@ def _slots(model: nn.Module) -> list[tuple[nn.Module, str, bool, int]]:
 
 def replace_tensors(model: nn.Module, new_by_id: dict[int, torch.Tensor]) -> None:
     """Put `new_by_id[id(old)]` wherever the model holds `old` (parameters stay parameters, without grad)."""
-    made: dict[int, torch.Tensor] = {}
+    params: dict[int, nn.Parameter] = {}  # one Parameter per tensor: a tied weight stays tied
     for module, leaf, is_param, key in _slots(model):
-        if key not in new_by_id:
+        new = new_by_id.get(key)
+        if new is None:
             continue
-        if key not in made:
-            t = new_by_id[key]
-            made[key] = nn.Parameter(t, requires_grad=False) if is_param else t
         if is_param:
-            module._parameters[leaf] = made[key]  # type: ignore[assignment]
+            if key not in params:
+                params[key] = nn.Parameter(new, requires_grad=False)
+            module._parameters[leaf] = params[key]
         else:
-            module._buffers[leaf] = made[key]
+            module._buffers[leaf] = new
 
 
 def _aligned(n: int) -> int:
@@ -122,7 +122,7 @@ def export(model: nn.Module, arena: torch.Tensor) -> tuple[list[TensorView], lis
                 name,
                 is_param,
                 index,
-                t.storage_offset() * t.element_size(),
+                int(t.storage_offset()) * t.element_size(),
                 tuple(t.shape),
                 tuple(t.stride()),
                 t.dtype,
@@ -172,6 +172,6 @@ def open_shared(handles: list[Any], fds: list[int]) -> list[torch.Tensor]:
             opened.append(rebuild_cuda_tensor(*h[1]))
         else:
             _, index, size, numel = h
-            storage = torch.UntypedStorage._new_shared_fd_cpu(fds[index], size)
+            storage = torch.UntypedStorage._new_shared_fd_cpu(fds[index], size)  # type: ignore[attr-defined]  # not in torch's stubs
             opened.append(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (numel,), (1,)))
     return opened

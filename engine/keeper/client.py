@@ -15,12 +15,12 @@ from pathlib import Path
 
 import structlog
 import torch
-from torch import nn
 
 from engine.config import EngineConfig, ResolvedConfig
 from engine.distributed.group import SINGLE, TPGroup
 from engine.keeper.arena import TensorView, open_shared, replace_tensors, unique_tensors, view_of
 from engine.keeper.protocol import request, weights_key
+from engine.model.interface import CausalLM
 from engine.model.loader import ModelInfo, build_on_meta
 from engine.model.weights import finish_loading
 
@@ -39,7 +39,7 @@ class KeptWeightsMismatch(RuntimeError):
 
 @dataclass
 class KeptModel:
-    model: nn.Module
+    model: CausalLM
     device_bytes: int  # what the kept weights occupy on this rank's device (counted as weights, once)
     keeper_pid: int
     seconds: float
@@ -93,7 +93,7 @@ def kept_model(
     return KeptModel(model.eval(), device_bytes, int(reply.get("pid") or 0), seconds)
 
 
-def attach(model: nn.Module, views: list[TensorView], storages: list[torch.Tensor], device: torch.device) -> None:
+def attach(model: CausalLM, views: list[TensorView], storages: list[torch.Tensor], device: torch.device) -> None:
     """Replace every meta tensor of `model` with the kept one of the same name: parameters shared, buffers copied
     (an engine changes its buffers, e.g. the FP8 KV cache's calibrated scales)."""
     by_name = {v.name: v for v in views}
@@ -126,6 +126,7 @@ def _quant_name(info: ModelInfo) -> str | None:
     return info.quant.describe() if info.quant is not None else None
 
 
-def _unavailable(path: Path, reason: str) -> None:
+def _unavailable(path: Path, reason: str) -> KeptModel | None:
+    """None, logged with its reason: the engine loads the checkpoint itself."""
     log.warning("engine_weights_from", source="checkpoint", keeper=str(path), reason=reason)
     return None

@@ -24,6 +24,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.distributed.group import TPGroup
 from engine.keeper.arena import TensorView, export, materialize, share
 from engine.keeper.protocol import MAX_FDS, peer_uid, send_reply, weights_key
+from engine.model.interface import CausalLM
 from engine.model.loader import ModelInfo, build_on_meta, check_checkpoint, fill_weights, inspect_model
 
 log = structlog.get_logger("pagekeeper.keeper")
@@ -169,7 +170,7 @@ def _quant_name(info: ModelInfo) -> str | None:
     return info.quant.describe() if info.quant is not None else None
 
 
-def _load_rank(config: EngineConfig, info: ModelInfo, device: torch.device, model: torch.nn.Module) -> RankWeights:
+def _load_rank(config: EngineConfig, info: ModelInfo, device: torch.device, model: CausalLM) -> RankWeights:
     """Fill one rank's model, built on the meta device with max_model_len 1 (the rotary tables are each engine's
     own), into one arena on its device."""
     if device.type == "cuda" and device.index is not None:

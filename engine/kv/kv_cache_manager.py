@@ -124,18 +124,17 @@ class KVCacheManager:
         """
         table = self._tables.setdefault(seq_id, [])
         need = max(0, blocks_for_tokens(num_tokens, self.block_size) - len(table))
-        cow = (
-            start is not None
-            and start % self.block_size != 0
-            and start // self.block_size < len(table)
-            and self.pool.ref_count(table[start // self.block_size]) > 1
-        )
-        if need + cow > self.pool.num_free:
+        cow: int | None = None  # the shared, partly filled block the write begins in (its index in the table)
+        if start is not None and start % self.block_size != 0:
+            i = start // self.block_size
+            if i < len(table) and self.pool.ref_count(table[i]) > 1:
+                cow = i
+        if need + (cow is not None) > self.pool.num_free:
             if not table:
                 del self._tables[seq_id]
             return False
-        if cow:
-            i = start // self.block_size  # type: ignore[operator]
+        if cow is not None:
+            i = cow
             (private,) = self.pool.allocate(1)
             self.ops.copies.append((table[i], private))
             self.cow_copies += 1

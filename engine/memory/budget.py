@@ -4,7 +4,7 @@ A KV pool that is too large for the device fails later, mid-traffic; one that ca
 max_model_len sequence can never serve some requests.  Both are caught here, before serving, with
 a message that gives the numbers and the flags to change.
 
-CUDA (DESIGN.md, "Memory"): memory other processes hold is read before our weights load and is
+CUDA (docs/architecture.md, "Memory"): memory other processes hold is read before our weights load and is
 never ours; after loading, one dummy step at max_num_batched_tokens is profiled for peak allocated
 and peak reserved memory.  Their difference is what the caching allocator lost to fragmentation in
 that step, and the KV budget keeps `max(150 MiB, factor x fragmentation)` in reserve (seed 002):
@@ -247,7 +247,7 @@ def plan_kv_cache(
             - plan.non_torch_bytes
             - plan.weights_bytes
             - plan.activation_bytes
-            - plan.fragmentation_buffer_bytes  # type: ignore[operator]
+            - plan.fragmentation_buffer_bytes
             - (plan.graph_bytes or 0)
         )
         plan.source = f"--gpu-memory-utilization {config.gpu_memory_utilization}"

@@ -1,14 +1,13 @@
 """Linear layers on the CPU through oneDNN with weights reordered once, at load, into its blocked layout.
 
-`F.linear` on a bf16 CPU tensor goes through oneDNN too, but reorders the weight into oneDNN's blocked (AMX /
-AVX-512) layout on every call: for a decode step's few rows that reorder, a pass over the whole weight, costs
-as much as the product.  Reordering once at load (`torch.ops.mkldnn._reorder_linear_weight`, the packing torch's
-own CPU inductor uses) and calling the packed product (`_linear_pointwise`) measured 1.5-2x faster on this
-project's 2-core test machine (hidden 512: 143 -> 89 us at 10 rows for the QKV projection, 4.9 -> 2.9 ms for a
-32k-vocabulary LM head, single thread).  The results are bf16 products summed in float32 either way, but
-not always in the same order as the unpacked call, so a near-tie between two tokens of a random-weight model can
-flip (greedy tokens of a 512-wide test model first differed at one token in 128).  float32 weights are left to
-MKL: the reference path's float32 numbers are what the parity tests compare with transformers.
+`F.linear` on a bf16 CPU tensor goes through oneDNN too, but reorders the weight into oneDNN's blocked (AMX / AVX-512)
+layout on every call: for a decode step's few rows that reorder, a pass over the whole weight, costs as much as the
+product.  Reordering once at load (`torch.ops.mkldnn._reorder_linear_weight`, the packing torch's own CPU inductor uses)
+and calling the packed product (`_linear_pointwise`) is 1.5-2x faster for a decode step's few rows
+(docs/decisions/cpu-packing.md).  The results are bf16 products summed in float32 either way, but not always in the same
+order as the unpacked call, so a near-tie between two tokens of a random-weight model can flip (greedy tokens of a
+512-wide test model first differed at one token in 128).  float32 weights are left to MKL: the reference path's float32
+numbers are what the parity tests compare with transformers.
 
 A packed weight replaces the layer's parameter (no second copy of the model in memory); the layer's forward is
 replaced by the packed product, with the tensor-parallel all-gather its own forward would do; a row-parallel
@@ -19,7 +18,6 @@ product replaced.
 from __future__ import annotations
 
 import types
-from typing import Callable
 
 import torch
 from torch import nn
@@ -42,20 +40,20 @@ def packing_available(dtype: torch.dtype) -> bool:
         return False
 
 
-def _packed_product(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
+class _PackedProduct:
+    """``x @ W^T (+ bias)`` over oneDNN's packed copy of W."""
 
-    def product(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
+        self.bias = bias
 
-    product.packed = packed  # type: ignore[attr-defined]
-    return product
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def _replace_weight(layer: nn.Module, product: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def _replace_weight(layer: nn.Module, product: _PackedProduct) -> None:
     """Drop the plain weight (the packed one holds the same numbers), keeping its shape and dtype readable."""
-    packed = product.packed  # type: ignore[attr-defined]
-    layer.weight = nn.Parameter(packed, requires_grad=False)
+    layer.weight = nn.Parameter(product.packed, requires_grad=False)
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -85,24 +83,24 @@ def _is_embedding(model: nn.Module, module: nn.Module) -> bool:
 
 
 def _pack_column(layer: MergedLinear) -> None:
-    product = _packed_product(layer.weight, layer.bias)
+    product = _PackedProduct(layer.weight, layer.bias)
     _replace_weight(layer, product)
-    layer.forward = product  # type: ignore[method-assign]
+    layer.forward = product  # type: ignore[assignment]  # nn.Linear.forward names its argument `input`
 
 
 def _pack_row(layer: RowLinear) -> None:
     if not layer.tp.is_parallel:
-        product = _packed_product(layer.weight, layer.bias)
+        product = _PackedProduct(layer.weight, layer.bias)
         _replace_weight(layer, product)
         layer.forward = product  # type: ignore[method-assign]
         return
-    partial = _packed_product(layer.weight, None)  # the bias is added once, after the sum (RowLinear.forward)
+    partial = _PackedProduct(layer.weight, None)  # the bias is added once, after the sum (RowLinear.forward)
     _replace_weight(layer, partial)
     layer.partial = partial  # type: ignore[method-assign]
 
 
 def _pack_head(head: VocabEmbedding) -> None:
-    product = _packed_product(head.weight, None)
+    product = _PackedProduct(head.weight, None)
     _replace_weight(head, product)
 
     def logits(self: VocabEmbedding, hidden: torch.Tensor) -> torch.Tensor:

@@ -186,6 +186,8 @@ DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default
 class HFConfig:
     """The attributes transformers' config would have, for the fields the engine and its tools read."""
 
+    model_type: str  # always there: `resolve` refuses a config without one it knows
+
     def __init__(self, values: dict[str, Any]) -> None:
         self.__dict__.update(values)
 

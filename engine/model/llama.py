@@ -15,12 +15,13 @@ from torch import nn
 
 import kernels
 from engine.distributed.group import SINGLE, HeadSplit, Part, TPGroup
+from engine.model.interface import PiecewiseLM
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.model.layers.linear import MergedLinear, RowLinear, VocabEmbedding
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import RotaryEmbedding, rope_settings
 from engine.model.overlap import overlaps, two_batch_forward
-from engine.model.weights import load_named_weights
+from engine.model.weights import CheckpointTensor, load_named_weights
 
 
 @dataclass
@@ -97,7 +98,7 @@ class LlamaAttention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         return q, k, v
@@ -166,8 +167,16 @@ class LlamaInner(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(s, rotary, tp) for _ in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
+    def layer(self, index: int) -> LlamaDecoderLayer:
+        layer = self.layers[index]
+        assert isinstance(layer, LlamaDecoderLayer)
+        return layer
 
-class LlamaForCausalLM(nn.Module):
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        return [self.layer(i) for i in range(len(self.layers))]
+
+
+class LlamaForCausalLM(PiecewiseLM):
     """Stacked checkpoint names map onto the fused layers: (fused module, shard) per source name."""
 
     SPLITS_STEPS = True  # a tensor-parallel step may run as two micro-batches (engine/model/overlap.py)
@@ -194,22 +203,12 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaInner(s, self.rotary, tp)
         self.lm_head = None if s.tie_word_embeddings else VocabEmbedding(s.vocab_size, s.hidden_size, tp)
         self.tp = tp
+        # KV cache geometry on this rank, read by the runner to size and shape the cache.
+        self.num_layers, self.head_dim, self.hidden_size = s.num_layers, s.head_dim, s.hidden_size
+        self.num_kv_heads = HeadSplit.of(s.num_heads, s.num_kv_heads, tp).num_kv_heads  # each LlamaAttention's
         # Steps of at least this many tokens run as two micro-batches whose all-reduces overlap (0: never)
         self.overlap_tokens = tp.overlap_tokens if tp.is_parallel else 0
         self.overlapped_steps = 0  # forwards run as two micro-batches (benchmarks and tests read it)
-
-    # KV cache geometry on this rank, read by the runner to size and shape the cache.
-    @property
-    def num_layers(self) -> int:
-        return self.shape.num_layers
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.model.layers[0].self_attn.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.shape.head_dim
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
@@ -232,23 +231,23 @@ class LlamaForCausalLM(nn.Module):
         self, layer: int, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v, residual) of layer `layer`, from the previous layer's output and residual (None: the first)."""
-        return self.model.layers[layer].before_attention(positions, x, residual)
+        return self.model.layer(layer).before_attention(positions, x, residual)
 
     def attention(self, layer: int) -> PagedAttention:
-        return self.model.layers[layer].self_attn.attn
+        return self.model.layer(layer).self_attn.attn
 
     def after_attention(self, layer: int, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(layer output, residual) from the attention's output ``[T, Hq, D]``."""
-        return self.model.layers[layer].after_attention(o, residual)
+        return self.model.layer(layer).after_attention(o, residual)
 
-    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self.model.norm.add_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, vocab] on every rank (vocab-parallel shards, gathered)."""
         return (self.model.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]) -> None:
         def rename(name: str) -> str | None:
             if "rotary_emb.inv_freq" in name:
                 return None

@@ -11,7 +11,7 @@ import contextlib
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import structlog
 import torch
@@ -22,9 +22,10 @@ from engine.distributed.group import SINGLE, TPGroup
 from engine.model.checkpoint_dir import require_checkpoint_dir
 from engine.model.device_copy import parallel_copies
 from engine.model.hf_config import load_hf_config
+from engine.model.interface import CausalLM
 from engine.model.quant import QuantSpec, check_device, check_dtype, resolve_quantization
 from engine.model.registry import ARCHITECTURES, supported
-from engine.model.weights import ModelLoadError, finish_loading, iter_checkpoint
+from engine.model.weights import CheckpointTensor, ModelLoadError, finish_loading, iter_checkpoint
 
 log = structlog.get_logger("pagekeeper.loader")
 
@@ -115,7 +116,7 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_on_meta(info: ModelInfo, max_model_len: int, device: torch.device, tp: TPGroup = SINGLE) -> nn.Module:
+def build_on_meta(info: ModelInfo, max_model_len: int, device: torch.device, tp: TPGroup = SINGLE) -> CausalLM:
     cls = ARCHITECTURES[info.architecture]
     try:
         with torch.device("meta"), _default_dtype(info.dtype):
@@ -138,7 +139,7 @@ def check_tensor_parallel(info: ModelInfo, tp_size: int) -> None:
 
 def load_model(
     info: ModelInfo, max_model_len: int, device: torch.device, load_format: str = "auto", tp: TPGroup = SINGLE
-) -> nn.Module:
+) -> CausalLM:
     """Build the model without initialising weights (meta device), then fill it from the checkpoint
     (or, with load_format="dummy", with random weights: benchmarks of a shape need no download).
     With tensor parallelism each rank builds and reads only its shard."""
@@ -147,7 +148,7 @@ def load_model(
     return model.eval()
 
 
-def fill_weights(model: nn.Module, info: ModelInfo, load_format: str, device: torch.device) -> None:
+def fill_weights(model: CausalLM, info: ModelInfo, load_format: str, device: torch.device) -> None:
     """Fill a model whose tensors exist (not meta) from the checkpoint, or with random weights for "dummy".
     On a GPU the checkpoint's tensors travel on several threads (engine/model/device_copy.py)."""
     if load_format == "dummy":
@@ -160,7 +161,7 @@ def fill_weights(model: nn.Module, info: ModelInfo, load_format: str, device: to
         raise ModelLoadError(_in_model(info, e)) from None
 
 
-def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
+def _materialize(model: CausalLM, device: torch.device) -> CausalLM:
     """`model.to_empty(device=device)` without its `empty_like` of meta tensors, whose stride logic
     (torch._prims_common) imports sympy: about a second of CPU at every engine start, for nothing else."""
     return model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
@@ -180,7 +181,7 @@ def check_checkpoint(info: ModelInfo) -> int:
     )
     count = 0
 
-    def counted():  # type: ignore[no-untyped-def]
+    def counted() -> Iterator[tuple[str, CheckpointTensor]]:
         nonlocal count
         for item in iter_checkpoint(info.path, meta=True):
             count += 1

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from engine.distributed.group import SINGLE, HeadSplit, Part, TPGroup
+from engine.model.interface import CausalLM
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.model.layers.linear import ColumnLinear, MergedLinear, RowLinear, VocabEmbedding
-from engine.model.weights import load_named_weights
+from engine.model.weights import CheckpointTensor, load_named_weights
 
 _POSITION_OFFSET = 2  # OPT's learned position table starts two rows in
 
@@ -83,7 +84,7 @@ class OPTInner(nn.Module):
         self.decoder = OPTDecoder(cfg, tp)
 
 
-class OPTForCausalLM(nn.Module):
+class OPTForCausalLM(CausalLM):
     STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
 
     def __init__(
@@ -99,7 +100,8 @@ class OPTForCausalLM(nn.Module):
             raise ValueError(f"OPT with activation_function={hf_config.activation_function!r} is not supported")
         self.model = OPTInner(hf_config, tp)
         self.num_layers = hf_config.num_hidden_layers
-        self.num_kv_heads = self.model.decoder.layers[0].self_attn.heads
+        heads = hf_config.num_attention_heads
+        self.num_kv_heads = HeadSplit.of(heads, heads, tp).num_heads  # each layer's OPTAttention.heads
         self.head_dim = hf_config.hidden_size // hf_config.num_attention_heads
 
     def forward(
@@ -121,7 +123,7 @@ class OPTForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.decoder.embed_tokens.logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]) -> None:
         def rename(name: str) -> str | None:
             if name == "lm_head.weight":
                 return None  # OPT ties the output projection to the token embedding

@@ -23,7 +23,7 @@ every weight again, which costs more than the all-reduce it hides.  Steps inside
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -38,12 +38,14 @@ ROW_ALIGN = 16  # the cut between the halves: a multiple of this many rows (alig
 
 def set_overlap_tokens(model: torch.nn.Module, tokens: int) -> None:
     """Change a tensor-parallel model's threshold (0: off) between steps; ValueError for a model that cannot
-    split or a threshold no step could be split at."""
-    if not getattr(model, "SPLITS_STEPS", False):
+    split (the Llama family can) or a threshold no step could be split at."""
+    from engine.model.llama import LlamaForCausalLM  # which imports this module
+
+    if not isinstance(model, LlamaForCausalLM):
         raise ValueError(f"{type(model).__name__} does not split its steps into micro-batches")
     if tokens < 0 or tokens == 1:
         raise ValueError(f"the overlap threshold must be 0 (off) or >= 2 tokens, got {tokens}")
-    model.overlap_tokens = tokens if model.tp.is_parallel else 0  # type: ignore[union-attr]
+    model.overlap_tokens = tokens if model.tp.is_parallel else 0
 
 
 def overlaps(min_tokens: int, num_tokens: int, x: torch.Tensor) -> bool:
@@ -76,9 +78,9 @@ def two_batch_forward(
     embed = inner.embed_tokens
     # What each half waits for before its next norm: a sum in flight and the layer that adds its bias.
     pending: list[Reduction] = [tp.start_all_reduce(embed.partial(input_ids[h])) for h in halves]
-    add_bias = [_identity, _identity]
+    add_bias: list[Callable[[torch.Tensor], torch.Tensor]] = [_identity, _identity]
     residual: list[torch.Tensor | None] = [None, None]
-    for layer, cache in zip(inner.layers, kv_caches):
+    for layer, cache in zip(inner.decoder_layers(), kv_caches):
         attn = layer.self_attn
         parts = []
         for j, rows in enumerate(halves):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from torch import nn
-
+from engine.model.interface import CausalLM
 from engine.model.llama import LlamaForCausalLM
 from engine.model.opt import OPTForCausalLM
 
-ARCHITECTURES: dict[str, type[nn.Module]] = {
+ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,

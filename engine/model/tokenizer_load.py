@@ -41,10 +41,10 @@ def load_tokenizer(config: EngineConfig) -> Any:
 
     route_library_logger("transformers")  # its warnings as our JSON lines, where we log JSON
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
+        auto = AutoTokenizer.from_pretrained(
             str(directory), trust_remote_code=config.trust_remote_code, local_files_only=True
         )
     except (OSError, ValueError) as e:
         raise ConfigError(f"tokenizer at {source} could not be loaded: {e}; pass --tokenizer DIR") from e
-    tokenizer.model_max_length = VERY_LARGE_INTEGER
-    return tokenizer
+    auto.model_max_length = VERY_LARGE_INTEGER
+    return auto

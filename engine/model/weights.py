@@ -151,7 +151,8 @@ def load_named_weights(
         if param is None or (name, shard) not in expected:
             unexpected.append(raw_name)
             continue
-        where = owner.checkpoint_slice(leaf, shard) if hasattr(owner, "checkpoint_slice") else None
+        slicer = getattr(owner, "checkpoint_slice", None)
+        where = slicer(leaf, shard) if slicer is not None else None
         copy_into(param.data, where, tensor, raw_name)
         loaded.add((name, shard))
     if unexpected:

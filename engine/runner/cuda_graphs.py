@@ -54,7 +54,7 @@ class DecodeGraphs:
         self.graphs: dict[int, DecodeGraph] = {}
         self.sizes: list[int] = []  # captured so far, sorted
         self.planned: list[int] = []  # every size that gets a graph (what a batch is padded to)
-        self.pool = None
+        self.pool: torch.cuda._POOL_HANDLE | None = None
 
     def size_for(self, batch: int) -> int | None:
         """The padded size of `batch` when its graph is captured; while it is not (captures still deferred), the

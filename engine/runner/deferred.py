@@ -1,12 +1,11 @@
 """Start-up work done after the engine starts serving: CUDA graph capture and kernel warm-ups, a piece at a time.
 
-A restart is a gap in service until the new engine serves.  Capturing the CUDA graphs (3-4 s for an 8B model,
-20 s for a 70B one at TP=4) and warming kernels make steps faster but are not needed to serve: an eager step
-gives the same tokens.  So the server starts eagerly and runs this work in small units between steps (the engine
-core decides when: engine/core/engine_core.py).  Decode graphs come first and each is replayed as soon as it is
-captured, the batch size the steps need now before the others: an eager decode step of the 8B shape takes about
-three times a replayed one (`first_steps` in benchmarks/results/restart-h100-2026-11-27b.json).  The offline API
-(`LLM`) runs it all before it returns, as before.
+A restart is a gap in service until the new engine serves.  Capturing the CUDA graphs (3-4 s for an 8B model, 20 s for a
+70B one at TP=4) and warming kernels make steps faster but are not needed to serve: an eager step gives the same tokens.
+So the server starts eagerly and runs this work in small units between steps (the engine core decides when:
+engine/core/engine_core.py).  Decode graphs come first and each is replayed as soon as it is captured, the batch size
+the steps need now before the others: an eager decode step takes several times a replayed one
+(docs/decisions/deferred-startup-work.md).  The offline API (`LLM`) runs it all before it returns, as before.
 
 Units run on the step loop's thread, inside `ModelRunner.launch` of the plan that asks for them, so that every
 tensor-parallel rank runs the same unit at the same point (a capture runs the collectives inside the graph).  A

@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.config import EngineConfig, ResolvedConfig
 from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
+from engine.model.interface import CausalLM
 from engine.model.layers.attention import PagedAttention
 from engine.runner.model_runner import ModelRunner
 
@@ -59,7 +60,7 @@ def _attention_layers(model: nn.Module) -> list[PagedAttention]:
 
 @torch.inference_mode()
 def calibrate_kv_scales(
-    config: ResolvedConfig, model: nn.Module, vocab: int, dtype: torch.dtype, device: torch.device
+    config: ResolvedConfig, model: CausalLM, vocab: int, dtype: torch.dtype, device: torch.device
 ) -> dict[str, float]:
     """Run the calibration pass and set every attention layer's `kv_scale`; returns a summary for the log."""
     length = min(config.max_model_len, CALIBRATION_LEN)

@@ -213,7 +213,7 @@ class SequenceRows:
             return
         sampled = tokens.index_select(0, adj.record_rows)
         one = torch.ones_like(sampled, dtype=torch.int32)
-        self.counts.index_put_((adj.record_slots, sampled), one, accumulate=True)  # type: ignore[arg-type]
+        self.counts.index_put_((adj.record_slots, sampled), one, accumulate=True)
 
 
 def apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

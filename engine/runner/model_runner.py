@@ -27,6 +27,7 @@ import kernels
 from engine.core.plan import SamplingSpec, StepPlan
 from engine.distributed.group import SINGLE, TPGroup
 from engine.kv.kv_cache_manager import blocks_for_tokens
+from engine.model.interface import CausalLM
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.model.layers.linear import VocabEmbedding
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
@@ -96,7 +97,7 @@ def position_seed(seed: int | None, k: int) -> int:
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
-def kv_cache_shape(model: nn.Module, num_blocks: int, block_size: int, device: torch.device) -> tuple[int, ...]:
+def kv_cache_shape(model: CausalLM, num_blocks: int, block_size: int, device: torch.device) -> tuple[int, ...]:
     """The KV cache tensor of one layer, in the layout the device's attention kernels read (kernels/)."""
     backend = kernels.attention_backend(device)
     return tuple(backend.kv_cache_shape(num_blocks, model.num_kv_heads, block_size, model.head_dim))
@@ -113,7 +114,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def kv_bytes_per_block(model: nn.Module, block_size: int, kv_dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: CausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
     """Bytes of one block over every layer, K and V, in the cache's dtype (1 byte per element for fp8)."""
     elems = 2 * model.num_kv_heads * block_size * model.head_dim * model.num_layers
     return elems * torch.empty((), dtype=kv_dtype).element_size()
@@ -138,7 +139,7 @@ class StaticInputs:
 class ModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
@@ -287,11 +288,8 @@ class ModelRunner:
         that holds them (past the largest, the next multiple of 64), the extra rows repeating the last one.
 
         cuBLAS waits for every kernel queued before it when it first meets a row count for the vocabulary-wide
-        GEMM (H200, 2026-11-26, benchmarks/launch_overhead.py: 10.26 ms with 10.37 ms queued, against 0.04 ms at
-        a row count seen before).  A mixed step samples a different number of rows nearly every time: the first
-        mixed steps of a long-tailed run spent 1.16 s of their 1.39 s of launch in that call (H100, cProfile,
-        step-phases-h100-long-tailed-cprofile-2026-11-26.json), each waiting for the step queued before it.
-        A few repeated rows cost microseconds of GEMM."""
+        GEMM, and a mixed step samples a different number of rows nearly every time; a few repeated rows cost
+        microseconds of GEMM (docs/decisions/lm-head-rows.md)."""
         return padded_size(n, self.lm_head_sizes)
 
     def warm_lm_head(self) -> int:
@@ -323,11 +321,12 @@ class ModelRunner:
     def decode_graph_steps(self, max_num_seqs: int, only_largest: bool = False) -> Iterator[None]:
         """`capture_decode_graphs` one graph per step of the iteration (engine/runner/deferred.py), the size of
         the latest step's batch first; steps replay each graph from its capture on."""
-        assert self.device.type == "cuda" and self.max_model_len is not None
+        max_model_len = self.max_model_len
+        assert self.device.type == "cuda" and max_model_len is not None
         sizes = capture_sizes(max_num_seqs)
         if only_largest:
             sizes = sizes[-1:]
-        max_blocks = blocks_for_tokens(self.max_model_len, self.block_size)
+        max_blocks = blocks_for_tokens(max_model_len, self.block_size)
         self.static = st = StaticInputs(max(sizes), max_blocks, self.device)
         st.query_start_loc.copy_(torch.arange(max(sizes) + 1, dtype=torch.int32, device=self.device))
 
@@ -346,7 +345,7 @@ class ModelRunner:
                 seq_lens=st.seq_lens[:size],
                 block_tables=st.block_tables[:size],
                 max_query_len=1,
-                max_seq_len=self.max_model_len,  # type: ignore[arg-type]
+                max_seq_len=max_model_len,
             )
             hidden = self.model(st.input_ids[:size], st.positions[:size], self.kv_caches, meta)
             return self.model.compute_logits(hidden)
@@ -377,7 +376,9 @@ class ModelRunner:
 
     def use_pieces_eagerly(self, max_tokens: int) -> None:
         """Run steps with prompt tokens through the pieces without graphs (the CPU tests of the split)."""
-        self.pieces = PiecewiseForward(self.model, self.kv_caches, max_tokens, self.model_dtype, self.device)
+        model = self.model
+        assert supports_pieces(model), f"{type(model).__name__} offers no split at the attentions"
+        self.pieces = PiecewiseForward(model, self.kv_caches, max_tokens, self.model_dtype, self.device)
 
     # -- a step ----------------------------------------------------------------------------------
 
@@ -509,8 +510,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slot_a, slots_into),
             query_start_loc=self._to_device(qsl_a, None) if st is None else st.query_start_loc[: n + 1],
-            seq_lens=self._to_device(lens_a, st and st.seq_lens),
-            block_tables=self._to_device(tables, st and st.block_tables),
+            seq_lens=self._to_device(lens_a, None if st is None else st.seq_lens),
+            block_tables=self._to_device(tables, None if st is None else st.block_tables),
             max_query_len=max(s.num_tokens for s in seqs),
             max_seq_len=max(seq_lens),
             num_decodes=num_decodes,
@@ -681,9 +682,9 @@ class ModelRunner:
             top_p = self._to_device(np.asarray([p.top_p for p in params], dtype=np.float32))
             top_k = self._to_device(np.asarray([p.top_k for p in params], dtype=np.int64))
         return SamplingBatch(
-            temperature=temperature,  # type: ignore[arg-type]
-            top_p=top_p,  # type: ignore[arg-type]
-            top_k=top_k,  # type: ignore[arg-type]
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
             generators=[st.generator for st in states],
             all_greedy=all_greedy,
             any_greedy=any(p.temperature == 0 for p in params),

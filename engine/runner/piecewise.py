@@ -2,10 +2,8 @@
 
 A decode step replays one whole-model graph (engine/runner/cuda_graphs.py).  A step with prompt chunks
 cannot: its attention launches depend on how its tokens split into sequences (decode rows, paged chunks,
-fresh chunks on cuDNN, each with its own grid).  Run eagerly, such a step is ~11 launches a layer, and on
-an H200 its host launches took as long as its kernels (benchmarks/step_phases.py, long-tailed workload,
-2026-11-26: 25.2 ms of launch against 23.8 ms on the device per mixed step, 85 % of mixed steps paced by
-the host), so the GPU waited for Python.
+fresh chunks on cuDNN, each with its own grid).  Run eagerly, such a step is ~11 launches a layer, and its
+host launches took as long as its kernels: the GPU waited for Python (docs/decisions/piecewise-graphs.md).
 
 Everything but the attention itself does not care how tokens split into sequences: norms, projections,
 rotary, the KV write (whose padding rows have slot -1), the MLP.  So a step of T tokens is padded to a
@@ -15,20 +13,21 @@ norm) with the L attentions launched eagerly between them over the real rows onl
 write fixed buffers (`PieceBuffers`): what crosses a piece boundary is copied into them at the end of a
 piece, so nothing a graph allocates outlives its capture and every capture reuses the same pool blocks.
 
-Models that offer the split (`embed`, `before_attention`, `attention`, `after_attention`, `final_norm`:
-the Llama family) get it; others run such steps eagerly.  `PiecewiseForward` runs the same pieces without
-graphs (the CPU tests check the split and the padding against the plain forward with it).
+Models that offer the split (a `PiecewiseLM`, engine/model/interface.py: the Llama family) get it; others
+run such steps eagerly.  `PiecewiseForward` runs the same pieces without graphs (the CPU tests check the split
+and the padding against the plain forward with it).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Iterator, TypeGuard
 
 import torch
 from torch import nn
 
 from engine.distributed.group import SINGLE, TPGroup
+from engine.model.interface import PiecewiseLM
 from engine.model.layers.attention import AttentionMetadata
 from engine.runner.cuda_graphs import padded_size
 
@@ -39,20 +38,17 @@ MAX_GRAPH_TOKENS = 1024
 
 def token_buckets(max_tokens: int) -> list[int]:
     """Token counts that get graphs: every 32 up to 256, every 64 up to 512, every 128 above, capped at
-    `max_tokens`, which is always one.  Padding costs at most ~1/8 of a step's tokens (8.9 % of the graph steps'
-    tokens in the long-tailed H100 run of 2026-11-26), and the 16 buckets of the 8B shape captured, with the
-    decode graphs, in 1.8-3.5 s (against 1.1-1.5 s for the decode graphs alone)."""
+    `max_tokens`, which is always one.  Padding costs at most ~1/8 of a step's tokens, and capture stays a few
+    seconds (docs/decisions/piecewise-graphs.md)."""
     limit = max(1, min(max_tokens, MAX_GRAPH_TOKENS))
     sizes = list(range(32, 257, 32)) + list(range(320, 513, 64)) + list(range(640, MAX_GRAPH_TOKENS + 1, 128))
     return sorted({s for s in sizes if s < limit} | {limit})
 
 
 # Above this many tokens the projections are compute-bound, and the cost of a step's GEMMs jumps between neighbouring
-# token counts with cuBLAS's choice of tiles and how its tiles fill the GPU's waves.  H100, Llama-3-8B shape, one
-# layer's four projections x 32 (benchmarks/overlap_probe.py --gemm-only --m-step 32, 2026-11-26): 448 tokens took
-# 14.8 ms against 11.5 for 512, 832 took 21.3 against 17.6 for 800 and 20.3 for 864.  So the buckets above it are
-# chosen at start-up from every multiple of 32 by what a layer's piece costs there (`cheapest_buckets`); below it
-# the costs rise smoothly with the tokens and every multiple of 32 is a bucket.
+# token counts with cuBLAS's choice of tiles (448 tokens cost more than 512: docs/decisions/piecewise-graphs.md).
+# So the buckets above it are chosen at start-up from every multiple of 32 by what a layer's piece costs there
+# (`cheapest_buckets`); below it the costs rise smoothly with the tokens and every multiple of 32 is a bucket.
 MEASURED_ABOVE = 256
 CANDIDATE_STEP = 32
 
@@ -75,10 +71,9 @@ def cheapest_buckets(costs: dict[int, float]) -> list[int]:
     return sorted(keep)
 
 
-def supports_pieces(model: nn.Module) -> bool:
+def supports_pieces(model: nn.Module) -> TypeGuard[PiecewiseLM]:
     """Whether the model offers its forward split at the attentions (the Llama family does, OPT does not)."""
-    names = ("embed", "before_attention", "attention", "after_attention", "final_norm")
-    return all(hasattr(model, name) for name in names)
+    return isinstance(model, PiecewiseLM)
 
 
 def fused_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
@@ -99,9 +94,9 @@ def fused_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
 class PieceBuffers:
     """What crosses a piece boundary, at fixed addresses, sized for `max_tokens` rows."""
 
-    def __init__(self, model: nn.Module, max_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model: PiecewiseLM, max_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
         attn = model.attention(0)
-        hidden = model.shape.hidden_size
+        hidden = model.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
 
         def buf(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
@@ -130,7 +125,7 @@ class PiecewiseForward:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: PiecewiseLM,
         kv_caches: list[torch.Tensor],
         max_tokens: int,
         dtype: torch.dtype,
@@ -196,7 +191,9 @@ class PieceGraphs(PiecewiseForward):
 
     graphs: dict[int, list[torch.cuda.CUDAGraph]]  # by bucket, one per piece: set by `capture`
 
-    def capture(self, pool: object | None = None, only_largest: bool = False, tp: TPGroup = SINGLE) -> float:
+    def capture(
+        self, pool: torch.cuda._POOL_HANDLE | None = None, only_largest: bool = False, tp: TPGroup = SINGLE
+    ) -> float:
         """Capture every candidate's pieces, largest first, then keep the buckets `choose_buckets` picks
         (start-up profiling: only the largest, whose blocks the others reuse); returns the seconds it took."""
         started = time.monotonic()
@@ -205,7 +202,7 @@ class PieceGraphs(PiecewiseForward):
         return time.monotonic() - started
 
     def capture_steps(
-        self, pool: object | None = None, buckets: list[int] | None = None, tp: TPGroup = SINGLE
+        self, pool: torch.cuda._POOL_HANDLE | None = None, buckets: list[int] | None = None, tp: TPGroup = SINGLE
     ) -> Iterator[None]:
         """Capture one bucket's pieces per step of the iteration (engine/runner/deferred.py), largest first.
         `buckets`: exactly these (the largest alone while profiling, or the ones an earlier start chose:
@@ -215,7 +212,7 @@ class PieceGraphs(PiecewiseForward):
         stream = torch.cuda.Stream()
         graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.graphs = graphs
-        for rows in sorted(buckets if chosen else candidate_buckets(self.max_tokens), reverse=True):
+        for rows in sorted(buckets if buckets is not None else candidate_buckets(self.max_tokens), reverse=True):
             with torch.inference_mode():
                 graphs[rows] = [self._capture(index, rows, pool, stream) for index in range(self.num_layers + 1)]
             yield
@@ -269,7 +266,9 @@ class PieceGraphs(PiecewiseForward):
         b.residual.zero_()
         return torch.tensor(times, dtype=torch.float64)
 
-    def _capture(self, index: int, rows: int, pool: object, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    def _capture(
+        self, index: int, rows: int, pool: torch.cuda._POOL_HANDLE, stream: torch.cuda.Stream
+    ) -> torch.cuda.CUDAGraph:
         # Warm-up outside the graph on a side stream (Triton compiles, cuBLAS picks its kernels), as
         # torch.cuda.graphs recommends; the slots are all -1, so neither run writes the cache.
         stream.wait_stream(torch.cuda.current_stream())

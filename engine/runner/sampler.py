@@ -131,6 +131,7 @@ def sample_on_device(
     else:
         tokens = _random_sample(adjusted, batch, generator)
         if batch.any_greedy:  # decided on the host: reading the tensor would wait for the device
+            assert batch.temperature is not None  # set unless every row is greedy
             tokens = torch.where(batch.temperature == 0, _argmax(adjusted), tokens)
     if batch.rows is not None:
         batch.rows.record(tokens, batch.adjust)
@@ -148,7 +149,9 @@ def _finish(out: DeviceSample, device: torch.device, host_copy: bool) -> DeviceS
     """On CUDA, start the copy to pinned host memory and mark when it lands."""
     if device.type == "cuda" and host_copy:
         tokens = out.token_ids
-        out = DeviceSample(*(_to_pinned(t) for t in (tokens, out.logprobs, out.top_ids, out.top_values)))
+        out = DeviceSample(
+            _pinned(tokens), _to_pinned(out.logprobs), _to_pinned(out.top_ids), _to_pinned(out.top_values)
+        )
         out.ready = torch.cuda.Event()
         out.ready.record()
         out.device_token_ids = tokens
@@ -173,20 +176,24 @@ def apply_token_masks_(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Te
 
 
 def _to_pinned(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None:
-        return None
+    return None if t is None else _pinned(t)
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
 
 
 def _random_sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:
-    temp = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+    temperature, top_k, top_p = batch.temperature, batch.top_k, batch.top_p
+    assert temperature is not None and top_k is not None and top_p is not None  # set unless every row is greedy
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scaled = logits / temp[:, None]
     if batch.adjust is not None and batch.adjust.min_p is not None:
         scaled = apply_min_p(scaled, batch.adjust.min_p)
     if batch.needs_truncation:
-        scaled = _truncate(scaled, batch.top_k, batch.top_p)
+        scaled = _truncate(scaled, top_k, top_p)
     probs = torch.softmax(scaled, dim=-1)
     if not probs.is_cuda:
         return _inverse_cdf_sample(probs, batch, generator)

@@ -31,6 +31,7 @@ from engine.memory.budget import (
     set_allocator_defaults,
 )
 from engine.model.cpu_packing import pack_linears
+from engine.model.interface import CausalLM
 from engine.model.layers.attention import PagedAttention
 from engine.model.loader import ModelInfo, load_model
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
@@ -65,7 +66,7 @@ class StepRunner(Protocol):
 @dataclass
 class StartedRunner:
     runner: ModelRunner
-    model: nn.Module
+    model: CausalLM
     kv_plan: KVPlan
     preemption_mode: str  # "swap" or "recompute", resolved for the device
     num_cpu_blocks: int  # swap space in blocks (0: preempted sequences are recomputed)
@@ -232,9 +233,7 @@ def swap_blocks(config: ResolvedConfig, per_block: int, device: torch.device) ->
     return int(config.swap_space * 2**30) // per_block if swapping else 0
 
 
-def start_swap_space(
-    config: ResolvedConfig, model_info: ModelInfo, model: nn.Module, device: torch.device
-) -> SwapSpace:
+def start_swap_space(config: ResolvedConfig, model_info: ModelInfo, model: CausalLM, device: torch.device) -> SwapSpace:
     """Begin allocating the swap space now (engine/runner/swap_space.py: why as early as its size is known)."""
     kv_dtype = kv_cache_dtype(config, model_info.dtype)
     blocks = swap_blocks(config, kv_bytes_per_block(model, config.block_size, kv_dtype), device)
@@ -242,7 +241,7 @@ def start_swap_space(
     return SwapSpace(kv_cache_shape(model, blocks, config.block_size, device), kv_dtype, layers, device.type == "cuda")
 
 
-def remember_dense_probe(probes: ProbeCache, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def remember_dense_probe(probes: ProbeCache, model: CausalLM, dtype: torch.dtype, device: torch.device) -> None:
     """Whether cuDNN can take this model's fresh chunks: an earlier start's answer, else probed now (the profiled
     step already did on a miss) and kept for the next start.  The probe's first cuDNN call loads the library,
     about 2 s that a restart's gap would otherwise pay; the plans themselves are made after serving starts."""
@@ -398,7 +397,7 @@ def weights_by_dtype(model: nn.Module) -> dict[str, int]:
 
 
 def throwaway_runner(
-    config: ResolvedConfig, model_info: ModelInfo, model: nn.Module, device: torch.device, num_blocks: int
+    config: ResolvedConfig, model_info: ModelInfo, model: CausalLM, device: torch.device, num_blocks: int
 ) -> ModelRunner:
     """A runner over a KV cache of `num_blocks` blocks that start-up measures or warms with, then drops."""
     return ModelRunner(
@@ -413,11 +412,12 @@ def throwaway_runner(
     )
 
 
-def dummy_step(config: ResolvedConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> None:
+def dummy_step(config: ResolvedConfig, model_info: ModelInfo, model: CausalLM, device: torch.device) -> None:
     """The largest step the scheduler can build (max_num_batched_tokens over as many sequences as
     max_model_len requires), on a throwaway KV cache: what start-up profiling measures."""
     bs = config.block_size
-    lengths, left = [], config.max_num_batched_tokens
+    lengths: list[int] = []
+    left = config.max_num_batched_tokens
     while left > 0 and len(lengths) < config.max_num_seqs:
         lengths.append(min(left, config.max_model_len))
         left -= lengths[-1]
@@ -441,7 +441,7 @@ def dummy_step(config: ResolvedConfig, model_info: ModelInfo, model: nn.Module, 
     del runner
 
 
-def warm_kernels(config: ResolvedConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> None:
+def warm_kernels(config: ResolvedConfig, model_info: ModelInfo, model: CausalLM, device: torch.device) -> None:
     """Small steps on a throwaway cache of a few blocks, so that what the first steps of a process pay once is paid
     here: cuBLAS's handle and the GEMM kernels of each decode batch size and of each row count the LM head meets
     (about 2 s on an H100 host, which a restart's first requests waited for), the Triton kernels' loads from their
@@ -500,7 +500,7 @@ def _capture_largest_graphs(runner: ModelRunner, max_num_seqs: int, max_tokens: 
     runner.capture_piece_graphs(max_tokens, only_largest=True)
 
 
-def graph_pool_bytes(config: ResolvedConfig, model_info: ModelInfo, model: nn.Module, device: torch.device) -> int:
+def graph_pool_bytes(config: ResolvedConfig, model_info: ModelInfo, model: CausalLM, device: torch.device) -> int:
     """Memory the graphs keep: the largest decode graph and the largest bucket of the piecewise graphs
     (engine/runner/piecewise.py) captured once in their shared pool over a throwaway cache of one sequence
     (the pool's size does not depend on the cache's; the other graphs reuse its blocks), with the piecewise

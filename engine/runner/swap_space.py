@@ -1,12 +1,11 @@
 """The swap space: host blocks that preempted sequences' KV moves to, pinned for fast copies, allocated on a thread.
 
 Pinning gigabytes takes seconds, and while it runs the process's other CUDA host allocations wait for it: a restarted
-engine's first step, whose sampled tokens land in pinned memory, took over a second instead of tens of milliseconds
-(`new_engine_first_steps` in benchmarks/results/restart-h100-2026-11-27a.json).  So the
-allocation starts as early as its size is known: a standby engine pins its swap space while the engine it replaces
-still serves (host memory, not device memory), a cold start as soon as its KV plan is made, pausing between layers
-so that a serving step's own pinned allocations are not starved.  The first swap, only under memory pressure, waits
-for the thread if it must, and so does a CUDA graph capture, which forbids such allocations in any thread.
+engine's first step, whose sampled tokens land in pinned memory, waited behind it (docs/decisions/swap-space-thread.md).
+So the allocation starts as early as its size is known: a standby engine pins its swap space while the engine it
+replaces still serves (host memory, not device memory), a cold start as soon as its KV plan is made, pausing between
+layers so that a serving step's own pinned allocations are not starved.  The first swap, only under memory pressure,
+waits for the thread if it must, and so does a CUDA graph capture, which forbids such allocations in any thread.
 """
 
 from __future__ import annotations

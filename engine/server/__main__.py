@@ -40,7 +40,8 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import structlog
 import uvicorn
@@ -60,6 +61,9 @@ from engine.server.limits import AcceptErrorsCondensed, BodyLimit, connection_li
 from engine.server.notify import get_notifier
 from engine.server.settings import ServerConfig, resolve_key_files
 from engine.server.sockets import bind, inherited_socket
+
+if TYPE_CHECKING:
+    from engine.server.async_engine import AsyncEngine
 
 log = structlog.get_logger("pagekeeper.server")
 
@@ -507,7 +511,7 @@ ACCEPT_GRACE_S = 0.25
 STOP_NOW_GRACE_S = 2.0
 
 
-def stop_accepting(servers: list[asyncio.AbstractServer]) -> None:
+def stop_accepting(servers: list[asyncio.Server]) -> None:
     """Stop taking connections off the listening sockets, without closing the servers yet.
 
     asyncio accepts a connection in one loop iteration and attaches its transport to the server in
@@ -539,8 +543,8 @@ class DrainOnTermServer(uvicorn.Server):
     def __init__(
         self,
         config: uvicorn.Config,
-        async_engine,
-        tracker: HttpTracker,  # type: ignore[no-untyped-def]
+        async_engine: AsyncEngine,
+        tracker: HttpTracker,
         drain_timeout: float,
         handover: bool = False,
         serving_status: str = "serving",
@@ -599,7 +603,7 @@ class DrainOnTermServer(uvicorn.Server):
         """The HTTP event loop ticked (every 0.1 s) within half of `within` seconds (None: always true)."""
         return within is None or time.monotonic() - self._last_tick < within / 2
 
-    def handle_exit(self, sig: int, frame) -> None:  # type: ignore[no-untyped-def]
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and self._stopping is None:
             self._request_stop("drain", self.drain_timeout)
         elif self._stopping != "now":

@@ -203,7 +203,7 @@ class AsyncEngine:
         self._num_waiting = 0  # the scheduler's waiting count; written by the step loop only
         self._stop = False
         self.loop_iterations = 0  # vllm:engine_steps_total: advances whenever the loop runs
-        self._on_step: list[Callable[[], None]] = []  # e.g. the systemd watchdog ping
+        self._on_step: list[Callable[[], object]] = []  # e.g. the systemd watchdog ping
         self._on_loop: list[Callable[[], None]] = []  # run before each iteration (test hooks)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -222,8 +222,9 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - a loop that died was already reported as stalled
                 pass
 
-    def add_step_hook(self, hook: Callable[[], None]) -> None:
-        """Run `hook` on the step-loop thread after every iteration (a hung loop stops calling it)."""
+    def add_step_hook(self, hook: Callable[[], object]) -> None:
+        """Run `hook` on the step-loop thread after every iteration (a hung loop stops calling it); what it
+        returns is ignored."""
         self._on_step.append(hook)
 
     def add_loop_hook(self, hook: Callable[[], None]) -> None:
@@ -423,8 +424,8 @@ class AsyncEngine:
                 self.engine.run_deferred()  # start-up work left for after serving began (engine/runner/deferred.py)
             stats.steps = self.loop_iterations  # the loop's heartbeat, idle iterations included
             self.metrics.update(stats)
-            for hook in self._on_step:
-                hook()
+            for step_hook in self._on_step:
+                step_hook()
 
     def _apply(self, commands: list[Command]) -> None:
         for cmd in commands:

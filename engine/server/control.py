@@ -173,7 +173,8 @@ def request(path: str | os.PathLike[str], cmd: str, timeout: float = 5.0, **args
         s.connect(str(path))
         s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
         data = s.makefile("rb").readline()
-    return json.loads(data)
+    reply: dict[str, Any] = json.loads(data)  # the engine answers with one JSON object
+    return reply
 
 
 def receive_listening_socket(path: str | os.PathLike[str], timeout: float = 5.0) -> socket.socket:

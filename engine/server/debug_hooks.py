@@ -147,7 +147,7 @@ class _MetricsFaults:
 def install(app: FastAPI, state: ServerState) -> DebugHooks:
     core = state.engine.core
     remote = getattr(core, "fault", None)  # a core in its own process is told by message (engine/coreproc/)
-    hooks = DebugHooks(None if remote is not None else core.kv, remote)
+    hooks = DebugHooks(getattr(core, "kv", None) if remote is None else None, remote)  # kv: EngineCore's own
     app.state.debug_hooks = hooks
     state.async_engine.add_loop_hook(hooks.hold_step_loop)
     state.async_engine.add_loop_hook(hooks.leak_blocks)

@@ -1,12 +1,11 @@
 """The one thread that does all of a server's model work: binding to cores, building the engine, then its step loop.
 
-Why one thread: torch's CPU operators run on OpenMP, and OpenMP keeps a pool of worker threads per thread that
-starts a parallel region.  When the engine was built on the main thread and stepped on another, the process held
-two pools, more OpenMP threads than cores, and libgomp then stops spinning between regions (its "throttled" wait:
-every one of a step's ~150 regions wakes its workers through the kernel).  Measured on a 2-core machine, batch-1
-decode of a bf16 Llama (hidden 512, 8 layers): 7.7 ms per step built and stepped on one thread, 10.3 ms built on the
-main thread and stepped on another, which was how the server ran (its TPOT was 11.2 ms against vLLM's 9.6).  So the
-server's engine is built on the thread that steps it, and the HTTP thread starts no OpenMP region of its own.
+Why one thread: torch's CPU operators run on OpenMP, and OpenMP keeps a pool of worker threads per thread that starts a
+parallel region.  When the engine was built on the main thread and stepped on another, the process held two pools, more
+OpenMP threads than cores, and libgomp then stops spinning between regions (its "throttled" wait: every one of a step's
+~150 regions wakes its workers through the kernel), and a decode step took a third longer
+(docs/decisions/engine-thread.md).  So the server's engine is built on the thread that steps it, and the HTTP thread
+starts no OpenMP region of its own.
 """
 
 from __future__ import annotations

@@ -95,7 +95,10 @@ class HttpTracker:
             self.inflight.set_aborted(self.aborted)
 
     async def __call__(
-        self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]
+        self,
+        scope: dict[str, Any],
+        receive: Callable[[], Awaitable[dict[str, Any]]],
+        send: Callable[[dict[str, Any]], Awaitable[None]],
     ) -> None:
         if scope["type"] != "http" or scope["path"] in _PROBE_PATHS:
             await self.app(scope, receive, send)
@@ -107,7 +110,7 @@ class HttpTracker:
 
         counted = False
 
-        async def send_closing(message: dict) -> None:
+        async def send_closing(message: dict[str, Any]) -> None:
             nonlocal counted
             if message["type"] == "http.response.start" and self.closing:
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
@@ -133,7 +136,7 @@ class HttpTracker:
 RESTARTING_MESSAGE = "the engine is restarting without draining; retry the request"
 
 
-async def _send_restarting(send: Callable[[dict], Awaitable[None]]) -> None:
+async def _send_restarting(send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
     body = json.dumps(
         {
             "error": {
@@ -165,7 +168,7 @@ def pending_bytes(transport: Any) -> int:
     if sock is None or sock.fileno() < 0:
         return 0
     try:
-        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0])
     except OSError:
         return 0
 

@@ -83,7 +83,9 @@ class Notifier:
         if not self.watchdog_enabled:
             return False
         now = self._clock()
-        if now - self._last_ping < self.watchdog_interval / 2:  # type: ignore[operator]
+        interval = self.watchdog_interval
+        assert interval is not None  # watchdog_enabled says so
+        if now - self._last_ping < interval / 2:
             return False
         self._last_ping = now
         return self.notify(watchdog=1)

@@ -64,7 +64,7 @@ def command_line(pid: int) -> list[str]:
     import psutil
 
     try:
-        return psutil.Process(pid).cmdline()
+        return [str(arg) for arg in psutil.Process(pid).cmdline()]  # psutil has no type hints
     except psutil.Error:
         return []
 

@@ -64,14 +64,18 @@ def value_end(text: str, i: int, final: bool) -> int | None:
             if depth == 0:
                 return m.end()
         return None
-    end = _PRIMITIVE.match(text, i).end()
+    primitive = _PRIMITIVE.match(text, i)
+    assert primitive is not None  # it matches the empty string too
+    end = primitive.end()
     if end == i:
         return None
     return end if end < len(text) or final else None  # "12" may yet become "123"
 
 
 def _skip_space(text: str, i: int) -> int:
-    return _SPACE.match(text, i).end()
+    space = _SPACE.match(text, i)
+    assert space is not None  # it matches the empty string too
+    return space.end()
 
 
 def scan_call(text: str, i: int, arguments_keys: tuple[str, ...], final: bool) -> ScannedCall | None:

@@ -154,15 +154,15 @@ def test_a_packed_row_parallel_layer_replaces_its_partial_product(monkeypatch):
     from engine.model import cpu_packing
     from engine.model.layers.linear import RowLinear
 
-    def stub(weight, bias):
-        def product(x):
-            return F.linear(x, weight, bias)
+    class Stub:
+        def __init__(self, weight, bias):
+            self.packed, self.bias = weight.detach().clone(), bias
 
-        product.packed = weight.detach().clone()
-        return product
+        def __call__(self, x):
+            return F.linear(x, self.packed, self.bias)
 
     monkeypatch.setattr(cpu_packing, "packing_available", lambda dtype: True)
-    monkeypatch.setattr(cpu_packing, "_packed_product", stub)
+    monkeypatch.setattr(cpu_packing, "_PackedProduct", Stub)
     tp = TwinRanks(0, 2)
     layer = RowLinear(8, 6, bias=True, tp=tp)
     torch.nn.init.normal_(layer.weight)

@@ -1,4 +1,4 @@
-"""Must-show 2: /metrics has every name of DESIGN.md's contract and the values move with traffic.
+"""Must-show 2: /metrics has every name of docs/architecture.md's contract and the values move with traffic.
 
 The contract is vLLM's real names (`vllm:` prefix); with the default `--metrics-names both` every one also has
 the seed's underscore twin (`vllm_`) with the same value.  The choice of names is checked in-process (what each

@@ -38,6 +38,8 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
+    kv_scale: torch.Tensor  # a buffer: [2, num_kv_heads] float32
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
         if num_heads % num_kv_heads:

@@ -12,6 +12,8 @@ zero points and scales come in groups, so its share must be a whole number of gr
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -21,6 +23,9 @@ from engine.distributed.group import Part, TPGroup
 from engine.model.layers.linear import CheckpointSlice
 from engine.model.weights import FLOAT_DTYPES, CheckpointTensor, ModelLoadError, copy_into
 
+if TYPE_CHECKING:
+    from engine.model.quant.layers import _QuantLinear  # which imports this module
+
 PACK = 8  # int4 values per int32
 _PACKED = ("qweight", "qzeros")
 
@@ -29,7 +34,7 @@ class AWQScheme:
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
 
-    def create(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
+    def create(self, layer: _QuantLinear, in_features: int, out_features: int, bias: bool) -> None:
         g = self.group_size
         if in_features % g:
             raise ValueError(
@@ -85,7 +90,7 @@ class AWQScheme:
             )
 
     def load(
-        self, layer: nn.Module, raw_name: str, leaf: str, where: CheckpointSlice | None, tensor: CheckpointTensor
+        self, layer: _QuantLinear, raw_name: str, leaf: str, where: CheckpointSlice | None, tensor: CheckpointTensor
     ) -> bool:
         if leaf in _PACKED and tensor.dtype and tensor.dtype != "I32":
             raise ModelLoadError(
@@ -114,10 +119,10 @@ class AWQScheme:
 
         return awq_quantize(weight, self.group_size)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: _QuantLinear, x: torch.Tensor) -> torch.Tensor:
         return kernels.quant_backend(x.device).awq_linear(x, layer.qweight, layer.qzeros, layer.scales, self.group_size)
 
-    def finish(self, layer: nn.Module) -> None:
+    def finish(self, layer: _QuantLinear) -> None:
         if layer.qweight.device.type == "cuda" and self.group_size % 16:
             raise ConfigError(
                 f"AWQ group size {self.group_size} on the GPU: the Triton kernel needs a multiple of 16 (32, 64, 128)"

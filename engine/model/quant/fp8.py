@@ -14,6 +14,8 @@ rows.  A static `input_scale` is checked and not used: activations are scaled pe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -24,6 +26,9 @@ from engine.model.layers.linear import CheckpointSlice
 from engine.model.weights import FLOAT_DTYPES, CheckpointTensor, ModelLoadError, check_shape
 from kernels.quant_reference import quantize_rows
 
+if TYPE_CHECKING:
+    from engine.model.quant.layers import _QuantLinear  # which imports this module
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -31,7 +36,7 @@ class Fp8Scheme:
     def __init__(self, prequantized: bool) -> None:
         self.prequantized = prequantized
 
-    def create(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
+    def create(self, layer: _QuantLinear, in_features: int, out_features: int, bias: bool) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
         layer.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
         layer.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -52,7 +57,7 @@ class Fp8Scheme:
         """Any split of input features works: each rank scales its own slice."""
 
     def load(
-        self, layer: nn.Module, raw_name: str, leaf: str, where: CheckpointSlice | None, tensor: CheckpointTensor
+        self, layer: _QuantLinear, raw_name: str, leaf: str, where: CheckpointSlice | None, tensor: CheckpointTensor
     ) -> bool:
         if leaf == "weight":
             if tensor.dtype == "F8_E4M3" and self.prequantized:
@@ -78,9 +83,9 @@ class Fp8Scheme:
 
     @torch.no_grad()
     def _quantize_into(
-        self, layer: nn.Module, raw_name: str, where: CheckpointSlice | None, tensor: CheckpointTensor
+        self, layer: _QuantLinear, raw_name: str, where: CheckpointSlice | None, tensor: CheckpointTensor
     ) -> None:
-        weight, scale = layer.weight, layer.weight_scale
+        weight, scale = layer.get_parameter("weight"), layer.get_parameter("weight_scale")
         full = list(weight.shape)
         if where is not None:
             full[where.dim] = where.full
@@ -96,9 +101,9 @@ class Fp8Scheme:
 
     @torch.no_grad()
     def _load_scale(
-        self, layer: nn.Module, raw_name: str, where: CheckpointSlice | None, tensor: CheckpointTensor
+        self, layer: _QuantLinear, raw_name: str, where: CheckpointSlice | None, tensor: CheckpointTensor
     ) -> None:
-        scale = layer.weight_scale
+        scale = layer.get_parameter("weight_scale")
         rows = where.full if where is not None else scale.shape[0]
         per_tensor = tensor.shape in ((), (1,), (1, 1))
         if not per_tensor and tensor.shape not in ((rows,), (rows, 1)):
@@ -122,10 +127,10 @@ class Fp8Scheme:
         q, scale = quantize_rows(weight)
         return {"weight": q, "weight_scale": scale}
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: _QuantLinear, x: torch.Tensor) -> torch.Tensor:
         return kernels.quant_backend(x.device).fp8_linear(x, layer.weight, layer.weight_scale)
 
-    def finish(self, layer: nn.Module) -> None:
+    def finish(self, layer: _QuantLinear) -> None:
         weight = layer.weight
         if weight.device.type == "cuda" and (weight.shape[0] % 16 or weight.shape[1] % 16):
             raise ConfigError(

@@ -26,7 +26,7 @@ from engine.model.weights import CheckpointTensor, copy_into
 class LinearScheme(Protocol):
     """How one quantization method stores, loads and applies a linear layer's weight."""
 
-    def create(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
+    def create(self, layer: _QuantLinear, in_features: int, out_features: int, bias: bool) -> None:
         """Register the layer's parameters (on the current default device and dtype)."""
 
     def leaves(self, bias: bool) -> list[str]:
@@ -45,17 +45,17 @@ class LinearScheme(Protocol):
         """ValueError (naming the tensor-parallel sizes that work) when this split cannot be stored."""
 
     def load(
-        self, layer: nn.Module, raw_name: str, leaf: str, where: CheckpointSlice | None, tensor: CheckpointTensor
+        self, layer: _QuantLinear, raw_name: str, leaf: str, where: CheckpointSlice | None, tensor: CheckpointTensor
     ) -> bool:
         """Load `leaf` its own way (True), or leave it to the plain copy (False)."""
 
     def from_weight(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """The checkpoint tensors (by leaf) of a 16/32-bit weight ``[out, in]`` (load_format=dummy)."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: _QuantLinear, x: torch.Tensor) -> torch.Tensor:
         """``x @ W^T`` without the bias."""
 
-    def finish(self, layer: nn.Module) -> None:
+    def finish(self, layer: _QuantLinear) -> None:
         """Checks once every tensor is in (e.g. the GPU kernel's shape constraints)."""
 
 
@@ -189,7 +189,7 @@ def quantize_linears(model: nn.Module, spec: QuantSpec) -> int:
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             replacement: nn.Module | None = None
-            if type(child) in (MergedLinear, ColumnLinear):
+            if isinstance(child, MergedLinear) and type(child) in (MergedLinear, ColumnLinear):  # not a subclass
                 replacement = QuantMergedLinear(child.in_features, dict(child.parts), child.bias is not None, scheme)
             elif type(child) is RowLinear:
                 replacement = QuantRowLinear(
