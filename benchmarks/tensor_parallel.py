@@ -138,7 +138,9 @@ def allreduce_tables(args: argparse.Namespace, cfg: dict[str, Any], gpu: bool, s
     tps = sorted({tp for tp in args.tp if tp > 1})
     if not tps:
         return {}
-    if args.allreduce_json:
+    if args.allreduce_json and not Path(args.allreduce_json).exists():
+        print(f"--allreduce-json {args.allreduce_json} does not exist (no allreduce stage ran): measuring", flush=True)
+    elif args.allreduce_json:
         found = json.loads(Path(args.allreduce_json).read_text())
         missing = [tp for tp in tps if str(tp) not in found]
         if not missing:

@@ -24,6 +24,8 @@ import structlog
 
 log = structlog.get_logger("pagekeeper.engine")
 
+SLOW_UNIT_S = 0.5  # a unit that held the step loop longer is logged
+
 
 @dataclass
 class Job:
@@ -86,6 +88,8 @@ class DeferredWork:
         except StopIteration:
             finished = True
         spent = time.monotonic() - started
+        if spent > SLOW_UNIT_S:  # a unit holds the step loop: which one, when a restart's first steps wait on it
+            log.info("deferred_unit_slow", job=job.name, unit=job.count, seconds=round(spent, 3))
         self.last_unit_seconds = spent
         job.seconds += spent
         job.count += 1

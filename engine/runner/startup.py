@@ -321,7 +321,11 @@ def plan_deferred_work(runner: ModelRunner, config: ResolvedConfig, tp: TPGroup,
 
 
 def _after_swap(runner: ModelRunner, units: Iterator[None]) -> Iterator[None]:
+    started = time.monotonic()
     runner.cpu_caches  # noqa: B018 - blocks until the swap space is allocated (never during a capture)
+    waited = time.monotonic() - started
+    if waited > 0.05:
+        log.info("deferred_waited_for_swap_space", seconds=round(waited, 3))
     yield from units
 
 

@@ -160,3 +160,14 @@ def test_the_whole_run_on_the_cpu_writes_its_three_files(tmp_path):
     assert data["gpu_tests"] == {"skipped": 6}
     assert "skipped" in (out / next(f for f in files if f.startswith("gpu-tp-tests-"))).read_text()
     assert sys.getsizeof(result.read_text()) < 16 << 20
+
+
+def test_a_stage_run_without_the_allreduce_stage_measures_its_own_table(tmp_path, capsys):
+    """The device run passes --allreduce-json to the 70b and 8b stages; with `--stages 70b` alone the file is not
+    there, and the stage measures instead of failing (it did, FileNotFoundError, on 4x H100)."""
+    import argparse
+
+    args = argparse.Namespace(tp=[1, 2], allreduce_json=str(tmp_path / "allreduce.json"))
+    tables = tensor_parallel.allreduce_tables(args, {"hidden_size": 64}, False, 2)
+    assert list(tables) == ["2"] and tables["2"]
+    assert "does not exist" in capsys.readouterr().out
