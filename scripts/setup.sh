@@ -13,8 +13,8 @@ want_test=0
 [[ "${1:-}" == "--test" ]] && want_test=1
 
 # -- progress ----------------------------------------------------------------------------------------------------
-# Expected seconds per step: a fresh venv on a 2-core machine (docs/benchmarks.md, "Set-up"); apt's is not measured
-# there (every package was installed already).
+# Expected seconds per step: a fresh venv on a 2-core machine (docs/benchmarks.md, "The first hour"); apt's is not
+# measured there (every package was installed already).
 EST_TORCH=60 EST_PAGEKEEPER=90 EST_TEST_EXTRA=120 EST_REINSTALL=20 EST_CPU_EXT=15 EST_APT=90 EST_CHECKOV=90 EST_NPM=15
 setup_started=$EPOCHREALTIME
 step_no=0
