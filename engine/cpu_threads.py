@@ -29,7 +29,7 @@ log = structlog.get_logger("pagekeeper.server")
 # and tests, one model thread left the engine too slow under load for the supervisor's cache-pressure rule to see a
 # stuck cache (tests/opsctl/test_supervisor_faults.py failed with two busy processes beside it, and passed with the
 # default two threads).  `--cpu-reserved-cores 1` still buys the lower TPOT on such a machine when it serves alone
-# (README: the vLLM CPU comparison).
+# (docs/benchmarks.md: vLLM's CPU build side by side).
 AUTO_RESERVE_MIN_CORES = 4
 
 

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from engine.config import ConfigError, EngineConfig
+from engine.logs import LEVELS, configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,13 +19,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        help="info (the default, or PAGEKEEPER_LOG_LEVEL): one line at start-up; debug: every start-up detail",
+    )
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args(argv)
 
-    from engine.llm import LLM
+    from engine.llm import LLM, offline_log_level
     from engine.sampling_params import SamplingParams, SamplingParamsError
 
     try:
+        configure_logging(args.log_level or offline_log_level())
         config = EngineConfig.from_cli_args(args)
         llm = LLM(**{k: v for k, v in vars(config).items()})
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)

@@ -2,27 +2,61 @@
 
 Code written for `vllm.LLM` runs unchanged except for the import line.  Engine flags are keyword
 arguments with the same names as the CLI flags (engine/config.py defines them once).
+
+A caller reads its own output beside our stderr, so start-up is one short `llm_ready` line (model, device, KV
+blocks, seconds); `PAGEKEEPER_LOG_LEVEL=debug` adds the details a server logs at info (`engine_ready`, the memory
+plan), `warning` leaves only what went wrong.  A program that configured structlog itself keeps its own set-up.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import os
+import time
 from typing import Any, Mapping, Sequence
 
+import structlog
 from tqdm import tqdm
 
 from engine.chat import load_chat_template, render_chat
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.gc_heap import frozen_heap
 from engine.llm_engine import LLMEngine, PromptType
+from engine.logs import LEVELS, configure_logging, startup_details_at
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+
+LOG_LEVEL_ENV = "PAGEKEEPER_LOG_LEVEL"
+
+log = structlog.get_logger("pagekeeper.engine")
+
+
+def offline_log_level() -> str:
+    """The offline API's log level: PAGEKEEPER_LOG_LEVEL, else info."""
+    value = os.environ.get(LOG_LEVEL_ENV, "").strip().lower() or "info"
+    if value not in LEVELS:
+        raise ConfigError(f"{LOG_LEVEL_ENV}={os.environ[LOG_LEVEL_ENV]!r}: not one of {', '.join(LEVELS)}")
+    return value
 
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        started = time.monotonic()
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
+        if not structlog.is_configured():
+            configure_logging(offline_log_level())
+        with startup_details_at(logging.DEBUG):
+            self.llm_engine = LLMEngine(config)
         self._ids = itertools.count()
+        facts = self.llm_engine.core.facts
+        log.info(
+            "llm_ready",
+            model=config.model_name(),
+            device=facts.device,
+            kv_blocks=facts.num_blocks,
+            seconds=round(time.monotonic() - started, 2),
+        )
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (one GPU: nothing to stop); also done at exit."""

@@ -12,15 +12,41 @@ Libraries that log through the standard `logging` (transformers, torch, uvicorn'
 `warnings` go through the same renderer once our logging is configured, so that a log collector reading JSON
 lines never meets a plain one (transformers wrote `[transformers] Token indices sequence length is longer ...`
 into engine.log).  transformers keeps a handler of its own: `route_library_logger` hands its records to ours.
+
+Start-up details (`engine_ready`'s ~1,000 characters, the memory plan, each kernel choice) are `info` in a server's
+log, which operators read; the offline API logs them at `debug` and one short line instead (engine/llm.py), since
+its callers read stderr beside their own output.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import TextIO
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator, TextIO
 
 import structlog
+
+LEVELS = ("debug", "info", "warning", "error")
+
+# the level of the start-up details logged in this context (startup_detail): info unless startup_details_at says
+_startup_level: ContextVar[int] = ContextVar("startup_detail_level", default=logging.INFO)
+
+
+def startup_detail(logger: Any, event: str, **fields: Any) -> None:
+    """Log one start-up detail at this context's level: info in a server, debug while the offline API starts."""
+    logger.log(_startup_level.get(), event, **fields)
+
+
+@contextmanager
+def startup_details_at(level: int) -> Iterator[None]:
+    """Start-up details logged inside this block (in this thread) go out at `level`."""
+    token = _startup_level.set(level)
+    try:
+        yield
+    finally:
+        _startup_level.reset(token)
 
 
 class _LibraryHandler(logging.StreamHandler[TextIO]):

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 import structlog
 import torch
 
+from engine.logs import startup_detail
 from kernels.cache_ops import copy_blocks, gather_blocks, scatter_blocks, write_kv
 from kernels.dense_prefill import (
     DenseChunks,
@@ -68,7 +69,7 @@ def dense_prefill_lengths(
         return None
     why = cudnn_refusal(dtype, num_heads, num_kv_heads, head_dim, str(device))
     if why is not None:
-        log.info("dense_prefill_off", reason=why)
+        startup_detail(log, "dense_prefill_off", reason=why)
         return None
     return functools.partial(_planned_and_warm, (dtype, num_heads, num_kv_heads, head_dim, str(device)))
 

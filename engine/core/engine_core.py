@@ -23,7 +23,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.gc_heap import freeze_imported_heap
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.logs import configure_logging
+from engine.logs import configure_logging, startup_detail
 from engine.memory.budget import KVPlan, ranks_table
 from engine.metrics import EngineSnapshot, GapHistogram
 from engine.model.loader import ModelInfo, check_tensor_parallel, inspect_model
@@ -117,7 +117,8 @@ class EngineCore:
             "tokenizer": round(tokenizer_loaded - inspected, 3),
             **up.phases,
         }
-        log.info(
+        startup_detail(
+            log,
             "engine_ready",
             model=str(self.model_info.path),
             architecture=self.model_info.architecture,
@@ -147,7 +148,8 @@ class EngineCore:
             load_seconds=round(time.monotonic() - tokenizer_loaded, 3),
         )
         if self.device.type == "cuda" or config.tensor_parallel_size > 1:
-            log.info(
+            startup_detail(
+                log,
                 "memory_plan",
                 table="\n" + ranks_table(self.rank_plans),
                 fragmentation_buffer_bytes=self.kv_plan.fragmentation_buffer_bytes,

@@ -40,6 +40,7 @@ from engine.core.plan import StepPlan
 from engine.distributed.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
 from engine.distributed.worker import WorkerArgs, reason_file
 from engine.lifecycle import PROCESS_EXIT
+from engine.logs import startup_detail
 from engine.memory.budget import KVPlan
 from engine.model.loader import ModelInfo
 from engine.model.overlap import set_overlap_tokens
@@ -82,7 +83,7 @@ class TensorParallelRunner:
             self._procs.append(proc)
             self._conns.append(conn)
             self._pidfds.append(os.pidfd_open(proc.pid))
-        log.info("tp_workers_started", size=size, pids=[p.pid for p in self._procs], device=str(device))
+        startup_detail(log, "tp_workers_started", size=size, pids=[p.pid for p in self._procs], device=str(device))
         threading.Thread(target=self._watch, daemon=True, name="tp-watchdog").start()
         atexit.register(self._close_at_exit)
         try:

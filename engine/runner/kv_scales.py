@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.config import EngineConfig, ResolvedConfig
 from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
+from engine.logs import startup_detail
 from engine.model.interface import CausalLM
 from engine.model.layers.attention import PagedAttention
 from engine.runner.model_runner import ModelRunner
@@ -99,7 +100,8 @@ def calibrate_kv_scales(
         "kv_amax_max": float(torch.stack([a for a in amaxes if a is not None]).max()),
         "calibration_tokens": float(seqs * length),
     }
-    log.info(
+    startup_detail(
+        log,
         "kv_cache_fp8_scales",
         source="calibrated at start-up",
         layers=len(layers),

@@ -26,6 +26,7 @@ import torch
 
 from engine.cache_dir import cache_root
 from engine.config import EngineConfig, ResolvedConfig
+from engine.logs import startup_detail
 
 log = structlog.get_logger("pagekeeper.engine")
 
@@ -123,7 +124,7 @@ class ProbeCache:
         value = self._load().get(name)
         if value is None:
             reason = "no file for this key" if not self.path.exists() else "not measured under this key yet"
-            log.info("probe_cache_miss", probe=name, key=self.key, reason=reason)
+            startup_detail(log, "probe_cache_miss", probe=name, key=self.key, reason=reason)
         return value
 
     def put(self, name: str, value: Any) -> None:

@@ -21,6 +21,7 @@ from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
 from engine.distributed.group import SINGLE, TPGroup
 from engine.keeper.client import kept_model
 from engine.lifecycle import STANDBY_LIMIT_S, standby_until_exit
+from engine.logs import startup_detail
 from engine.memory.budget import (
     KVPlan,
     Profile,
@@ -158,7 +159,7 @@ def start_runner(
     if not cuda:
         packed = pack_linears(model)  # oneDNN's blocked layout, once (engine/model/cpu_packing.py says why)
         if packed:
-            log.info("cpu_linears_packed", layers=packed, dtype=str(model_info.dtype).removeprefix("torch."))
+            startup_detail(log, "cpu_linears_packed", layers=packed, dtype=str(model_info.dtype).removeprefix("torch."))
     profile = None
     probes = ProbeCache(
         config,
@@ -307,7 +308,8 @@ def plan_deferred_work(runner: ModelRunner, config: ResolvedConfig, tp: TPGroup,
                 return
             if buckets is None:
                 probes.put("piece_buckets", pieces.buckets)
-            log.info(
+            startup_detail(
+                log,
                 "piece_buckets_chosen",
                 buckets=pieces.buckets,
                 cached=buckets is not None,
@@ -332,7 +334,7 @@ def _after_swap(runner: ModelRunner, units: Iterator[None]) -> Iterator[None]:
 def _warm_mixed(runner: ModelRunner, config: ResolvedConfig) -> None:
     started = time.monotonic()
     steps = warm_mixed_steps(runner, config)
-    log.info("mixed_steps_warmed", steps=steps, seconds=round(time.monotonic() - started, 3))
+    startup_detail(log, "mixed_steps_warmed", steps=steps, seconds=round(time.monotonic() - started, 3))
 
 
 def warm_mixed_steps(runner: ModelRunner, config: ResolvedConfig) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 from benchmarks.suite_cpu import kind_of
@@ -32,7 +33,7 @@ while time.process_time() < float(sys.argv[1]):
     sum(range(10_000))
 with open(sys.argv[2], "w") as f:
     f.write(repr(time.process_time()))  # what it used, interpreter start-up included, as the sampler counts it
-time.sleep(0.5)  # at rest, sampled every interval: the sampler cannot see CPU spent after its last sample
+time.sleep(1.0)  # at rest, sampled every interval: the sampler cannot see CPU spent after its last sample
 if len(sys.argv) > 3:
     open(sys.argv[3], "w").close()
 """
@@ -42,8 +43,12 @@ def test_a_daemonized_grandchild_is_counted(tmp_path: Path) -> None:
     """One burner as a plain child, one double-forked away from the command (as the supervisor daemonizes): the
     command's own rusage never sees the second, the sampler does.  Each burner spends a fixed CPU time and reports
     what it used; the sampler's count must match that report (it once asserted a wall-clock guess of the burn's
-    cost, which a 2-core build machine, at 0.40-0.49 CPU-s a burn, failed)."""
-    burn = tmp_path / "burn.py"
+    cost, which a 2-core build machine, at 0.40-0.49 CPU-s a burn, failed).
+
+    The grandchild waits before it execs, so the sampler meets it with its parent's command line first (under load
+    it did by chance, and counted it as its parent: 1 burner of 2).  The sampler reads every process on the host, so
+    the burner's name is this run's own (a test run beside this one counted 3)."""
+    burn = tmp_path / f"burn_{uuid.uuid4().hex[:8]}.py"
     burn.write_text(BURNER)
     done, used = tmp_path / "done", [tmp_path / "used-child", tmp_path / "used-grandchild"]
     script = (
@@ -52,6 +57,7 @@ def test_a_daemonized_grandchild_is_counted(tmp_path: Path) -> None:
         "if os.fork() == 0:\n"
         "    os.setsid()\n"
         "    if os.fork() == 0:\n"
+        "        time.sleep(0.3)\n"
         f"        os.execv(sys.executable, [sys.executable, {str(burn)!r}, {str(BURN_CPU_S)!r}, {str(used[1])!r}, "
         f"{str(done)!r}])\n"
         "    os._exit(0)\n"
@@ -66,7 +72,7 @@ def test_a_daemonized_grandchild_is_counted(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result == json.loads(next(tmp_path.glob("suite-cpu-*.json")).read_text())
-    burners = result["by_kind"]["python burn.py"]
+    burners = result["by_kind"][f"python {burn.name}"]
     reported = sum(float(path.read_text()) for path in used)
     print(
         f"burners: {burners} against {reported:.2f} CPU-s they reported using; "

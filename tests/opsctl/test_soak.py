@@ -27,6 +27,9 @@ def test_ten_minutes_of_healthy_load_cause_no_policy_action(background_soak):
     assert result["seconds"] >= 600
     assert result["clients"] >= 8 and result["requests"] > 1000
     assert result["outcomes"] == {"ok": result["requests"]}
-    # a 1 s period whatever the probes took (opsctl.daemon.next_poll_at); counted from before the timed load began
-    assert result["polls"] >= 0.95 * result["seconds"]
+    # The supervisor kept polling through the load.  A poll that overruns its 1 s period (a probe may take up to
+    # probe_timeout, 5 s) is followed at once but not caught up, so each overrun costs its excess: beside the suite on
+    # the 2-core machine 593 polls in 607 s (supervisor-soak-cpu-2026-11-23.json, 0.976), 2.6 % from the 0.95 this
+    # asserted.  That the period is 1 s whatever the probes took is checked exactly in test_poll_schedule.py.
+    assert result["polls"] >= 0.9 * result["seconds"]
     assert result["decisions"] == {} and result["restarts"] == 0, result

@@ -445,8 +445,8 @@ def test_an_engine_killed_while_its_successor_loads_has_its_requests_counted(dep
 
 
 def test_requests_still_in_flight_at_the_drain_timeout_are_killed_and_counted(deploy):
-    """README: `--drain-timeout` bounds the drain; whatever is still in flight then is killed and counted.  The old
-    engine's step loop is frozen (a debug hook), so what it holds cannot finish within a 1 s drain."""
+    """docs/operations.md: `--drain-timeout` bounds the drain; whatever is still in flight then is killed and
+    counted.  The old engine's step loop is frozen (a debug hook), so what it holds cannot finish within a 1 s drain."""
     d = deploy(engine={"enable_debug_hooks": True}, supervisor={"backlog_factor": 1000.0})
     old = _start(d)["engine"]["pid"]
     load = Load(d.url).start()

@@ -185,7 +185,12 @@ def test_kill9_hang_and_fatal_error_of_the_core_under_load_fail_nothing(launch) 
     )
     assert not tally.failed, tally.failed[:5]
     assert not tally.wrong, tally.wrong[:5]
-    assert tally.ok >= 40
+    # Each fault was followed by ten completions (_completions_after), and every completion the server counted reached
+    # its client whole and right (the counter moves before the answer leaves: async_engine._publish).  It asserted
+    # `ok >= 40`, which the waits do not guarantee: they count the six reference requests too, and a loaded 2-core
+    # machine gave 48.
+    assert tally.ok >= 3 * 10
+    assert tally.ok == _metric(url, "request_success_total", finished_reason="length") - len(PROMPTS)
     assert ends == {"killed": 1.0, "hang": 1.0, "error": 1.0}
     assert all(n >= 1 for n in resumed.values()), resumed  # each fault caught requests in flight
     assert _metric(url, "request_failure_total", reason="error") == 0

@@ -90,7 +90,7 @@ def test_uvicorn_log_level_reaches_uvicorn(launch):
 def test_disable_fastapi_docs_leaves_no_docs_and_the_key_guards_only_the_api(launch, tmp_path: Path):
     """With an API key, /docs, /redoc and /openapi.json still answered anyone; --disable-fastapi-docs (vLLM's flag;
     `[engine] disable_fastapi_docs` in the TOML file) removes them.  What stays open without the key is what
-    probes and scrapers need: /health, /metrics, /version (README, "API keys")."""
+    probes and scrapers need: /health, /metrics, /version (docs/operations.md, "Auth")."""
     config = tmp_path / "docs.toml"
     config.write_text("[engine]\ndisable_fastapi_docs = true\n")
     env = {"PAGEKEEPER_API_KEY": "sk-docs-test"}
