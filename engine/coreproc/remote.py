@@ -102,7 +102,10 @@ class RemoteCore:
         on_give_up: Callable[[int], None] = _leave,
         cpu_reserved_cores: int | None = None,
         share_cores_with: int | None = None,
+        wait: bool = True,
     ) -> None:
+        """Spawn the first core; with `wait`, return once it is ready (else call `wait_ready` before using it: the
+        server spawns it first and builds its HTTP side while the core imports torch and loads the model)."""
         self.config = config
         self.cpu_reserved_cores = cpu_reserved_cores
         self.cpu_plan: CpuThreadPlan | None = None  # as the core chose it (Ready)
@@ -130,7 +133,13 @@ class RemoteCore:
         self._resuming: _Resuming | None = None
         self.pid: int | None = None
         self._spawn()
-        while not self._ready:  # the first core: the front needs its facts before it can validate anything
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until the first core is ready (the front needs its facts before it can validate anything); ConfigError
+        when it refused its configuration, CoreStartFailed when it ended first."""
+        while not self._ready:
             if self._dead:
                 code = self._reap()
                 raise CoreStartFailed(f"the engine core exited with code {code} before it was ready")

@@ -349,24 +349,34 @@ class _CoreShareByMessage:
         self.core.yield_cores()
 
 
-def _front_of_core_process(
-    server_config: ServerConfig, engine_config: EngineConfig, engine_thread: Any
-) -> tuple[Any, Any]:
+def _spawn_core(server_config: ServerConfig, engine_config: EngineConfig) -> Any:
+    """The engine core's process, started before the front imports its HTTP side: the two load side by side."""
+    from engine.coreproc.remote import RemoteCore
+
+    return RemoteCore(
+        engine_config,
+        log_level=server_config.log_level,
+        stall_s=server_config.health_stall_seconds,
+        max_resumes=server_config.max_resumes,
+        resume_timeout_s=server_config.resume_timeout,
+        cpu_reserved_cores=server_config.cpu_reserved_cores,
+        share_cores_with=server_config.share_cores_with,
+        wait=False,
+    )
+
+
+def _front_of_core_process(engine_config: EngineConfig, engine_thread: Any, core: Any) -> tuple[Any, Any]:
     """A front whose engine core runs in its own process (engine/coreproc/): no torch here, and the requests in
-    flight outlive the core."""
-    from engine.coreproc.remote import CoreStartFailed, RemoteCore
+    flight outlive the core.  `core`: the RemoteCore `_spawn_core` started, ready or not."""
+    from engine.coreproc.remote import CoreStartFailed
     from engine.llm_engine import LLMEngine
 
     def start() -> Any:
-        core = RemoteCore(
-            engine_config,
-            log_level=server_config.log_level,
-            stall_s=server_config.health_stall_seconds,
-            max_resumes=server_config.max_resumes,
-            resume_timeout_s=server_config.resume_timeout,
-            cpu_reserved_cores=server_config.cpu_reserved_cores,
-            share_cores_with=server_config.share_cores_with,
-        )
+        try:
+            core.wait_ready()
+        except BaseException:
+            core.close()
+            raise
         return LLMEngine(engine_config, defer_startup_work=True, core=core)
 
     try:
@@ -385,6 +395,7 @@ def serve(
     control: ControlSocket | None = None,
 ) -> int:
     timeline = StartupTimeline()
+    core = _spawn_core(server_config, engine_config) if server_config.engine_core == "process" else None
     from engine.cpu_threads import CpuThreadPlan, available_cores, bind_serving_threads, plan_cpu_threads
     from engine.metrics import EngineMetrics
     from engine.server.app import build_app
@@ -398,8 +409,8 @@ def serve(
     notifier.status(f"loading {engine_config.model_name()}")
     # bound to its cores, then building the engine, then stepping it: one thread (engine/server/engine_thread.py)
     engine_thread = EngineThread()
-    if server_config.engine_core == "process":
-        engine, core_share = _front_of_core_process(server_config, engine_config, engine_thread)
+    if core is not None:
+        engine, core_share = _front_of_core_process(engine_config, engine_thread, core)
         threads = engine.core.cpu_plan or CpuThreadPlan(available_cores(), ())  # as the core chose them
     else:
         threads = CpuThreadPlan(available_cores(), ())
