@@ -370,15 +370,16 @@ class ProcessProbe:
         """Resident memory of `proc` and the processes under it (an engine whose core runs in a process of its
         own, engine/coreproc/, holds most of its memory there), and the pid of that core (None: none)."""
         total = proc.memory_info().rss
-        core_pid = None
+        cores: list[tuple[float, int]] = []
         for child in proc.children(recursive=True):
             try:
                 total += child.memory_info().rss
-                if core_pid is None and CORE_MODULE in child.cmdline():
-                    core_pid = child.pid
+                if CORE_MODULE in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE:
+                    cores.append((child.create_time(), child.pid))
             except psutil.Error:
                 pass  # gone between the listing and the reading
-        return total, core_pid
+        # the serving core is the oldest: a spare standing by behind it (engine/coreproc/remote.py) starts after it
+        return total, min(cores)[1] if cores else None
 
     def read(self, pid: int | None) -> ProcessReading:
         if pid is None:

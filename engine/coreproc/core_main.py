@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.coreproc")
     parser.add_argument("--fd", type=int, required=True, help="this end of the front's socket pair")
     parser.add_argument("--front", type=int, default=None, help="the front's pid: this process dies with it")
+    parser.add_argument("--spare", action="store_true", help="a spare standing by behind the serving core (a label)")
     args = parser.parse_args(argv)
     pause_startup_collections()  # until the start-up heap is frozen, as the server does (engine/gc_heap.py)
     die_with(args.front)

@@ -103,6 +103,7 @@ class RemoteCore:
         cpu_reserved_cores: int | None = None,
         share_cores_with: int | None = None,
         wait: bool = True,
+        spare_core: bool = False,
     ) -> None:
         """Spawn the first core; with `wait`, return once it is ready (else call `wait_ready` before using it: the
         server spawns it first and builds its HTTP side while the core imports torch and loads the model)."""
@@ -132,6 +133,8 @@ class RemoteCore:
         self._recycled: Recycled | None = None
         self._resuming: _Resuming | None = None
         self.pid: int | None = None
+        self.spare_core = spare_core
+        self._spare: tuple[subprocess.Popen[bytes], Connection] | None = None
         self._spawn()
         if wait:
             self.wait_ready()
@@ -147,27 +150,53 @@ class RemoteCore:
 
     # -- the core's process ---------------------------------------------------------------------
 
-    def _spawn(self, after: int | None = None) -> None:
-        """Start a core; `after`: the pid of the core it replaces, whose exit it waits for before it takes device
-        memory (a standby start)."""
-        if after is not None:
-            self.config = dataclasses.replace(self.config, standby_after=after, standby_spare=False)
+    def _start_process(self, config: EngineConfig, spare: bool = False) -> tuple[subprocess.Popen[bytes], Connection]:
+        """A core's process and the front's end of its socket, its Start message sent."""
         front_end, core_end = socket.socketpair()
         fd = core_end.fileno()
         command = [sys.executable, "-m", "engine.coreproc", "--fd", str(fd), "--front", str(os.getpid())]
-        self._proc = subprocess.Popen(command, pass_fds=(fd,))
+        proc = subprocess.Popen([*command, *(("--spare",) if spare else ())], pass_fds=(fd,))
         core_end.close()
-        self._conn = Connection(front_end.detach())
+        conn = Connection(front_end.detach())
+        try:
+            conn.send(Start(config, self.log_level, self.cpu_reserved_cores, self.share_cores_with))
+        except (OSError, EOFError):
+            pass  # it died at once: seen when it is read
+        self.share_cores_with = None  # a later core replaces a core, not an engine: all the threads are its own
+        return proc, conn
+
+    def _spawn(self, after: int | None = None) -> None:
+        """Start a core; `after`: the pid of the core it replaces, whose exit it waits for before it takes device
+        memory (a standby start).  A spare standing by behind that core is promoted instead, when there is one."""
+        if after is not None:
+            self.config = dataclasses.replace(self.config, standby_after=after, standby_spare=False)
+        spare, self._spare = self._spare, None
+        promoted = spare is not None and spare[0].poll() is None
+        if promoted:
+            assert spare is not None
+            self._proc, self._conn = spare
+        else:
+            if spare is not None:
+                spare[1].close()
+                log.warning("engine_core_spare_gone", pid=spare[0].pid, exit_code=spare[0].poll())
+            self._proc, self._conn = self._start_process(self.config)
         self._ready = False
         self._dead = False
         self._spawned_at = time.monotonic()
         self._last_heard = self._spawned_at
-        self._send(Start(self.config, self.log_level, self.cpu_reserved_cores, self.share_cores_with))
-        self.share_cores_with = None  # a later core replaces a core, not an engine: all the threads are its own
         # the first core's start is the engine's own (its engine_ready and serving lines say it); a later one is news
         (log.info if self._facts is not None else log.debug)(
-            "engine_core_starting", pid=self._proc.pid, in_flight=len(self.inflight)
+            "engine_core_starting", pid=self._proc.pid, in_flight=len(self.inflight), spare=promoted
         )
+
+    def _spawn_spare(self) -> None:
+        """A core that starts now as a standby of the serving one, without a time limit: imports, the CUDA context,
+        the kept weights and the kernels' warm-ups done before it is needed, so that the serving core's end costs
+        only the new KV cache and the first steps (engine/lifecycle.py: it takes device memory once the core it
+        stands behind has exited or freed it).  A front that stops kills it first."""
+        config = dataclasses.replace(self.config, standby_after=self._proc.pid, standby_spare=True)
+        self._spare = self._start_process(config, spare=True)
+        log.info("engine_core_spare_started", pid=self._spare[0].pid, behind=self._proc.pid)
 
     def _wait_ready(self, timeout: float) -> None:
         try:
@@ -201,6 +230,8 @@ class RemoteCore:
             seconds=round(self._last_heard - self._spawned_at, 3),
             resumed=0 if first else len(admits),
         )
+        if self.spare_core and self._spare is None and not self._closing:
+            self._spawn_spare()
 
     @staticmethod
     def _follow_phase(phase: str) -> None:
@@ -406,6 +437,11 @@ class RemoteCore:
         (engine/runner/release.py), not for the driver's teardown of its exit: a restart's successor waits for this
         process, and at TP=4 that teardown took 5 s after the memory was free."""
         self._closing = True
+        if self._spare is not None:  # before the core leaves: its standby would end, and it would take the device
+            spare, self._spare = self._spare, None
+            spare[0].kill()
+            spare[1].close()
+            spare[0].wait()
         under = {self._proc.pid} | descendants(self._proc.pid)
         self._conn.close()
         try:

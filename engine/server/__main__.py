@@ -362,6 +362,9 @@ def _spawn_core(server_config: ServerConfig, engine_config: EngineConfig) -> Any
         cpu_reserved_cores=server_config.cpu_reserved_cores,
         share_cores_with=server_config.share_cores_with,
         wait=False,
+        # with the weights kept by the supervisor's keeper a spare core costs a CUDA context, not a second copy of
+        # the model: a core's death then costs the new KV cache and the first steps, not a core's whole start
+        spare_core=engine_config.weights_keeper is not None,
     )
 
 
