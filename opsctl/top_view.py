@@ -161,14 +161,21 @@ def _json_lines(watchers: list[Watcher], interval: float) -> int:
         return 0
 
 
-def _raise_exit(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)  # unwinds through Live and the finally that restores the terminal
+_stop: list[int] = []  # the exit code a signal asked for (Ctrl-C: 0, SIGTERM/SIGHUP: 128 + its number)
+
+
+def _note_stop(signum: int, frame: FrameType | None) -> None:
+    """Noted, not raised: an exception raised wherever the signal lands (inside rich's console lock, in the middle of
+    an HTTP scrape) could leave a lock held that the terminal's restoration then waits on forever; the loop sees the
+    note within one refresh."""
+    _stop.append(0 if signum == signal.SIGINT else 128 + signum)
 
 
 def _live(watchers: list[Watcher], interval: float) -> int:
     keys = sys.stdin.fileno() if sys.stdin.isatty() else None
     saved = termios.tcgetattr(keys) if keys is not None else None
-    handlers = {sig: signal.signal(sig, _raise_exit) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    _stop.clear()
+    handlers = {sig: signal.signal(sig, _note_stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         if keys is not None:
             tty.setcbreak(keys)
@@ -181,9 +188,9 @@ def _live(watchers: list[Watcher], interval: float) -> int:
             redirect_stderr=False,
         )
         with live:
-            while not _quit_within(keys, interval):
+            while not _stop and not _quit_within(keys, interval):
                 live.update(render(_step(watchers), interval), refresh=True)
-        return 0
+        return _stop[0] if _stop else 0
     except KeyboardInterrupt:
         return 0
     finally:
@@ -196,7 +203,7 @@ def _live(watchers: list[Watcher], interval: float) -> int:
 def _quit_within(fd: int | None, seconds: float) -> bool:
     """Wait `seconds` for a quit key on `fd`; True when one came."""
     deadline = time.monotonic() + seconds
-    while (left := deadline - time.monotonic()) > 0:
+    while (left := deadline - time.monotonic()) > 0 and not _stop:
         if fd is None:
             time.sleep(left)
             break

@@ -95,6 +95,50 @@ class Load:
         self._threads.extend(threads)
         return threads
 
+    def hold_stream(self, max_tokens: int = 240) -> threading.Event:
+        """One long stream on a new connection, recorded as "held-stream" like the others; the event is set once
+        its first token arrived: a request certainly in the engine's hands (a fault test's kill -9 then has one in
+        flight, however short the steady load's requests are)."""
+        started = threading.Event()
+
+        def hold() -> None:
+            body = {
+                "model": MODEL,
+                "prompt": "Errors should never",
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+            }
+            start = time.monotonic()
+            outcome, detail, chunks, done = "ok", "", 0, False
+            try:
+                with (
+                    httpx.Client(base_url=self.url, timeout=self.timeout_s, headers=self.headers) as c,
+                    c.stream("POST", "/v1/completions", json=body) as r,
+                ):
+                    if r.status_code != 200:
+                        r.read()
+                        outcome, detail = f"http_{r.status_code}", r.text[:200]
+                    else:
+                        for line in r.iter_lines():
+                            if line == "data: [DONE]":
+                                done = True
+                            elif line.startswith("data: {"):
+                                chunks += 1
+                                started.set()
+                        if not done:
+                            outcome, detail = "truncated", f"{chunks} chunks, no [DONE]"
+            except Exception as e:  # noqa: BLE001
+                outcome, detail = _classify(e), repr(e)[:200]
+            with self._lock:
+                self.records.append(Record("held-stream", start, time.monotonic(), outcome, detail))
+
+        t = threading.Thread(target=hold, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return started
+
     def stop(self) -> list[Record]:
         self._stop.set()
         for t in self._threads:

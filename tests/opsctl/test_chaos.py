@@ -97,6 +97,9 @@ def test_no_request_fails_through_restarts_hangs_and_kills(deploy, record_proper
 
     def kill_engine() -> None:
         old = d.status()["engine"]["pid"]
+        # one request certainly in flight: the steady load's requests are short, and a kill that landed between two
+        # of them (5 had completed within 0.05 s before it, none had started) found nothing to lose
+        assert load.hold_stream().wait(60), "the held stream got no token"
         marks["kill_sent"] = time.monotonic()
         os.kill(old, signal.SIGKILL)
         while not _pid_gone(old):
