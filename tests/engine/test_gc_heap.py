@@ -161,11 +161,23 @@ runpy.run_module("engine.server", run_name="__main__")
 """
 
 
+def _wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 120) -> None:  # type: ignore[type-arg]
+    """Until the server on `port` answers /health with 200, it exits, or `timeout` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+
+
 def test_a_server_start_runs_no_automatic_collection_until_its_heap_is_frozen(tmp_path) -> None:
     """Before the freeze the collector ran hundreds of passes over the growing start-up heap (4 of them full,
     0.64 s of CPU in all); now the freeze's own full pass is the only one after the server's first line, it does
     not walk the imported modules, and the collector works again afterwards."""
-    import httpx
 
     from tests.server.harness import free_port
 
@@ -174,13 +186,7 @@ def test_a_server_start_runs_no_automatic_collection_until_its_heap_is_frozen(tm
         [sys.executable, "-c", SERVER_COLLECTIONS, str(port)], cwd=REPO, stdout=subprocess.PIPE, text=True
     )
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        _wait_healthy(proc, port)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     finally:
@@ -204,7 +210,6 @@ def test_a_server_start_runs_no_automatic_collection_until_its_heap_is_frozen(tm
 def test_the_engine_core_process_freezes_its_start_up_heap_too(tmp_path) -> None:
     """The engine core's own process (`--engine-core process`) holds the model and the KV pool: it pauses its
     collector while it starts and freezes what it built, as a one-process server does."""
-    import httpx
 
     from tests.server.harness import free_port
 
@@ -218,13 +223,7 @@ def test_the_engine_core_process_freezes_its_start_up_heap_too(tmp_path) -> None
             stderr=subprocess.STDOUT,
         )
         try:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
+            _wait_healthy(proc, port)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

@@ -68,13 +68,7 @@ class Load:
         """`n` one-off requests at once on new connections (a queue the engine cannot serve at once)."""
 
         def one(i: int) -> None:
-            body = {
-                "model": MODEL,
-                "prompt": "Errors should never",
-                "max_tokens": max_tokens,
-                "ignore_eos": True,
-                "temperature": 0,
-            }
+            body = _body("Errors should never", max_tokens, stream=False)
             start = time.monotonic()
             try:
                 with httpx.Client(base_url=self.url, timeout=self.timeout_s, headers=self.headers) as c:
@@ -102,14 +96,7 @@ class Load:
         started = threading.Event()
 
         def hold() -> None:
-            body = {
-                "model": MODEL,
-                "prompt": "Errors should never",
-                "max_tokens": max_tokens,
-                "ignore_eos": True,
-                "temperature": 0,
-                "stream": True,
-            }
+            body = _body("Errors should never", max_tokens, stream=True)
             start = time.monotonic()
             outcome, detail, chunks, done = "ok", "", 0, False
             try:
@@ -153,14 +140,7 @@ class Load:
         try:
             while not self._stop.is_set():
                 n += 1
-                body = {
-                    "model": MODEL,
-                    "prompt": f"Beautiful is {n % 7}",
-                    "max_tokens": MAX_TOKENS,
-                    "ignore_eos": True,
-                    "temperature": 0,
-                    "stream": stream,
-                }
+                body = _body(f"Beautiful is {n % 7}", MAX_TOKENS, stream)
                 c = client or httpx.Client(base_url=self.url, timeout=self.timeout_s, headers=self.headers)
                 start = time.monotonic()
                 try:
@@ -204,6 +184,18 @@ class Load:
         if not done:
             return "truncated", f"{chunks} chunks, no [DONE]"
         return "ok", ""
+
+
+def _body(prompt: str, max_tokens: int, stream: bool) -> dict:
+    """A greedy completion request of exactly `max_tokens` tokens."""
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
 
 
 def tally(records: list[Record]) -> Counter:

@@ -23,23 +23,16 @@ pytestmark = pytest.mark.slow
 MODEL = "pagekeeper-default"
 
 
-def test_tp2_server_serves_then_exits_1_with_one_line_when_a_rank_dies(launch):
-    """One process (--engine-core thread): the engine is rank 0, and ends with its rank."""
-    server = launch("--tensor-parallel-size", "2", "--max-num-seqs", "8", "--engine-core", "thread")
-    (worker,) = tp_workers(server.proc.pid)
-    r = httpx.post(
-        server.url + "/v1/completions",
-        json={"model": MODEL, "prompt": "Now is", "max_tokens": 8, "temperature": 0},
-        timeout=60,
-    )
-    assert r.status_code == 200 and r.json()["choices"][0]["text"] == " better than never."
-
+def _kill_rank_under_a_stream(url: str, worker: psutil.Process, timeout: float) -> tuple[threading.Thread, list[str]]:
+    """Start a 200-token stream (its usage included), SIGKILL `worker` once a few lines arrived; the client's thread
+    and the lines it reads (an HTTP error ends them as "error: NAME")."""
     streamed: list[str] = []
+    body = {"model": MODEL, "prompt": "Beautiful is", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    body["stream_options"] = {"include_usage": True}
 
-    def stream() -> None:  # a request in flight when the rank dies: it must end, not hang
-        body = {"model": MODEL, "prompt": "Beautiful is", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    def stream() -> None:
         try:
-            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as resp:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as resp:
                 for line in resp.iter_lines():
                     streamed.append(line)
         except httpx.HTTPError as e:
@@ -51,6 +44,21 @@ def test_tp2_server_serves_then_exits_1_with_one_line_when_a_rank_dies(launch):
     while len(streamed) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     worker.send_signal(signal.SIGKILL)
+    return client, streamed
+
+
+def test_tp2_server_serves_then_exits_1_with_one_line_when_a_rank_dies(launch):
+    """One process (--engine-core thread): the engine is rank 0, and ends with its rank."""
+    server = launch("--tensor-parallel-size", "2", "--max-num-seqs", "8", "--engine-core", "thread")
+    (worker,) = tp_workers(server.proc.pid)
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Now is", "max_tokens": 8, "temperature": 0},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == " better than never."
+
+    client, streamed = _kill_rank_under_a_stream(server.url, worker, timeout=30)  # the stream must end, not hang
     killed = time.monotonic()
     code = server.proc.wait(timeout=30)
     seconds = time.monotonic() - killed
@@ -71,24 +79,7 @@ def test_tp2_split_server_resumes_its_requests_on_a_new_core_when_a_rank_dies(la
     line; the front starts a new core and the stream in flight finishes, all its tokens there."""
     server = launch("--tensor-parallel-size", "2", "--max-num-seqs", "8")
     (worker,) = tp_workers(server.proc.pid)
-    streamed: list[str] = []
-
-    def stream() -> None:
-        body = {"model": MODEL, "prompt": "Beautiful is", "max_tokens": 200, "stream": True, "ignore_eos": True}
-        body["stream_options"] = {"include_usage": True}
-        try:
-            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as resp:
-                for line in resp.iter_lines():
-                    streamed.append(line)
-        except httpx.HTTPError as e:
-            streamed.append(f"error: {type(e).__name__}")
-
-    client = threading.Thread(target=stream)
-    client.start()
-    deadline = time.monotonic() + 30
-    while len(streamed) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    worker.send_signal(signal.SIGKILL)
+    client, streamed = _kill_rank_under_a_stream(server.url, worker, timeout=120)
     client.join(timeout=120)
     assert not client.is_alive()
     usage = [u for u in (json.loads(ln[6:]).get("usage") for ln in streamed if ln.startswith("data: {")) if u]
