@@ -95,8 +95,8 @@ class CoreProcess:
                 deltas = core.step()
                 self._send(Stepped(deltas, core.snapshot(), self.leak.leaked))
             elif core.has_deferred_work():
-                core.run_deferred()
-            elif time.monotonic() - self._last_report >= IDLE_REPORT_S:
+                core.run_deferred()  # start-up work while idle: reported like idleness, so the front sees it pending
+            if not busy and time.monotonic() - self._last_report >= IDLE_REPORT_S:
                 self._send(Stepped([], core.snapshot(), self.leak.leaked))
 
     def apply(self, msg: object, statuses: type) -> None:

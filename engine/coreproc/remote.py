@@ -232,6 +232,9 @@ class RemoteCore:
         assert isinstance(msg, Ready), msg
         first = self._facts is None
         self._facts, self.pid, self.cpu_plan = msg.facts, msg.pid, msg.cpu_plan
+        # Pending until the core's first report says (within IDLE_REPORT_S): the previous core's snapshot says
+        # nothing of this one's start-up work, and a spare waits for it.
+        self._snapshot = dataclasses.replace(self._snapshot, startup_work_pending=True)
         self._ready = True
         self._last_heard = self._last_ready = time.monotonic()
         admits = self.inflight.admits()

@@ -35,8 +35,10 @@ from engine.model.cpu_packing import pack_linears
 from engine.model.interface import CausalLM
 from engine.model.layers.attention import PagedAttention
 from engine.model.loader import ModelInfo, load_model
+from engine.runner import kernel_loads
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.deferred import DeferredWork, one_unit
+from engine.runner.kernel_loads import watch_kernel_loads
 from engine.runner.kv_scales import calibrate_kv_scales, kv_cache_dtype
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_shape
 from engine.runner.piecewise import PiecewiseForward
@@ -110,6 +112,7 @@ def start_runner(
     swap: SwapSpace | None = None
     if cuda:
         set_allocator_defaults()
+        watch_kernel_loads()  # a variant compiled or loaded later names itself (engine/runner/kernel_loads.py)
         torch.cuda.init()
         phases.mark("cuda_init")
     else:
@@ -223,6 +226,7 @@ def start_runner(
         if not defer:
             capture_seconds = runner.deferred.run_all()
             phases.mark("graphs_and_warmup")
+        kernel_loads.serving.set()  # from here a kernel load holds a step (or a deferred unit)
     return StartedRunner(
         runner, model, kv_plan, preemption_mode, num_cpu_blocks, capture_seconds, phases.seconds, source
     )
