@@ -185,6 +185,15 @@ def announce_released(held_bytes: int) -> bool:
     return True
 
 
+def retract_released() -> None:
+    """This process takes device memory again (a standby that is promoted): it no longer counts as gone."""
+    import os
+
+    marker = released_marker(os.getpid())
+    if marker is not None:
+        marker.unlink(missing_ok=True)
+
+
 def _released(pid: int) -> bool:
     marker = released_marker(pid)
     return marker is not None and marker.exists()

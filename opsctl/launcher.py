@@ -60,8 +60,9 @@ log = structlog.get_logger("pagekeeper.supervisor")
 SPARE_READY_S = 180.0
 # A spare starts once the serving engine has settled (its graphs captured, its kernels warmed), at the latest this
 # long after the supervisor first saw it serving: a spare starting beside an engine's first requests took device
-# time from them (the first completion of a cold start came 1.9 s after it served instead of 0.4 s).
-SPARE_SETTLE_MAX_S = 30.0
+# time from them, and one started later leaves the engine without a spare for longer (under load, start-up work
+# is paced and can take a minute at TP=4: a rank killed 37 s after a promotion found no spare).
+SPARE_SETTLE_MAX_S = 10.0
 
 _LOG_TAIL_BYTES = 4096
 LEAVING_STATES = ("draining", "handing_over", "stopping")  # an engine in these is on its way out by itself

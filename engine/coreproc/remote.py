@@ -52,7 +52,7 @@ from engine.metrics import EngineSnapshot
 log = structlog.get_logger("pagekeeper.server")
 
 POLL_S = 0.01  # how long one step() waits for the core's next message
-SPARE_SETTLE_MAX_S = 30.0  # a spare core starts at the latest this long after the serving one was ready
+SPARE_SETTLE_MAX_S = 10.0  # a spare core starts at the latest this long after the serving one was ready
 # counters of EngineSnapshot that a new core starts again from zero: the front adds the ended cores' totals
 _COUNTERS = ("prefix_queries", "prefix_hits", "prompt_tokens", "generation_tokens", "preemptions", "steps")
 

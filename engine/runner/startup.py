@@ -43,6 +43,7 @@ from engine.runner.kv_scales import calibrate_kv_scales, kv_cache_dtype
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_shape
 from engine.runner.piecewise import PiecewiseForward
 from engine.runner.probe_cache import ProbeCache
+from engine.runner.release import released_while_standing_by
 from engine.runner.sampler import DeviceSample, sample_on_device
 from engine.runner.swap_space import SwapSpace
 
@@ -141,7 +142,8 @@ def start_runner(
             if cuda:
                 warm_kernels(config, model_info, model, device)  # while the old engine still serves
                 phases.mark("kernels")
-            standby_until_exit(config.standby_after, None if config.standby_spare else STANDBY_LIMIT_S)
+            with released_while_standing_by(device):
+                standby_until_exit(config.standby_after, None if config.standby_spare else STANDBY_LIMIT_S)
             phases.mark("standby")
         baseline = device_baseline(device, shared_bytes) if cuda else None
     else:

@@ -155,3 +155,32 @@ def test_a_marker_names_one_process_not_a_later_one_with_its_pid(monkeypatch, tm
     assert lifecycle.announce_released(0) and lifecycle._released(os.getpid())
     assert not stale.exists() and not gone.exists()
     marker.unlink()
+
+
+def test_a_standby_that_is_promoted_retracts_its_marker(monkeypatch, tmp_path):
+    """A spare standing by announces that it holds nothing (engine/runner/release.py); once promoted it takes device
+    memory, and from then on whoever waits for it must wait again."""
+    import os
+
+    monkeypatch.setenv("PAGEKEEPER_CACHE_DIR", str(tmp_path))
+    assert lifecycle.announce_released(0) and lifecycle._released(os.getpid())
+    lifecycle.retract_released()
+    assert not lifecycle._released(os.getpid())
+    lifecycle.retract_released()  # twice is harmless
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_standby_is_released_while_it_stands_by_and_not_after(monkeypatch, tmp_path):
+    import os
+
+    import torch
+
+    from engine.runner.release import released_while_standing_by
+
+    monkeypatch.setenv("PAGEKEEPER_CACHE_DIR", str(tmp_path))
+    scratch = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del scratch  # cached by the allocator: the context manager returns it to the driver first
+    with released_while_standing_by(torch.device("cuda")):
+        assert lifecycle._released(os.getpid())
+        assert torch.cuda.memory_reserved() == 0
+    assert not lifecycle._released(os.getpid())
