@@ -162,11 +162,13 @@ class ModelRunner:
         shape = kv_cache_shape(model, num_blocks, block_size, device)
         self.kv_caches = allocate_kv_caches(shape, dtype, device, model.num_layers)  # one allocation
         # Swap space (engine/runner/swap_space.py): written before it is read, so not zeroed; pinned on CUDA.  A
-        # start-up that knew its size earlier passes the one it began allocating then.
+        # standby start passes the one it began pinning on a thread; otherwise the step loop allocates it, a layer
+        # per unit of deferred start-up work (or all of it at the first swap).
         self._pin = device.type == "cuda"  # host copies go through pinned memory
         if swap is None:
             cpu_shape = kv_cache_shape(model, num_cpu_blocks, block_size, device)  # swap blocks: the same layout
-            swap = SwapSpace(cpu_shape, dtype, model.num_layers if num_cpu_blocks else 0, self._pin)
+            swap_layers = model.num_layers if num_cpu_blocks else 0
+            swap = SwapSpace(cpu_shape, dtype, swap_layers, self._pin, background=False)
         self.swap = swap
         backend = kernels.attention_backend(device)
         self.backend = backend
@@ -199,7 +201,8 @@ class ModelRunner:
         self.reads_samples = True
 
     def swap_space_ready(self) -> bool:
-        return self.swap.ready()
+        """No pinned allocation runs on another thread: a CUDA graph capture may run."""
+        return self.swap.quiet()
 
     @property
     def cpu_caches(self) -> list[torch.Tensor]:

@@ -290,13 +290,13 @@ def cached_profile(probes: ProbeCache, tp: TPGroup, weights: int, eager: bool) -
 
 def plan_deferred_work(runner: ModelRunner, config: ResolvedConfig, tp: TPGroup, probes: ProbeCache) -> None:
     """Queue the GPU start-up work that serving does not need: the decode graphs, the LM head's row counts, the
-    piecewise graphs (in the decode graphs' pool), the dense prefill plans, and the mixed-step warm-up (only while
-    no request holds KV blocks: it writes blocks)."""
+    piecewise graphs (in the decode graphs' pool), the dense prefill plans, a cold start's swap space, and the
+    mixed-step warm-up (only while no request holds KV blocks: it writes blocks)."""
     work = runner.deferred
     # A CUDA graph capture forbids, in any thread of the process, host allocations that may synchronize the device
-    # (cudaHostAlloc among them): the swap space's pinned blocks are allocated on a thread of their own first
-    # (ModelRunner), so capture waits until that thread is done (here: the core's `ready` gate; a tensor-parallel
-    # worker, which runs the unit when rank 0 says, waits in the unit itself).
+    # (cudaHostAlloc among them): a standby start's swap space is pinned on a thread of its own, so capture waits
+    # until that thread is done (here: the core's `ready` gate; a tensor-parallel worker, which runs the unit when
+    # rank 0 says, waits in the unit itself).  A cold start's is pinned by the `swap_space` job on this thread.
     swap_ready = runner.swap_space_ready
     if not config.enforce_eager:  # first: each graph makes the decode steps of its size about 3x faster at once
         decode = _after_swap(runner, runner.decode_graph_steps(config.max_num_seqs))
@@ -325,12 +325,14 @@ def plan_deferred_work(runner: ModelRunner, config: ResolvedConfig, tp: TPGroup,
         pieces = _after_swap(runner, runner.piece_graph_steps(config.max_num_batched_tokens, buckets, tp))
         work.add("piece_graphs", pieces, on_done=chosen, ready=swap_ready)
     work.add("dense_prefill_plans", runner.warm_dense_prefill_steps(config.max_num_batched_tokens))
+    work.add("swap_space", runner.swap.allocation_steps())  # a cold start's: one layer per unit, on this thread
     work.add("mixed_steps", one_unit(lambda: _warm_mixed(runner, config)), needs_idle=True)
 
 
 def _after_swap(runner: ModelRunner, units: Iterator[None]) -> Iterator[None]:
     started = time.monotonic()
-    runner.cpu_caches  # noqa: B018 - blocks until the swap space is allocated (never during a capture)
+    if runner.swap.background:
+        runner.swap.tensors()  # blocks until the thread has pinned the swap space (never during a capture)
     waited = time.monotonic() - started
     if waited > 0.05:
         log.info("deferred_waited_for_swap_space", seconds=round(waited, 3))

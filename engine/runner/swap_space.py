@@ -1,17 +1,22 @@
-"""The swap space: host blocks that preempted sequences' KV moves to, pinned for fast copies, allocated on a thread.
+"""The swap space: host blocks that preempted sequences' KV moves to, pinned for fast copies.
 
-Pinning gigabytes takes seconds, and while it runs the process's other CUDA host allocations wait for it: a restarted
-engine's first step, whose sampled tokens land in pinned memory, waited behind it (docs/decisions/swap-space-thread.md).
-So the allocation starts as early as its size is known: a standby engine pins its swap space while the engine it
-replaces still serves (host memory, not device memory), a cold start as soon as its KV plan is made, pausing between
-layers so that a serving step's own pinned allocations are not starved.  The first swap, only under memory pressure,
-waits for the thread if it must, and so does a CUDA graph capture, which forbids such allocations in any thread.
+Pinning gigabytes takes seconds, and while a pinned allocation runs every other CUDA call of the process waits for
+the driver's lock: a step's kernel launches wait behind it.  A restarted engine's first step waited so behind a
+thread pinning its swap space (docs/decisions/swap-space-thread.md), and so did a cold start's first request
+(2.2 s on one H100, 7.2 s at TP=4 with 8 GiB per rank) although the thread paused between layers.  So:
+- a standby engine pins its swap space on a thread while the engine it replaces still serves (host memory, not
+  device memory; nothing of its own runs yet), and a CUDA graph capture, which forbids such allocations in any
+  thread, waits for that thread;
+- a cold start pins it on the step loop's own thread, one layer per unit of deferred start-up work
+  (engine/runner/deferred.py), paced between steps like a graph capture, so that no launch ever waits for it.
+The first swap, only under memory pressure, allocates what is still missing at once if it must.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 
 import torch
@@ -22,13 +27,20 @@ YIELD_S = 0.002
 
 
 class SwapSpace:
-    """`layers` tensors of `shape` (one per layer, the device cache's layout), allocated on a thread of their own."""
+    """`layers` tensors of `shape` (one per layer, the device cache's layout): allocated on a thread of their own
+    (`background`), or by the caller, one layer per step of `allocation_steps` or all at once by `tensors`."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, layers: int, pin: bool) -> None:
-        self.shape, self.dtype, self.layers = shape, dtype, layers
+    def __init__(
+        self, shape: tuple[int, ...], dtype: torch.dtype, layers: int, pin: bool, background: bool = True
+    ) -> None:
+        self.shape, self.dtype, self.layers, self.pin = shape, dtype, layers, pin
         self._tensors: Future[list[torch.Tensor]] = Future()
+        self._blocks: list[torch.Tensor] = []  # the caller's allocation so far
+        self.background = background
         if not layers or 0 in shape or not shape:
             self._tensors.set_result([])
+            return
+        if not background:
             return
 
         def allocate() -> None:
@@ -50,6 +62,23 @@ class SwapSpace:
     def ready(self) -> bool:
         return self._tensors.done()
 
+    def quiet(self) -> bool:
+        """No pinned allocation can be running on another thread now (a CUDA graph capture may run)."""
+        return not self.background or self._tensors.done()
+
+    def allocation_steps(self) -> Iterator[None]:
+        """One layer per step, on the caller's thread (nothing for a background allocation)."""
+        while not self._tensors.done():
+            self._allocate_one()
+            yield
+
+    def _allocate_one(self) -> None:
+        self._blocks.append(torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pin))
+        if len(self._blocks) == self.layers:
+            self._tensors.set_result(self._blocks)
+
     def tensors(self) -> list[torch.Tensor]:
-        """The blocks, one tensor per layer (waits for the allocating thread)."""
+        """The blocks, one tensor per layer (waits for the allocating thread, or allocates what is missing)."""
+        while not self.background and not self._tensors.done():
+            self._allocate_one()
         return self._tensors.result()

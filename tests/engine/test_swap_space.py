@@ -1,5 +1,6 @@
-"""engine/runner/swap_space.py: the swap space is allocated on a thread, begun as early as its size is known, and a
-runner given one uses it (a standby engine's, pinned while the engine it replaces still served)."""
+"""engine/runner/swap_space.py: a standby engine's swap space is allocated on a thread while the engine it replaces
+still serves, and a runner given one uses it; a cold start's is allocated on the step loop's own thread, a layer per
+unit of deferred work (a pinning thread held up a cold start's first steps), or at once by the first swap."""
 
 from __future__ import annotations
 
@@ -30,6 +31,37 @@ def test_blocks_are_allocated_on_a_thread_of_their_own():
     assert swap.ready() and len(blocks) == 2 and blocks[0].shape == (3, 2, 4) and blocks[0].dtype == torch.float16
     assert seen == ["swap-space", "swap-space"]
     assert SwapSpace.empty().tensors() == [] and SwapSpace((0, 2), torch.float16, 4, False).tensors() == []
+
+
+def test_a_swap_space_on_the_callers_thread_allocates_a_layer_per_step_or_the_rest_when_read():
+    seen: list[str] = []
+    real_empty = torch.empty
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(threading.current_thread().name)
+        return real_empty(*args, **kwargs)
+
+    torch.empty = spy  # type: ignore[assignment]
+    try:
+        swap = SwapSpace((3, 2, 4), torch.float16, layers=3, pin=False, background=False)
+        assert seen == [] and swap.quiet() and not swap.ready()  # nothing yet, and no thread: captures may run
+        steps = swap.allocation_steps()
+        next(steps)
+        assert len(seen) == 1 and not swap.ready()
+        blocks = swap.tensors()  # the first swap: what is missing, now
+    finally:
+        torch.empty = real_empty  # type: ignore[assignment]
+    assert swap.ready() and len(blocks) == 3 and seen == [threading.current_thread().name] * 3
+    assert list(steps) == []  # the deferred job finds nothing left
+    background = SwapSpace((3, 2, 4), torch.float16, layers=1, pin=False)
+    background.tensors()
+    assert background.quiet() and list(background.allocation_steps()) == []
+
+
+def test_a_cold_runner_allocates_its_swap_space_on_the_step_loop_not_on_a_thread():
+    engine = LLMEngine(EngineConfig(device="cpu", preemption_mode="swap", swap_space=0.01))
+    swap = engine.core.runner.swap
+    assert swap.background is False and swap.quiet()
 
 
 def test_an_allocation_error_is_raised_where_the_blocks_are_needed():
