@@ -75,11 +75,9 @@ def released_while_standing_by(device: torch.device) -> Iterator[None]:
         torch.cuda.empty_cache()
         held = torch.cuda.memory_reserved(device)
         announced = held <= RELEASE_SLACK_BYTES and announce_released(held)
-    try:
-        yield
-    finally:
-        if announced:
-            retract_released()
+    yield  # an exception (its supervisor or rank 0 gone, the standby's limit) means this process leaves: it stays
+    if announced:  # announced, and whoever waits for it does not wait for its exit (a killed spare's ranks: 7 s)
+        retract_released()
 
 
 def release_at_exit(runner: ModelRunner) -> None:

@@ -183,4 +183,9 @@ def test_on_a_gpu_a_standby_is_released_while_it_stands_by_and_not_after(monkeyp
     with released_while_standing_by(torch.device("cuda")):
         assert lifecycle._released(os.getpid())
         assert torch.cuda.memory_reserved() == 0
-    assert not lifecycle._released(os.getpid())
+    assert not lifecycle._released(os.getpid())  # promoted: it holds memory again
+    with pytest.raises(SystemExit):  # its supervisor gone: it leaves, and nobody waits for its exit
+        with released_while_standing_by(torch.device("cuda")):
+            raise SystemExit("gone")
+    assert lifecycle._released(os.getpid())
+    lifecycle.retract_released()
