@@ -37,13 +37,13 @@ import torch
 
 from engine.config import ConfigError, EngineConfig, ResolvedConfig
 from engine.core.plan import StepPlan
-from engine.distributed.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
 from engine.distributed.worker import WorkerArgs, reason_file
 from engine.lifecycle import PROCESS_EXIT
 from engine.logs import startup_detail
 from engine.memory.budget import KVPlan
 from engine.model.loader import ModelInfo
 from engine.model.overlap import set_overlap_tokens
+from engine.parallel.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.deferred import DeferredWork
 from engine.runner.model_runner import ModelRunner

@@ -25,11 +25,11 @@ from torch import nn
 
 import kernels
 from engine.core.plan import SamplingSpec, StepPlan
-from engine.distributed.group import SINGLE, TPGroup
 from engine.kv.kv_cache_manager import blocks_for_tokens
 from engine.model.interface import CausalLM
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.model.layers.linear import VocabEmbedding
+from engine.parallel.group import SINGLE, TPGroup
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from engine.runner.deferred import DeferredWork
 from engine.runner.logits_adjust import SequenceRows

@@ -18,7 +18,6 @@ from torch import nn
 
 from engine.config import ConfigError, ResolvedConfig
 from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
-from engine.distributed.group import SINGLE, TPGroup
 from engine.keeper.client import kept_model
 from engine.lifecycle import STANDBY_LIMIT_S, standby_until_exit
 from engine.logs import startup_detail
@@ -35,6 +34,7 @@ from engine.model.cpu_packing import pack_linears
 from engine.model.interface import CausalLM
 from engine.model.layers.attention import PagedAttention
 from engine.model.loader import ModelInfo, load_model
+from engine.parallel.group import SINGLE, TPGroup
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.deferred import DeferredWork, one_unit
 from engine.runner.kv_scales import calibrate_kv_scales, kv_cache_dtype
