@@ -72,8 +72,9 @@ class LLMEngine:
         self.generation_defaults = load_generation_defaults(config)
         if core is None:
             from engine.core.engine_core import EngineCore
+            from engine.distributed.executor import start_engine_runner
 
-            local = EngineCore(config, defer_startup_work)
+            local = EngineCore(config, start_engine_runner, defer_startup_work)
             self.core: Core = local
             self.tokenizer = local.tokenizer
             self.grammars = local.sequences.grammars  # one compiler: the core's matchers reuse what validation compiled
