@@ -19,10 +19,10 @@ from engine.core.facts import CoreFacts, RecycleReport
 from engine.core.request import RequestStatus
 from engine.generation_defaults import load_generation_defaults
 from engine.kv.kv_cache_manager import blocks_for_tokens
-from engine.metrics import EngineSnapshot
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from engine.stats import EngineSnapshot
 from engine.structured_output import GrammarCompiler
 
 PromptType = Union[str, dict[str, Any], list[int]]

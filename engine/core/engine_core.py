@@ -25,10 +25,10 @@ from engine.gc_heap import freeze_imported_heap
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.logs import configure_logging, startup_detail
 from engine.memory.budget import KVPlan, ranks_table
-from engine.metrics import EngineSnapshot, GapHistogram
 from engine.model.loader import ModelInfo, check_tensor_parallel, inspect_model
 from engine.model.tokenizer_load import load_tokenizer
 from engine.openmp_waits import wait_policy
+from engine.stats import EngineSnapshot, GapHistogram
 
 log = structlog.get_logger("pagekeeper.engine")
 

@@ -400,10 +400,10 @@ def serve(
     timeline = StartupTimeline()
     core = _spawn_core(server_config, engine_config) if server_config.engine_core == "process" else None
     from engine.cpu_threads import CpuThreadPlan, available_cores, bind_serving_threads, plan_cpu_threads
-    from engine.metrics import EngineMetrics
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
     from engine.server.engine_thread import EngineThread
+    from engine.server.metrics import EngineMetrics
     from engine.server.state import ServerState
     from engine.server.stats_log import StatsLogger, interval_from_env
 
