@@ -21,7 +21,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's spelling; fp8 means floa
 QUANTIZATIONS = ("fp8", "awq")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MODEL_NAME = "pagekeeper-default"  # the embedded model's served name, also accepted as --model
-# Engine flags the supervisor sets for one start; no config-file key (engine/config_file.py refuses them there).
+# Engine flags the supervisor sets for one start; no config-file key (engine/server/config_file.py refuses them there).
 INTERNAL_FIELDS = ("weights_keeper", "standby_after", "standby_spare")
 
 

@@ -169,7 +169,7 @@ def _materialize(model: CausalLM, device: torch.device) -> CausalLM:
 
 def _in_model(info: ModelInfo, e: ModelLoadError) -> str:
     """The error after the flag that chose the checkpoint, so that a config file's reader is pointed at its key
-    (engine/config_file.py, in_config_terms) even when the message names a file inside the directory."""
+    (engine/server/config_file.py, in_config_terms) even when the message names a file inside the directory."""
     return f"--model {info.path}: {e}"
 
 

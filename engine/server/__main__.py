@@ -48,13 +48,13 @@ import uvicorn
 
 from engine.chat import load_chat_template
 from engine.config import ConfigError, EngineConfig
-from engine.config_file import SECRET_ENV, engine_args, error_in_file_terms, load_engine_section
 from engine.core_share import CoreShare
 from engine.gc_heap import freeze_startup_heap, resume_startup_collections
 from engine.lifecycle import LIFECYCLE, PROCESS_EXIT, Phase
 from engine.logs import configure_logging
 from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenizer_dir
 from engine.schema import validate_section
+from engine.server.config_file import SECRET_ENV, engine_args, error_in_file_terms, load_engine_section
 from engine.server.control import ControlSocket, admin_handlers
 from engine.server.handover import RESTARTING_MESSAGE, HandoverDrain, HttpTracker, InflightFile
 from engine.server.limits import AcceptErrorsCondensed, BodyLimit, connection_limit, guarded_protocol
