@@ -4,7 +4,8 @@
 
 Every engine start pays these phases: tests start hundreds (the suite's length follows them), and a restart's
 outage on a GPU is the old engine's exit plus the new one's start-up.  Each repeat runs `python -m engine.server`'s
-own `main()` in a fresh interpreter with timing hooks around its phases (importing torch, the server's modules,
+own `main()` with its engine core in the same process (`--engine-core thread`: every phase in one interpreter)
+in a fresh interpreter with timing hooks around its phases (importing torch, the server's modules,
 `inspect_model`: the checkpoint's config.json, `load_tokenizer`, then building the engine until the server listens),
 sends it SIGTERM once it serves, and times SIGTERM to the `stopped` log line (the drain, nothing in flight) and that
 line to the process's exit, in wall seconds and in the CPU seconds the exit used (`exit_cpu_s`: what the exit itself
@@ -13,7 +14,8 @@ served (its threads and reaped children): on a shared host, where other work str
 far less.  The host's load averages before and after the runs are recorded with them.  `--teardown interpreter` ends the
 child with `sys.exit` (the interpreter's module teardown, what the engine did before it exited without it); `skip`
 the way the engine does now (`engine.server.__main__.exit_without_teardown`); `both` alternates them.  The
-embedded default model, on the CPU.
+embedded default model, on the CPU.  `--split on` (the default) alternates each repeat with one of the server as it
+runs by default, its engine core in a process of its own: spawn to serving, and the CPU seconds of both processes.
 
 The JSON result goes to `<out>/startup-phases-<YYYY-MM-DD>.json` with the CPU model, the core count, the package
 versions and the command line; the last line printed is the same JSON.
@@ -151,6 +153,49 @@ def one_run(teardown: str) -> dict[str, Any]:
     return row
 
 
+def one_split_run() -> dict[str, Any]:
+    """The server as it runs by default, its engine core in a process of its own (`--engine-core process`): spawn to
+    the `serving` line, the CPU seconds of the front and the core until then, SIGTERM to the front's exit."""
+    import psutil
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    started = time.time()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "engine.server", "--port", str(_free_port()), "--engine-core", "process"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    assert p.stdout is not None
+    row: dict[str, Any] = {"engine_core": "process"}
+    try:
+        for line in p.stdout:
+            if line.startswith("{") and '"event": "engine_core_ready"' in line:
+                row["core_spawn_to_ready"] = round(float(json.loads(line)["seconds"]), 3)
+            if line.startswith("{") and '"event": "serving"' in line:
+                break
+        else:
+            raise RuntimeError(f"the engine exited before serving (exit code {p.wait()})")
+        row["spawn_to_serving"] = round(time.time() - started, 3)
+        front = psutil.Process(p.pid)
+        cores = front.children(recursive=True)
+        row["front_cpu_s"] = round(sum(front.cpu_times()[:2]), 3)
+        row["core_cpu_s"] = round(sum(sum(c.cpu_times()[:2]) for c in cores), 3)
+        row["to_serving_cpu_s"] = round(row["front_cpu_s"] + row["core_cpu_s"], 3)
+        sent = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        for _ in p.stdout:
+            pass
+        row["exit_code"] = p.wait(timeout=60)
+        row["sigterm_to_exit"] = round(time.monotonic() - sent, 3)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return row
+
+
 def _cpu_id() -> str:
     """Vendor, family, model and stepping from /proc/cpuinfo (a virtual machine's model name can be as short as
     "AMD EPYC"; family 25 model 1 is then Zen 3, Milan)."""
@@ -186,16 +231,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--teardown", choices=("both", "skip", "interpreter"), default="both")
     ap.add_argument("--out", default="benchmarks/results", help="directory for the JSON result ('' = print only)")
+    ap.add_argument(
+        "--split",
+        choices=("on", "off"),
+        default="on",
+        help="also time the default server (its engine core in its own process), alternating with the others",
+    )
     args = ap.parse_args(argv)
     modes = ["skip", "interpreter"] if args.teardown == "both" else [args.teardown]
     load_before = os.getloadavg()
-    rows = [one_run(mode) for _ in range(args.repeats) for mode in modes]  # alternating, one machine
+    rows: list[dict[str, Any]] = []
+    split_rows: list[dict[str, Any]] = []
+    for _ in range(args.repeats):  # alternating, one machine
+        rows += [one_run(mode) for mode in modes]
+        if args.split == "on":
+            split_rows.append(one_split_run())
     load_after = os.getloadavg()
     medians: dict[str, dict[str, float]] = {}
     for mode in modes:
         mine = [r for r in rows if r["teardown"] == mode]
         keys = [k for k, v in mine[0].items() if isinstance(v, float)]
         medians[mode] = {k: round(statistics.median(r[k] for r in mine), 3) for k in keys}
+    if split_rows:
+        keys = [k for k, v in split_rows[0].items() if isinstance(v, float)]
+        medians["split"] = {k: round(statistics.median(r[k] for r in split_rows), 3) for k in keys}
     result = {
         "benchmark": "startup_phases",
         "date": _dt.date.today().isoformat(),
@@ -211,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": "embedded default",
         "medians": medians,
         "rows": rows,
+        "split_rows": split_rows,
     }
     if args.out:
         out = Path(args.out)

@@ -76,3 +76,6 @@ class EngineSnapshot:
     # GapHistogram's state: tokens per bucket (not cumulative, +Inf last) and the sum of the gaps
     token_gap_counts: tuple[int, ...] = field(default_factory=tuple)
     token_gap_sum: float = 0.0
+    # Graph captures and warm-ups still to run after serving began (engine/runner/deferred.py): until they are
+    # done the engine has not settled, and spares wait (engine/coreproc/remote.py, opsctl/launcher.py).
+    startup_work_pending: bool = False

@@ -58,6 +58,10 @@ log = structlog.get_logger("pagekeeper.supervisor")
 
 # A spare engine not standing by this long after its start is stuck (a 70B spare at TP=4 stands by in about 20 s).
 SPARE_READY_S = 180.0
+# A spare starts once the serving engine has settled (its graphs captured, its kernels warmed), at the latest this
+# long after the supervisor first saw it serving: a spare starting beside an engine's first requests took device
+# time from them (the first completion of a cold start came 1.9 s after it served instead of 0.4 s).
+SPARE_SETTLE_MAX_S = 30.0
 
 _LOG_TAIL_BYTES = 4096
 LEAVING_STATES = ("draining", "handing_over", "stopping")  # an engine in these is on its way out by itself
@@ -270,10 +274,16 @@ class EngineProcess:
     def state(self) -> str | None:
         """The engine's lifecycle phase (engine/lifecycle.py: loading, standby, serving, recycling, draining,
         handing_over, stopping), or None when the control socket does not answer."""
+        return self.state_and_settled()[0]
+
+    def state_and_settled(self) -> tuple[str | None, bool]:
+        """The phase, and whether the engine serves with its start-up work done (an engine that does not say
+        counts as settled)."""
         try:
-            return str(self.request("state", timeout=1.0).get("state"))
+            reply = self.request("state", timeout=1.0)
         except (OSError, ValueError):
-            return None
+            return None, False
+        return str(reply.get("state")), bool(reply.get("settled", True))
 
     def stopping_within_deadline(self) -> str | None:
         """ "draining" / "stopping" while the engine is stopping on its own and its deadline (plus the supervisor's
@@ -354,7 +364,7 @@ def stop_unsupervised(engine: EngineProcess, drain: bool, timeout: float) -> Ret
 
 class ProcessLauncher(Launcher):
     name = "process"
-    exit_watch_s = 0.2  # alive() is a waitpid
+    exit_watch_s = 0.05  # alive() is a waitpid; serving_now() one control-socket request
 
     def __init__(
         self,
@@ -376,6 +386,7 @@ class ProcessLauncher(Launcher):
         # serving engine exits (a crash, a kill, a restart's drain), and is then promoted instead of a start.
         self.spare_enabled = spare and not overlap
         self.spare: EngineProcess | None = None
+        self._serving_seen: tuple[int, float] | None = None  # (engine pid, when maintain first saw it serving)
         self.explain = explain
         self.runtime = runtime
         self.log_file = log_file
@@ -518,10 +529,18 @@ class ProcessLauncher(Launcher):
             return
         if self.keeper is not None and not self.keeper.alive():
             return
-        if engine.state() != "serving":
+        state, settled = engine.state_and_settled()
+        if state != "serving":
+            return
+        if self._serving_seen is None or self._serving_seen[0] != engine.pid:
+            self._serving_seen = (engine.pid, time.monotonic())
+        waited = time.monotonic() - self._serving_seen[1]
+        if not settled and waited < SPARE_SETTLE_MAX_S:
             return
         self.spare = self._spawn(standby_after=engine.pid, spare=True)
-        log.info("spare_engine_started", pid=self.spare.pid, behind=engine.pid)
+        log.info(
+            "spare_engine_started", pid=self.spare.pid, behind=engine.pid, settled=settled, waited_s=round(waited, 1)
+        )
 
     def _spare_standing_by(self, timeout: float) -> bool:
         """The spare is ready to take over (it may still be importing: wait for it, it is the fastest way).  One

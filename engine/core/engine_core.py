@@ -375,4 +375,5 @@ class EngineCore:
             reserved_bytes=reserved,
             token_gap_counts=tuple(stats.token_gaps.counts),
             token_gap_sum=stats.token_gaps.sum,
+            startup_work_pending=self.runner.deferred.pending,
         )

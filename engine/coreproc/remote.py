@@ -52,6 +52,7 @@ from engine.stats import EngineSnapshot
 log = structlog.get_logger("pagekeeper.server")
 
 POLL_S = 0.01  # how long one step() waits for the core's next message
+SPARE_SETTLE_MAX_S = 30.0  # a spare core starts at the latest this long after the serving one was ready
 # counters of EngineSnapshot that a new core starts again from zero: the front adds the ended cores' totals
 _COUNTERS = ("prefix_queries", "prefix_hits", "prompt_tokens", "generation_tokens", "preemptions", "steps")
 
@@ -135,6 +136,12 @@ class RemoteCore:
         self.pid: int | None = None
         self.spare_core = spare_core
         self._spare: tuple[subprocess.Popen[bytes], Connection] | None = None
+        # A spare starts once the serving core has settled (its start-up work done), at the latest this long after
+        # it was ready: a spare's start (imports, CUDA context, weights, warm-ups) took device time from the first
+        # requests of the core it stands behind, whose graphs were still being captured.
+        self._spare_due: float | None = None
+        self._settled = False
+        self._last_ready = 0.0
         self._spawn()
         if wait:
             self.wait_ready()
@@ -196,7 +203,13 @@ class RemoteCore:
         stands behind has exited or freed it).  A front that stops kills it first."""
         config = dataclasses.replace(self.config, standby_after=self._proc.pid, standby_spare=True)
         self._spare = self._start_process(config, spare=True)
-        log.info("engine_core_spare_started", pid=self._spare[0].pid, behind=self._proc.pid)
+        log.info(
+            "engine_core_spare_started",
+            pid=self._spare[0].pid,
+            behind=self._proc.pid,
+            after_ready_s=round(time.monotonic() - self._last_ready, 3),
+            settled=self._settled,
+        )
 
     def _wait_ready(self, timeout: float) -> None:
         try:
@@ -220,7 +233,7 @@ class RemoteCore:
         first = self._facts is None
         self._facts, self.pid, self.cpu_plan = msg.facts, msg.pid, msg.cpu_plan
         self._ready = True
-        self._last_heard = time.monotonic()
+        self._last_heard = self._last_ready = time.monotonic()
         admits = self.inflight.admits()
         for admit in admits:
             self._send(admit)
@@ -230,8 +243,16 @@ class RemoteCore:
             seconds=round(self._last_heard - self._spawned_at, 3),
             resumed=0 if first else len(admits),
         )
+        self._settled = False
         if self.spare_core and self._spare is None and not self._closing:
-            self._spawn_spare()
+            self._spare_due = self._last_heard + SPARE_SETTLE_MAX_S
+
+    def _spare_when_settled(self) -> None:
+        due = self._spare_due
+        if due is None or self._closing or not (self._settled or time.monotonic() >= due):
+            return
+        self._spare_due = None
+        self._spawn_spare()
 
     @staticmethod
     def _follow_phase(phase: str) -> None:
@@ -306,20 +327,25 @@ class RemoteCore:
                 if time.monotonic() - self._last_heard > self.stall_s:
                     log.error("engine_core_silent", seconds=round(time.monotonic() - self._last_heard, 1))
                     self._core_ended("hang")
+                else:
+                    self._spare_when_settled()
                 return
             while True:
                 msg = self._conn.recv()
                 self._heard(msg)
                 if not self._conn.poll(0):
-                    return
+                    break
         except (EOFError, OSError):
             self._core_ended("exit")
+            return
+        self._spare_when_settled()
 
     def _heard(self, msg: object) -> None:
         self._last_heard = time.monotonic()
         if isinstance(msg, Stepped):
             self._stash.extend(msg.deltas)
             self._snapshot = msg.snapshot
+            self._settled = self._settled or not msg.snapshot.startup_work_pending
         elif isinstance(msg, Recycled):
             self._recycled = msg
 
@@ -398,7 +424,9 @@ class RemoteCore:
 
     def snapshot(self) -> EngineSnapshot:
         if not self._ready:  # a core starting: what waits for it is the backlog
-            return dataclasses.replace(self._rebased(EngineSnapshot()), waiting=len(self.inflight))
+            return dataclasses.replace(
+                self._rebased(EngineSnapshot()), waiting=len(self.inflight), startup_work_pending=True
+            )
         return self._rebased(self._snapshot)
 
     def recycle(self) -> tuple[list[SeqDelta], RecycleReport]:

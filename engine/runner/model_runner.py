@@ -26,6 +26,7 @@ from torch import nn
 import kernels
 from engine.core.plan import DevicePromptLogprobs, DeviceSample, SamplerOutput, SamplingSpec, StepPlan
 from engine.kv.kv_cache_manager import blocks_for_tokens
+from engine.memory.kv_alloc import allocate_kv_caches
 from engine.model.interface import CausalLM
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.model.layers.linear import VocabEmbedding
@@ -153,7 +154,7 @@ class ModelRunner:
         self.model_dtype = model_dtype = dtype
         self.kv_dtype = dtype = kv_dtype or dtype  # the cache's dtype: the model's, or float8_e4m3fn
         shape = kv_cache_shape(model, num_blocks, block_size, device)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
+        self.kv_caches = allocate_kv_caches(shape, dtype, device, model.num_layers)  # one allocation
         # Swap space (engine/runner/swap_space.py): written before it is read, so not zeroed; pinned on CUDA.  A
         # start-up that knew its size earlier passes the one it began allocating then.
         self._pin = device.type == "cuda"  # host copies go through pinned memory

@@ -579,6 +579,7 @@ class DrainOnTermServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         if control is not None:
             control.set_in_flight_reader(lambda: tracker.in_flight)
+            control.set_settled_reader(lambda: not async_engine.startup_work_pending)
             control.handlers["drain_exit"] = self._drain_exit
             control.handlers["stop_now"] = lambda req: self._request_stop("now", 0.0)
             control.handlers.update(admin_handlers(async_engine, lambda: self._loop))  # opsctl drain / resume

@@ -196,6 +196,8 @@ class AsyncEngine:
         self.lifecycle.listen(self._phase_changed)
         self.stop_reason = ""
         self.heartbeat = time.monotonic()
+        # The latest snapshot says start-up work (graph captures, warm-ups) is still to run: not settled yet.
+        self.startup_work_pending = True
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: deque[Command] = deque()
@@ -423,6 +425,7 @@ class AsyncEngine:
             elif self.engine.has_deferred_work():
                 self.engine.run_deferred()  # start-up work left for after serving began (engine/runner/deferred.py)
             stats.steps = self.loop_iterations  # the loop's heartbeat, idle iterations included
+            self.startup_work_pending = stats.startup_work_pending
             self.metrics.update(stats)
             for step_hook in self._on_step:
                 step_hook()

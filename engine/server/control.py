@@ -49,6 +49,7 @@ class ControlSocket:
         self.stop_deadline: float | None = None
         self.handlers: dict[str, Handler] = {}  # filled in once the server exists
         self._in_flight: Callable[[], int] = lambda: 0
+        self._settled: Callable[[], bool] = lambda: False
         self.path.unlink(missing_ok=True)
         old = os.umask(0o177)
         try:
@@ -65,6 +66,11 @@ class ControlSocket:
 
     def set_in_flight_reader(self, reader: Callable[[], int]) -> None:
         self._in_flight = reader
+
+    def set_settled_reader(self, reader: Callable[[], bool]) -> None:
+        """`settled` in the state reply: serving with its start-up work (graph captures, warm-ups) done, what the
+        supervisor waits for before it starts a spare beside it (opsctl/launcher.py)."""
+        self._settled = reader
 
     def close(self) -> None:
         self._sock.close()
@@ -106,6 +112,7 @@ class ControlSocket:
             log.info("control_request", command=cmd, peer_pid=pid, peer_uid=uid, peer=_process_name(pid))
         if cmd == "state":
             reply = {"ok": True, "pid": os.getpid(), "state": self.state, "in_flight": self._in_flight()}
+            reply["settled"] = self.state == "serving" and self._settled()
             if self.stop_deadline is not None:
                 reply["stop_left_s"] = round(self.stop_deadline - time.monotonic(), 3)
         elif cmd == "listen_fd":

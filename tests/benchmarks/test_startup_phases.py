@@ -1,5 +1,5 @@
 """The start-up phases benchmark runs end to end: a real engine process per repeat, timed from spawn to serving and
-from SIGTERM to exit, with and without the interpreter's teardown."""
+from SIGTERM to exit, with and without the interpreter's teardown, and the default split server beside them."""
 
 from __future__ import annotations
 
@@ -31,3 +31,9 @@ def test_one_repeat_of_each_exit_times_every_phase() -> None:
     # seconds: wall seconds swing with the other worker's load (a CI run measured the skip's exit at 0.66 s of wall
     # against the teardown's 0.35 s), CPU seconds do not (0.12 s against 0.35 s here).
     assert rows["skip"]["exit_cpu_s"] < rows["interpreter"]["exit_cpu_s"]
+    # The default server (its core in a process of its own), alternated with the others: timed from spawn to serving,
+    # with the CPU of both processes.
+    (split,) = result["split_rows"]
+    assert split["exit_code"] == 0 and 0 < split["core_spawn_to_ready"] < split["spawn_to_serving"]
+    assert split["core_cpu_s"] > 0.5 and split["front_cpu_s"] > 0.1  # the core imports torch, the front does not
+    assert set(result["medians"]) == {"skip", "interpreter", "split"}
