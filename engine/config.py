@@ -21,7 +21,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's spelling; fp8 means floa
 QUANTIZATIONS = ("fp8", "awq")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MODEL_NAME = "pagekeeper-default"  # the embedded model's served name, also accepted as --model
-# Engine flags the supervisor sets for one start; no config-file key (engine/config_file.py refuses them there).
+# Engine flags the supervisor sets for one start; no config-file key (engine/server/config_file.py refuses them there).
 INTERNAL_FIELDS = ("weights_keeper", "standby_after", "standby_spare")
 
 
@@ -300,7 +300,7 @@ class EngineConfig:
     def model_path(self) -> str:
         """The checkpoint directory, the embedded default when none was given (or its served name)."""
         if self.model and self.model != DEFAULT_MODEL_NAME:
-            from engine.model.hub import hub_snapshot, is_hub_id
+            from engine.hub import hub_snapshot, is_hub_id
 
             return hub_snapshot(self.model) if is_hub_id(self.model) else os.path.expanduser(self.model)
         from engine.default_model import DEFAULT_MODEL_DIR
@@ -312,7 +312,7 @@ class EngineConfig:
             return self.served_model_name
         if not self.model or self.model == DEFAULT_MODEL_NAME:
             return DEFAULT_MODEL_NAME
-        from engine.model.hub import is_hub_id
+        from engine.hub import is_hub_id
 
         if is_hub_id(self.model):
             return self.model  # the Hub id, as vLLM serves it

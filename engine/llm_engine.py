@@ -19,10 +19,10 @@ from engine.core.facts import CoreFacts, RecycleReport
 from engine.core.request import RequestStatus
 from engine.generation_defaults import load_generation_defaults
 from engine.kv.kv_cache_manager import blocks_for_tokens
-from engine.metrics import EngineSnapshot
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from engine.stats import EngineSnapshot
 from engine.structured_output import GrammarCompiler
 
 PromptType = Union[str, dict[str, Any], list[int]]
@@ -72,8 +72,9 @@ class LLMEngine:
         self.generation_defaults = load_generation_defaults(config)
         if core is None:
             from engine.core.engine_core import EngineCore
+            from engine.distributed.executor import start_engine_runner
 
-            local = EngineCore(config, defer_startup_work)
+            local = EngineCore(config, start_engine_runner, defer_startup_work)
             self.core: Core = local
             self.tokenizer = local.tokenizer
             self.grammars = local.sequences.grammars  # one compiler: the core's matchers reuse what validation compiled

@@ -20,8 +20,15 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from engine.config import ConfigError
-from engine.config_file import SECTIONS, SERVER_KEYS, engine_args, engine_env, read_config_file, validate_engine_section
 from engine.schema import validate_section
+from engine.server.config_file import (
+    SECTIONS,
+    SERVER_KEYS,
+    engine_args,
+    engine_env,
+    read_config_file,
+    validate_engine_section,
+)
 from engine.server.settings import Host
 from opsctl.instances import DEFAULT_INSTANCE, INSTANCE_PATTERN, config_path_for, engine_unit_for, runtime_dir_for
 from opsctl.policy import PolicyConfig

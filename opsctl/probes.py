@@ -26,9 +26,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("pagekeeper.supervisor")
 
-# Engine metrics the policy, the status and `opsctl top` read (base names, see engine/metrics.py), summed over their
-# label sets.  An engine exports vLLM's names (vllm:x), the seed's (vllm_x) or both (--metrics-names); each field is
-# read from the first name present in this order, so that an engine exporting both is not counted twice.
+# Engine metrics the policy, the status and `opsctl top` read (base names, see engine/server/metrics.py), summed over
+# their label sets.  An engine exports vLLM's names (vllm:x), the seed's (vllm_x) or both (--metrics-names); each
+# field is read from the first name present in this order, so that an engine exporting both is not counted twice.
 WANTED_BASES = {
     "cache_usage": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
     "running": ("num_requests_running",),

@@ -27,8 +27,8 @@ from typing import Any
 import structlog
 
 from engine.config import ConfigError
-from engine.config_file import SECRET_ENV, in_config_terms
 from engine.logs import configure_logging
+from engine.server.config_file import SECRET_ENV, in_config_terms
 from engine.server.settings import read_secret
 from opsctl.bytecode import bytecode_plan
 from opsctl.config import PagekeeperConfig, load_config

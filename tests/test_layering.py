@@ -1,13 +1,19 @@
 """The package layering the design depends on, checked on the source (not on what happens to load).
 
+- `LAYERS` is the order of the packages, from the bottom up (docs/architecture.md, "Layers and packages"): a
+  module imports its own layer and the layers below it, never one above, so no two packages import each other
+  (no package cycle either).  Every import counts, at module level, inside a function and under `if TYPE_CHECKING:`.
+- The core and its process keep plain numbers: nothing they can import brings in prometheus_client.
 - `engine/runner` takes plans and returns tokens: from `engine.core` it may import only the plan
-  type, so that a worker process (tensor parallelism) needs nothing else of the core.
+  module (the contract between the two), so that a worker process (tensor parallelism) needs nothing else of
+  the core.
 - `engine/` never imports `opsctl/`: the ops kit depends on the engine, not the reverse.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,6 +36,185 @@ def _offenders(package: str, forbidden: str, allowed: tuple[str, ...] = ()) -> l
             if (name == forbidden or name.startswith(forbidden + ".")) and name not in allowed:
                 found.append(f"{path.relative_to(REPO)} imports {name}")
     return found
+
+
+# The layers, bottom first; each is a package or a group of engine's root modules.  A new module or package goes
+# into the lowest layer it can (test_every_module_has_a_layer says where one is missing).
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # flags and their checks, request and output types, plain stats, logging, the process's lifecycle, host tuning
+    (
+        "engine's foundation",
+        (
+            "engine/config.py",
+            "engine/hub.py",
+            "engine/schema.py",
+            "engine/default_model",
+            "engine/cache_dir.py",
+            "engine/logs.py",
+            "engine/lifecycle.py",
+            "engine/sampling_params.py",
+            "engine/outputs.py",
+            "engine/generation_defaults.py",
+            "engine/bad_words.py",
+            "engine/structured_output.py",
+            "engine/chat.py",
+            "engine/stats.py",
+            "engine/gc_heap.py",
+            "engine/openmp_waits.py",
+            "engine/cpu_threads.py",
+            "engine/core_share.py",
+        ),
+    ),
+    ("kernels", ("kernels",)),
+    ("the tensor-parallel group", ("engine/parallel",)),
+    ("models", ("engine/model",)),
+    ("the KV blocks", ("engine/kv",)),
+    ("the memory plan", ("engine/memory",)),
+    ("the weights keeper", ("engine/keeper",)),
+    # the scheduler and the step loop, in token ids; it drives a runner through the contract in engine/core/plan.py
+    ("the core", ("engine/core",)),
+    ("the runner", ("engine/runner",)),
+    ("tensor-parallel ranks", ("engine/distributed",)),
+    ("the core's process", ("engine/coreproc",)),
+    # the engine's front and public API: a core in this process or another, outputs, `LLM` (engine/__init__.py names
+    # its exports as strings, the highest of them engine.llm)
+    (
+        "engine's front",
+        (
+            "engine/__init__.py",
+            "engine/llm_engine.py",
+            "engine/output_processor.py",
+            "engine/llm.py",
+            "engine/generate.py",
+        ),
+    ),
+    ("the HTTP server", ("engine/server",)),
+    ("the ops kit", ("opsctl",)),
+)
+
+
+def _unit(path: Path) -> str | None:
+    """The LAYERS entry `path` (a file of the repository) belongs to."""
+    rel = path.relative_to(REPO).as_posix()
+    for _, units in LAYERS:
+        for unit in units:
+            if rel == unit or rel.startswith(unit + "/"):
+                return unit
+    return None
+
+
+def _layer_of() -> dict[str, int]:
+    return {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units}
+
+
+def _module_file(name: str) -> Path | None:
+    """The file of module `name` in this repository (an attribute's name resolves to its module)."""
+    parts = name.split(".")
+    while parts:
+        base = REPO.joinpath(*parts)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+        parts.pop()
+    return None
+
+
+@functools.cache
+def _every_import(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every import in `path`: module level, in functions and under TYPE_CHECKING alike."""
+    package = path.relative_to(REPO).with_suffix("").parts[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] if node.level else ())
+            module = ".".join(p for p in (base, node.module or "") if p)
+            # `from engine import llm` imports the module engine.llm
+            found += [(node.lineno, f"{module}.{a.name}") for a in node.names]
+    return found
+
+
+def _package_imports() -> list[tuple[str, str, str, str]]:
+    """(importer unit, imported unit, importer path:line, module) for every import from one unit into another."""
+    edges = []
+    for top in ("engine", "kernels", "opsctl"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            src = _unit(path)
+            for line, name in _every_import(path):
+                target = _module_file(name)
+                dst = _unit(target) if target is not None else None
+                if src is not None and dst is not None and dst != src:
+                    edges.append((src, dst, f"{path.relative_to(REPO)}:{line}", name))
+    return edges
+
+
+def test_every_module_has_a_layer():
+    modules = [p for top in ("engine", "kernels", "opsctl") for p in (REPO / top).rglob("*.py")]
+    assert [str(p.relative_to(REPO)) for p in modules if _unit(p) is None] == []
+    units = [unit for _, layer in LAYERS for unit in layer]
+    assert [u for u in units if not (REPO / u).exists()] == []
+    assert len(units) == len(set(units))
+
+
+def test_no_import_runs_back_up_the_layers():
+    layer = _layer_of()
+    upward = [
+        f"{where} imports {name}: {LAYERS[layer[src]][0]} is below {LAYERS[layer[dst]][0]}"
+        for src, dst, where, name in _package_imports()
+        if layer[dst] > layer[src]
+    ]
+    hint = "imports that run back up (move the shared type down, or hand the object in):\n"
+    assert upward == [], hint + "\n".join(upward)
+
+
+def test_no_package_cycle():
+    """No two packages (or groups of root modules) reach each other through their imports, whatever the order says."""
+    layer = _layer_of()
+    graph: dict[str, set[str]] = {}
+    for src, dst, _, _ in _package_imports():
+        if layer[src] != layer[dst]:
+            graph.setdefault(LAYERS[layer[src]][0], set()).add(LAYERS[layer[dst]][0])
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    cyclic = sorted(unit for unit in graph if unit in reach(unit))
+    assert cyclic == [], f"layers on an import cycle: {cyclic}"
+
+
+def _reachable(starts: list[Path]) -> set[Path]:
+    """Every module of the repository that importing `starts` can import, at any depth and by any import."""
+    seen: set[Path] = set()
+    todo = list(starts)
+    while todo:
+        path = todo.pop()
+        if path not in seen:
+            seen.add(path)
+            todo += [f for _, name in _every_import(path) if (f := _module_file(name)) is not None]
+    return seen
+
+
+def _offenders_in(paths: set[Path], forbidden: str) -> list[str]:
+    return sorted(
+        f"{path.relative_to(REPO)} imports {name}"
+        for path in paths
+        for _, name in _every_import(path)
+        if name == forbidden or name.startswith(forbidden + ".")
+    )
+
+
+def test_the_core_and_its_process_reach_no_prometheus():
+    """Prometheus is the HTTP server's (engine/server/metrics.py): the core and its process keep plain numbers
+    (engine/stats.py), and nothing they can import brings prometheus_client in."""
+    starts = [REPO / "engine/coreproc/core_main.py", *sorted((REPO / "engine/core").glob("*.py"))]
+    assert _offenders_in(_reachable(starts), "prometheus_client") == []
 
 
 def test_the_runner_imports_only_the_plan_from_the_core():

@@ -18,19 +18,17 @@ from engine.core.admission import SequenceFactory, ValidRequest
 from engine.core.deltas import SeqDelta
 from engine.core.facts import CoreFacts, RecycleReport
 from engine.core.first_steps import FIRST_STEPS_LOGGED, FirstSteps
-from engine.core.plan import StepPlan
+from engine.core.plan import DeviceSample, StartRunner, StepPlan, StepRunner
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.gc_heap import freeze_imported_heap
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.logs import configure_logging, startup_detail
 from engine.memory.budget import KVPlan, ranks_table
-from engine.metrics import EngineSnapshot, GapHistogram
 from engine.model.loader import ModelInfo, check_tensor_parallel, inspect_model
 from engine.model.tokenizer_load import load_tokenizer
 from engine.openmp_waits import wait_policy
-from engine.runner.sampler import DeviceSample
-from engine.runner.startup import StepRunner
+from engine.stats import EngineSnapshot, GapHistogram
 
 log = structlog.get_logger("pagekeeper.engine")
 
@@ -68,7 +66,8 @@ DEFERRED_AFTER_LOAD_S = 3.0
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, defer_startup_work: bool = False) -> None:
+    def __init__(self, config: EngineConfig, start_runner: StartRunner, defer_startup_work: bool = False) -> None:
+        """`start_runner` brings the runner up (engine/distributed/executor.py, start_engine_runner)."""
         freeze_imported_heap()  # a server's imported modules, out of start-up's last collection (engine/gc_heap.py)
         configure_logging()
         started = time.monotonic()
@@ -83,9 +82,7 @@ class EngineCore:
         tokenizer_loaded = time.monotonic()
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(self.model_info, config.tensor_parallel_size)  # before any process starts
-        from engine.distributed.executor import start_engine_runner
-
-        up, runner, self.rank_plans = start_engine_runner(self.config, self.model_info, defer_startup_work)
+        up, runner, self.rank_plans = start_runner(self.config, self.model_info, defer_startup_work)
         self.runner: StepRunner = runner
         self.model, self.kv_plan = up.model, up.kv_plan
         self.preemption_mode = up.preemption_mode

@@ -9,15 +9,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from engine.core.deltas import PromptLogprob
-from engine.core.plan import SamplingSpec
+from engine.core.plan import PromptLogprobsChunk, SamplingSpec
 from engine.sampling_params import SamplingParams
 from engine.structured_output import TokenMatcher
-
-if TYPE_CHECKING:
-    from engine.runner.sampler import PromptLogprobsChunk
 
 
 class RequestStatus(enum.Enum):

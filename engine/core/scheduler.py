@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.core.deltas import SeqDelta
-from engine.core.plan import NewSeq, SeqStep, StepPlan
+from engine.core.plan import NewSeq, SamplerOutput, SeqStep, StepPlan
 from engine.core.request import Request, RequestStatus
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.runner.sampler import SamplerOutput
 
 
 @dataclass(slots=True)

@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from engine.core.engine_core import EngineCore
+    from engine.distributed.executor import start_engine_runner
 
     config = start.config
     # a standby start (engine/lifecycle.py: standby_until_exit) is the front's to report
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             bind_compute_thread(plan)  # this process computes; its front keeps the serving cores
         share = CoreShare(torch.get_num_threads(), start.share_cores_with)
         share()
-        core = EngineCore(config, defer_startup_work=True)
+        core = EngineCore(config, start_engine_runner, defer_startup_work=True)
     except ConfigError as e:
         resume_startup_collections()
         conn.send(Refused(str(e)))

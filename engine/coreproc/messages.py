@@ -14,7 +14,7 @@ from engine.core.admission import ValidRequest
 from engine.core.deltas import SeqDelta
 from engine.core.facts import CoreFacts, RecycleReport
 from engine.cpu_threads import CpuThreadPlan
-from engine.metrics import EngineSnapshot
+from engine.stats import EngineSnapshot
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from engine.coreproc.messages import (
 )
 from engine.cpu_threads import CpuThreadPlan
 from engine.lifecycle import LIFECYCLE, Phase, descendants, wait_gone_or_released
-from engine.metrics import EngineSnapshot
+from engine.stats import EngineSnapshot
 
 log = structlog.get_logger("pagekeeper.server")
 

@@ -36,20 +36,19 @@ import structlog
 import torch
 
 from engine.config import ConfigError, EngineConfig, ResolvedConfig
-from engine.core.plan import StepPlan
-from engine.distributed.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
+from engine.core.plan import DeviceSample, StepPlan, StepRunner
 from engine.distributed.worker import WorkerArgs, reason_file
 from engine.lifecycle import PROCESS_EXIT
 from engine.logs import startup_detail
 from engine.memory.budget import KVPlan
 from engine.model.loader import ModelInfo
 from engine.model.overlap import set_overlap_tokens
+from engine.parallel.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.deferred import DeferredWork
 from engine.runner.model_runner import ModelRunner
 from engine.runner.piecewise import PiecewiseForward
 from engine.runner.release import release_at_exit, release_for_successor
-from engine.runner.sampler import DeviceSample
 from engine.runner.startup import StartedRunner, start_runner
 
 log = structlog.get_logger("pagekeeper.engine")
@@ -307,7 +306,7 @@ def _spawn_worker(args: WorkerArgs) -> tuple[subprocess.Popen[bytes], Connection
 
 def start_engine_runner(
     config: ResolvedConfig, info: ModelInfo, defer: bool = False
-) -> tuple[StartedRunner, Any, list[KVPlan]]:
+) -> tuple[StartedRunner, StepRunner, list[KVPlan]]:
     """(the started rank-0 runner, the runner the core drives, every rank's KV plan); `defer`: see start_runner."""
     if config.tensor_parallel_size == 1:
         up = start_runner(config, info, rank_device(config, 0), defer=defer)

@@ -112,13 +112,13 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
     import torch.distributed as dist
     from torch.distributed import TCPStore
 
-    from engine.distributed.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
+    from engine.core.plan import DeviceSample
     from engine.gc_heap import freeze_imported_heap, freeze_startup_heap
     from engine.logs import configure_logging
     from engine.memory.budget import KVPlan
     from engine.model.overlap import set_overlap_tokens
+    from engine.parallel.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
     from engine.runner.release import release_for_successor
-    from engine.runner.sampler import DeviceSample
     from engine.runner.startup import start_runner
 
     freeze_imported_heap()  # out of start-up's last collection (engine/gc_heap.py)

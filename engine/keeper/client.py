@@ -17,12 +17,12 @@ import structlog
 import torch
 
 from engine.config import EngineConfig, ResolvedConfig
-from engine.distributed.group import SINGLE, TPGroup
 from engine.keeper.arena import TensorView, open_shared, replace_tensors, unique_tensors, view_of
 from engine.keeper.protocol import request, weights_key
 from engine.model.interface import CausalLM
 from engine.model.loader import ModelInfo, build_on_meta
 from engine.model.weights import finish_loading
+from engine.parallel.group import SINGLE, TPGroup
 
 log = structlog.get_logger("pagekeeper.engine")
 

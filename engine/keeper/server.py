@@ -21,11 +21,11 @@ import structlog
 import torch
 
 from engine.config import ConfigError, EngineConfig
-from engine.distributed.group import TPGroup
 from engine.keeper.arena import TensorView, export, materialize, share
 from engine.keeper.protocol import MAX_FDS, peer_uid, send_reply, weights_key
 from engine.model.interface import CausalLM
 from engine.model.loader import ModelInfo, build_on_meta, check_checkpoint, fill_weights, inspect_model
+from engine.parallel.group import TPGroup
 
 log = structlog.get_logger("pagekeeper.keeper")
 
@@ -63,7 +63,7 @@ class Keeper:
 
     def load(self) -> None:
         """Load every rank (raises ConfigError for a checkpoint that cannot be loaded)."""
-        from engine.distributed.launch import rank_device
+        from engine.parallel.launch import rank_device
 
         started = time.monotonic()
         info = inspect_model(self.config)

@@ -105,8 +105,8 @@ def rank_shapes(config: EngineConfig, info: ModelInfo) -> list[RankShape]:
 
     import torch
 
-    from engine.distributed.group import TPGroup
     from engine.model.loader import build_on_meta
+    from engine.parallel.group import TPGroup
 
     elem = torch.empty((), dtype=info.dtype).element_size()
     plain = dataclasses.replace(info, quant=None)

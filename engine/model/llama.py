@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 import kernels
-from engine.distributed.group import SINGLE, HeadSplit, Part, TPGroup
 from engine.model.interface import PiecewiseLM
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.model.layers.linear import MergedLinear, RowLinear, VocabEmbedding
@@ -22,6 +21,7 @@ from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import RotaryEmbedding, rope_settings
 from engine.model.overlap import overlaps, two_batch_forward
 from engine.model.weights import CheckpointTensor, load_named_weights
+from engine.parallel.group import SINGLE, HeadSplit, Part, TPGroup
 
 
 @dataclass

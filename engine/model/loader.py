@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from engine.config import ConfigError, EngineConfig
-from engine.distributed.group import SINGLE, TPGroup
 from engine.model.checkpoint_dir import require_checkpoint_dir
 from engine.model.device_copy import parallel_copies
 from engine.model.hf_config import load_hf_config
@@ -26,6 +25,7 @@ from engine.model.interface import CausalLM
 from engine.model.quant import QuantSpec, check_device, check_dtype, resolve_quantization
 from engine.model.registry import ARCHITECTURES, supported
 from engine.model.weights import CheckpointTensor, ModelLoadError, finish_loading, iter_checkpoint
+from engine.parallel.group import SINGLE, TPGroup
 
 log = structlog.get_logger("pagekeeper.loader")
 
@@ -169,7 +169,7 @@ def _materialize(model: CausalLM, device: torch.device) -> CausalLM:
 
 def _in_model(info: ModelInfo, e: ModelLoadError) -> str:
     """The error after the flag that chose the checkpoint, so that a config file's reader is pointed at its key
-    (engine/config_file.py, in_config_terms) even when the message names a file inside the directory."""
+    (engine/server/config_file.py, in_config_terms) even when the message names a file inside the directory."""
     return f"--model {info.path}: {e}"
 
 

@@ -12,11 +12,11 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from engine.distributed.group import SINGLE, HeadSplit, Part, TPGroup
 from engine.model.interface import CausalLM
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.model.layers.linear import ColumnLinear, MergedLinear, RowLinear, VocabEmbedding
 from engine.model.weights import CheckpointTensor, load_named_weights
+from engine.parallel.group import SINGLE, HeadSplit, Part, TPGroup
 
 _POSITION_OFFSET = 2  # OPT's learned position table starts two rows in
 

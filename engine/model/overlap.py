@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from engine.distributed.group import Reduction
 from engine.model.layers.attention import AttentionMetadata
+from engine.parallel.group import Reduction
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaForCausalLM

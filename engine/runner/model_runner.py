@@ -24,24 +24,18 @@ import torch
 from torch import nn
 
 import kernels
-from engine.core.plan import SamplingSpec, StepPlan
-from engine.distributed.group import SINGLE, TPGroup
+from engine.core.plan import DevicePromptLogprobs, DeviceSample, SamplerOutput, SamplingSpec, StepPlan
 from engine.kv.kv_cache_manager import blocks_for_tokens
 from engine.memory.kv_alloc import allocate_kv_caches
 from engine.model.interface import CausalLM
 from engine.model.layers.attention import AttentionMetadata, PagedAttention
 from engine.model.layers.linear import VocabEmbedding
+from engine.parallel.group import SINGLE, TPGroup
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from engine.runner.deferred import DeferredWork
 from engine.runner.logits_adjust import SequenceRows
 from engine.runner.piecewise import PieceGraphs, PiecewiseForward, supports_pieces, token_buckets
-from engine.runner.sampler import (
-    DevicePromptLogprobs,
-    DeviceSample,
-    SamplerOutput,
-    SamplingBatch,
-    sample_on_device,
-)
+from engine.runner.sampler import SamplingBatch, sample_on_device
 from engine.runner.swap_space import SwapSpace
 from kernels.dense_prefill import DenseChunks, runs_of
 

@@ -26,9 +26,9 @@ from typing import Iterator, TypeGuard
 import torch
 from torch import nn
 
-from engine.distributed.group import SINGLE, TPGroup
 from engine.model.interface import PiecewiseLM
 from engine.model.layers.attention import AttentionMetadata
+from engine.parallel.group import SINGLE, TPGroup
 from engine.runner.cuda_graphs import padded_size
 
 # Token counts above this run eagerly: a step of 1,024 tokens keeps an 8B model's GPU busy ~20 ms, several

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.plan import DeviceSample
 from engine.runner.logits_adjust import LogitsAdjustment, SequenceRows, apply_min_p
 
 
@@ -32,75 +33,6 @@ class SamplingBatch:
     rows: SequenceRows | None = None  # the per-sequence device rows they read and `record` updates
     mask_rows: torch.Tensor | None = None  # structured outputs: these rows may only take ...
     token_masks: torch.Tensor | None = None  # ... the tokens whose bit is set ([R, ceil(V / 32)] int32)
-
-
-@dataclass
-class PromptLogprobsChunk:
-    """Logprobs of prompt tokens first_position, first_position + 1, ... of one sequence, as one
-    step's (chunk of the) prefill computed them from the positions before each."""
-
-    seq_id: str
-    first_position: int
-    logprobs: list[float]
-    ranks: list[int]  # 1: the prompt token was the most likely
-    top: list[dict[int, float]] | None  # the request's top-k at each position (None: k = 0)
-
-
-@dataclass
-class DevicePromptLogprobs:
-    """A PromptLogprobsChunk while on the device."""
-
-    seq_id: str
-    first_position: int
-    logprobs: torch.Tensor  # [m] float32
-    ranks: torch.Tensor  # [m] int64
-    top_ids: torch.Tensor | None  # [m, k]
-    top_values: torch.Tensor | None
-
-    def to_host(self) -> PromptLogprobsChunk:
-        top = None
-        if self.top_ids is not None and self.top_values is not None:
-            top = [dict(zip(i, v)) for i, v in zip(self.top_ids.tolist(), self.top_values.tolist())]
-        return PromptLogprobsChunk(self.seq_id, self.first_position, self.logprobs.tolist(), self.ranks.tolist(), top)
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[float] | None  # of the chosen tokens
-    top_logprobs: list[dict[int, float]] | None
-    prompt_logprobs: list[PromptLogprobsChunk] | None = None
-
-
-@dataclass
-class DeviceSample:
-    """A step's samples while they may still be computing: tensors on the device, not yet read.
-
-    Reading them (`to_host`) waits for the device; the step loop does that as late as it can, so
-    that the CPU work of the previous step overlaps this step's GPU work.
-    """
-
-    token_ids: torch.Tensor  # [S] int64
-    logprobs: torch.Tensor | None  # [S] float32
-    top_ids: torch.Tensor | None  # [S, k]
-    top_values: torch.Tensor | None  # [S, k]
-    ready: torch.cuda.Event | None = None
-    device_token_ids: torch.Tensor | None = None  # the tokens where they were computed: the next step's inputs
-    prompt_logprobs: list[DevicePromptLogprobs] | None = None  # read with the tokens (small: one row each)
-
-    @property
-    def tokens_on_device(self) -> torch.Tensor:
-        return self.token_ids if self.device_token_ids is None else self.device_token_ids
-
-    def to_host(self) -> SamplerOutput:
-        if self.ready is not None:
-            self.ready.synchronize()
-        top = None
-        if self.top_ids is not None and self.top_values is not None:
-            top = [dict(zip(i, v)) for i, v in zip(self.top_ids.tolist(), self.top_values.tolist())]
-        lp = self.logprobs.tolist() if self.logprobs is not None else None
-        prompt = [p.to_host() for p in self.prompt_logprobs] if self.prompt_logprobs else None
-        return SamplerOutput(self.token_ids.tolist(), lp, top, prompt)
 
 
 def sample_on_device(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator
 
 import structlog
 import torch
@@ -18,7 +18,6 @@ from torch import nn
 
 from engine.config import ConfigError, ResolvedConfig
 from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
-from engine.distributed.group import SINGLE, TPGroup
 from engine.keeper.client import kept_model
 from engine.lifecycle import STANDBY_LIMIT_S, standby_until_exit
 from engine.logs import startup_detail
@@ -35,36 +34,19 @@ from engine.model.cpu_packing import pack_linears
 from engine.model.interface import CausalLM
 from engine.model.layers.attention import PagedAttention
 from engine.model.loader import ModelInfo, load_model
+from engine.parallel.group import SINGLE, TPGroup
 from engine.runner import kernel_loads
-from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
-from engine.runner.deferred import DeferredWork, one_unit
+from engine.runner.cuda_graphs import capture_sizes
+from engine.runner.deferred import one_unit
 from engine.runner.kernel_loads import watch_kernel_loads
 from engine.runner.kv_scales import calibrate_kv_scales, kv_cache_dtype
 from engine.runner.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_shape
-from engine.runner.piecewise import PiecewiseForward
 from engine.runner.probe_cache import ProbeCache
 from engine.runner.release import released_while_standing_by
-from engine.runner.sampler import DeviceSample, sample_on_device
+from engine.runner.sampler import sample_on_device
 from engine.runner.swap_space import SwapSpace
 
 log = structlog.get_logger("pagekeeper.engine")
-
-
-class StepRunner(Protocol):
-    """What the engine core drives: one GPU's ModelRunner, or rank 0 of a tensor-parallel group."""
-
-    @property
-    def graphs(self) -> DecodeGraphs | None: ...
-
-    @property
-    def pieces(self) -> PiecewiseForward | None: ...
-
-    @property
-    def deferred(self) -> DeferredWork: ...
-
-    def launch(self, plan: StepPlan, previous: DeviceSample | None = None) -> DeviceSample | None: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass

@@ -48,13 +48,13 @@ import uvicorn
 
 from engine.chat import load_chat_template
 from engine.config import ConfigError, EngineConfig
-from engine.config_file import SECRET_ENV, engine_args, error_in_file_terms, load_engine_section
 from engine.core_share import CoreShare
 from engine.gc_heap import freeze_startup_heap, resume_startup_collections
 from engine.lifecycle import LIFECYCLE, PROCESS_EXIT, Phase
 from engine.logs import configure_logging
 from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenizer_dir
 from engine.schema import validate_section
+from engine.server.config_file import SECRET_ENV, engine_args, error_in_file_terms, load_engine_section
 from engine.server.control import ControlSocket, admin_handlers
 from engine.server.handover import RESTARTING_MESSAGE, HandoverDrain, HttpTracker, InflightFile
 from engine.server.limits import AcceptErrorsCondensed, BodyLimit, connection_limit, guarded_protocol
@@ -400,10 +400,10 @@ def serve(
     timeline = StartupTimeline()
     core = _spawn_core(server_config, engine_config) if server_config.engine_core == "process" else None
     from engine.cpu_threads import CpuThreadPlan, available_cores, bind_serving_threads, plan_cpu_threads
-    from engine.metrics import EngineMetrics
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
     from engine.server.engine_thread import EngineThread
+    from engine.server.metrics import EngineMetrics
     from engine.server.state import ServerState
     from engine.server.stats_log import StatsLogger, interval_from_env
 

@@ -28,10 +28,10 @@ import structlog
 from engine.core.admission import ValidRequest
 from engine.lifecycle import Lifecycle, Phase
 from engine.llm_engine import LLMEngine, RequestRejected
-from engine.metrics import EngineMetrics
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind
 from engine.server.engine_thread import EngineThread
+from engine.server.metrics import EngineMetrics
 from engine.server.notify import get_notifier
 
 log = structlog.get_logger("pagekeeper.server")

@@ -58,7 +58,7 @@ class ServerConfig:
     max_request_body_bytes: Annotated[int, Field(ge=1024)] = 32 * 2**20
     max_connections: Annotated[int, Field(ge=8)] | None = None  # None: the open-file limit less a reserve
     header_timeout: Annotated[float, Field(gt=0, le=3600)] = 10.0
-    metrics_names: Literal["vllm", "seed", "both"] = "both"  # engine/metrics.py says why both by default
+    metrics_names: Literal["vllm", "seed", "both"] = "both"  # engine/server/metrics.py says why both by default
     chat_template: Annotated[str, Field(min_length=1)] | None = None  # a file, or the template itself
     enable_auto_tool_choice: bool = False
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None

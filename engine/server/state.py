@@ -20,9 +20,9 @@ from fastapi import Request
 from engine.chat import ChatTemplateError, render_chat
 from engine.core.admission import ValidRequest
 from engine.llm_engine import LLMEngine
-from engine.metrics import EngineMetrics
 from engine.server.async_engine import AsyncEngine, EngineDraining, EngineOverloaded
 from engine.server.errors import OpenAIError
+from engine.server.metrics import EngineMetrics
 
 log = structlog.get_logger("pagekeeper.server")
 

@@ -14,7 +14,7 @@ from typing import Callable
 import structlog
 
 from engine.config import ConfigError
-from engine.metrics import EngineSnapshot
+from engine.stats import EngineSnapshot
 
 log = structlog.get_logger("pagekeeper.stats")
 

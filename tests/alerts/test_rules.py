@@ -154,7 +154,7 @@ def _exported_metric_names() -> set[str]:
     from prometheus_client.exposition import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from engine.metrics import EngineMetrics
+    from engine.server.metrics import EngineMetrics
     from opsctl.exporter import SupervisorMetrics
     from opsctl.probes import GpuReading
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.distributed.group import SINGLE
 from engine.model.cpu_packing import pack_linears, packing_available
 from engine.model.layers.linear import MergedLinear, RowLinear, VocabEmbedding
+from engine.parallel.group import SINGLE
 
 pytestmark = pytest.mark.skipif(not packing_available(torch.bfloat16), reason="this CPU has no oneDNN bf16")
 

@@ -194,8 +194,8 @@ def test_the_keeper_refuses_a_checkpoint_it_cannot_load_with_one_line_and_exit_2
 def test_every_rank_keeps_its_shard_in_the_models_dtype(tmp_path):
     """Four ranks loaded on four threads hold what one rank built alone holds, dtype for dtype (building once ran on
     the rank threads, and torch's default dtype is the process's: a 70B keeper once held one float32 tensor)."""
-    from engine.distributed.group import TPGroup
     from engine.keeper.server import Keeper
+    from engine.parallel.group import TPGroup
 
     config = EngineConfig(device="cpu", dtype="bfloat16", tensor_parallel_size=4, load_format="dummy")
     keeper = Keeper(config, tmp_path / "k.sock")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.core.plan import SamplerOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.runner.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 
 

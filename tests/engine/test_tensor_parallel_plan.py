@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engine.config import ConfigError, EngineConfig
-from engine.distributed.group import HeadSplit, Part, TPGroup
 from engine.memory.budget import KVPlan, ranks_table
 from engine.memory.estimate import estimate
+from engine.parallel.group import HeadSplit, Part, TPGroup
 
 
 def test_heads_split_evenly_or_kv_heads_are_replicated():

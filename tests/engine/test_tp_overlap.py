@@ -18,9 +18,9 @@ import torch
 from engine.config import ConfigError, EngineConfig
 from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
 from engine.distributed.executor import check_overlap_supported
-from engine.distributed.group import Reduction, TPGroup
 from engine.model.llama import LlamaForCausalLM
 from engine.model.overlap import overlaps, set_overlap_tokens, split_point
+from engine.parallel.group import Reduction, TPGroup
 from engine.runner.model_runner import ModelRunner
 
 

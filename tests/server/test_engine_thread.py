@@ -67,8 +67,8 @@ def test_a_step_loop_that_raises_is_logged_and_reads_stalled() -> None:
     from structlog.testing import capture_logs
 
     from engine import LLM
-    from engine.metrics import EngineMetrics
     from engine.server.async_engine import AsyncEngine
+    from engine.server.metrics import EngineMetrics
 
     llm = LLM(max_model_len=128)
     engine = AsyncEngine(llm.llm_engine, EngineMetrics("t", {}, 0, names="vllm", max_model_len=128))

@@ -16,7 +16,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.metrics import ALIASES, EngineMetrics, EngineSnapshot
+from engine.server.metrics import ALIASES, EngineMetrics
+from engine.stats import EngineSnapshot
 from opsctl.probes import parse_engine_metrics
 from tests.server.harness import REPO
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed.group import SINGLE, Part, TPGroup
+from engine.parallel.group import SINGLE, Part, TPGroup
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from torch import nn
 
 import kernels
 from engine.config import ConfigError
-from engine.distributed.group import Part, TPGroup
 from engine.model.layers.linear import CheckpointSlice
 from engine.model.weights import FLOAT_DTYPES, CheckpointTensor, ModelLoadError, copy_into
+from engine.parallel.group import Part, TPGroup
 
 if TYPE_CHECKING:
     from engine.model.quant.layers import _QuantLinear  # which imports this module

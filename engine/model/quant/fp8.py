@@ -21,9 +21,9 @@ from torch import nn
 
 import kernels
 from engine.config import ConfigError
-from engine.distributed.group import Part, TPGroup
 from engine.model.layers.linear import CheckpointSlice
 from engine.model.weights import FLOAT_DTYPES, CheckpointTensor, ModelLoadError, check_shape
+from engine.parallel.group import Part, TPGroup
 from kernels.quant_reference import quantize_rows
 
 if TYPE_CHECKING:

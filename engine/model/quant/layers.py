@@ -17,10 +17,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from engine.distributed.group import SINGLE, Part, TPGroup
 from engine.model.layers.linear import CheckpointSlice, ColumnLinear, MergedLinear, RowLinear
 from engine.model.quant.spec import QuantSpec
 from engine.model.weights import CheckpointTensor, copy_into
+from engine.parallel.group import SINGLE, Part, TPGroup
 
 
 class LinearScheme(Protocol):

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from engine.config import ConfigError, EngineConfig, ResolvedConfig
-from engine.distributed.group import TPGroup
+from engine.parallel.group import TPGroup
 
 # A collective that waits longer than this means a rank is gone or stuck: NCCL/gloo raise, the rank
 # exits and the engine stops with exit 1 (never an engine that hangs).  Generous, because the first
