@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "group_size": GROUP,
         "rule_in_use": {
-            "FP8_W8A16_MAX_ROWS": quant_cuda.FP8_W8A16_MAX_ROWS,
+            "FP8_W8A16_MAX_ROWS": quant_cuda.qr.FP8_W8A16_MAX_ROWS,
             "FP8_CUDA_CORE_MAX_ROWS": quant_cuda.FP8_CUDA_CORE_MAX_ROWS,
             "AWQ_CUDA_CORE_MAX_ROWS": quant_cuda.AWQ_CUDA_CORE_MAX_ROWS,
             "AWQ_DENSE_MIN_ROWS": quant_cuda.AWQ_DENSE_MIN_ROWS,

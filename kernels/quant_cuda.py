@@ -4,8 +4,9 @@ The same functions as kernels/quant_reference.py (which is the oracle for all of
 
 FP8 weights (e4m3 ``[N, K]``, one float32 scale per output channel):
 
-- up to FP8_W8A16_MAX_ROWS rows (decode): kernels/fp8_linear.py's W8A16 product, which reads the weight
-  once and leaves the activations in 16 bits (CUDA-core loop up to FP8_CUDA_CORE_MAX_ROWS, else tensor cores);
+- up to FP8_W8A16_MAX_ROWS rows (decode; the boundary lives in kernels/quant_reference.py, whose CPU product
+  follows the same rule): kernels/fp8_linear.py's W8A16 product, which reads the weight once and leaves the
+  activations in 16 bits (CUDA-core loop up to FP8_CUDA_CORE_MAX_ROWS, else tensor cores);
 - above: the activations quantized per token by one Triton kernel, then ``torch._scaled_mm`` on the FP8
   tensor cores with row-wise scales on both sides (the activation's per row, the weight's per column) applied
   in the GEMM's epilogue.  Row-wise scaling is probed once per device and output dtype: where this torch or
@@ -33,7 +34,6 @@ from kernels.w4a16 import w4a16_linear
 
 # Row-count boundaries between paths (benchmarks/quant_kernels.py times every path at the 8B's shapes and
 # M = 1, 8, 32, 256, 4096; its `rule` rows name the fastest per M).
-FP8_W8A16_MAX_ROWS = 16
 FP8_CUDA_CORE_MAX_ROWS = 1
 AWQ_CUDA_CORE_MAX_ROWS = 1
 AWQ_DENSE_MIN_ROWS = 512
@@ -53,7 +53,7 @@ KERNELS = _kernel_set()
 
 def fp8_path(m: int) -> str:
     """Which FP8 kernel a product of `m` rows takes: "w8a16-cuda-core", "w8a16-dot" or "scaled-mm"."""
-    if KERNELS == "legacy" or m > FP8_W8A16_MAX_ROWS:
+    if KERNELS == "legacy" or m > qr.FP8_W8A16_MAX_ROWS:
         return "scaled-mm"
     return "w8a16-cuda-core" if m <= FP8_CUDA_CORE_MAX_ROWS else "w8a16-dot"
 
