@@ -41,6 +41,7 @@ STAGES = ("kernels", "engines", "tests", "legacy")
 # The longest each stage may take on one H100 (the deadline cuts it shorter when less is left): the kernel table
 # is ~200 timed products and ~30 compiles, then the sweep; the engines stage is four 8B engines of ~65 s each.
 STAGE_LIMIT_S = {"kernels": 170, "engines": 320, "tests": 120, "legacy": 200}
+QUICK_LIMIT_FACTOR = 4  # the CPU dry run: Triton's interpreter on a shared machine, only the deadline matters
 MIN_STAGE_S = 30  # a stage with less than this left is skipped (it could not finish anything useful)
 ENGINE_CONFIGS = ["bf16", "fp8_weights", "fp8_weights_fp8_kv", "awq"]
 QUICK_ENGINE_CONFIGS = ["bf16", "fp8_weights", "awq"]
@@ -149,7 +150,7 @@ def device_run(args: argparse.Namespace) -> int:
             save()
             continue
         cmd, env = commands(stage, args.out, args.quick, args.sweep_budget_s)
-        limit = min(left, STAGE_LIMIT_S[stage])
+        limit = min(left, STAGE_LIMIT_S[stage] * (QUICK_LIMIT_FACTOR if args.quick else 1))
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # run_stage passes this process's environment on
         try:

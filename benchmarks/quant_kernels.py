@@ -10,7 +10,8 @@ For each projection (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 143
 - FP8 weights: `fp8_scaled_mm` (the Triton per-token quantization + torch._scaled_mm), `fp8_scaled_mm_torch_quant`
   (the previous torch-op quantization), `fp8_quantize_only`, the W8A16 kernels `fp8_w8a16_cuda_core` (M <= 8)
   and `fp8_w8a16_dot` (M <= 32), and `fp8_default` (kernels/quant_cuda.py's choice);
-- AWQ: `awq_cuda_core` (M <= 8), `awq_dot` (kernels/w4a16.py), `awq_dequantize_cublas`, `awq_legacy`
+- AWQ: `awq_cuda_core` (M <= 8), `awq_dot` (kernels/w4a16.py's default tile) and `awq_dot_other_order` (its
+  operands swapped, M <= 256), `awq_dequantize_cublas`, `awq_legacy`
   (kernels/awq_gemm.py's own dispatch) and `awq_default`;
 
 each with its relative error against the float32 product of the dequantized weight, and the bytes floor (the
@@ -47,7 +48,7 @@ FP8_PATHS = ("fp8_w8a16_cuda_core", "fp8_w8a16_dot", "fp8_scaled_mm")
 # weight (W8A8 adds the activations' e4m3 rounding; the rest only round their output): past it, the row records
 # the path as wrong and the run exits 1.
 TOLERANCE = {"fp8_scaled_mm": 0.05, "fp8": 0.01, "awq": 0.005, "": 0.01}
-AWQ_PATHS = ("awq_cuda_core", "awq_dot", "awq_dequantize_cublas")
+AWQ_PATHS = ("awq_cuda_core", "awq_dot", "awq_dot_other_order", "awq_dequantize_cublas")
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
@@ -76,7 +77,7 @@ def variants(m: int, w: dict[str, torch.Tensor], x: torch.Tensor, x16: torch.Ten
     from kernels import quant_cuda
     from kernels import quant_reference as qr
     from kernels.awq_gemm import awq_gemm
-    from kernels.w4a16 import w4a16_linear
+    from kernels.w4a16 import w4a16_config, w4a16_linear
 
     wq, ws = w["fp8"], w["fp8_scale"]
     qw, qz, sc = w["qweight"], w["qzeros"], w["scales"]
@@ -92,6 +93,9 @@ def variants(m: int, w: dict[str, torch.Tensor], x: torch.Tensor, x16: torch.Ten
         "awq_legacy": lambda: awq_gemm(x16, qw, qz, sc, GROUP),
         "awq_default": lambda: quant_cuda.awq_linear(x16, qw, qz, sc, GROUP),
     }
+    if m <= 256:  # the other operand order than the default tile's (kernels/w4a16.py's w4a16_config)
+        flipped = dict(SWAP_AB=not w4a16_config(m, GROUP, True)["SWAP_AB"])
+        out["awq_dot_other_order"] = lambda: w4a16_linear(x16, qw, qz, sc, GROUP, use_dot=True, config=flipped)
     if m <= 32:
         out["fp8_w8a16_dot"] = lambda: f8.w8a16_linear(x, wq, ws, use_dot=True)
     if m <= 8:

@@ -19,10 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8_MAX, e4m3_bits
+from kernels.fp8 import e4m3_bits
 from kernels.splitk import cdiv, reduce_splits, split_geometry, split_k
 
 FP8 = torch.float8_e4m3fn
+FP8_MAX = tl.constexpr(448.0)  # a Triton kernel reads only constexpr globals
 _ONE_PASS_MAX = 16384  # a row this long is held in registers (one read); longer rows are read twice
 
 
@@ -191,8 +192,10 @@ def dot_dtype(dtype: torch.dtype, device: torch.device) -> tl.dtype:
 
 def w8a16_config(m: int, use_dot: bool) -> dict:
     """Default tiles by row count (the device run's kernel sweep checks them: benchmarks/quant_kernels.py)."""
-    if use_dot:
-        return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    if use_dot:  # the converted weight tile lives in registers: more rows take a shorter K step (no spills)
+        if m <= 16:
+            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
     block_m = triton.next_power_of_2(max(m, 1))
     return dict(BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=max(64, 256 // block_m), num_warps=4, num_stages=3)
 

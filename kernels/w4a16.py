@@ -30,10 +30,14 @@ from kernels.splitk import cdiv, reduce_splits, split_geometry, split_k
 
 
 @triton.jit
-def _magic(v, FP16: tl.constexpr):
-    """int32 values 0..15 -> 1024 + v (float16) or 2^23 + v (float32), exactly, with bit operations only."""
-    if FP16:
-        return (v | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+def _magic16(v):
+    """int32 values 0..15 -> 1024 + v in float16, exactly, with bit operations only."""
+    return (v | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _magic32(v):
+    """int32 values 0..15 -> 2^23 + v in float32, exactly, with bit operations only."""
     return (v | 0x4B000000).to(tl.float32, bitcast=True)
 
 
@@ -94,9 +98,9 @@ def _w4a16_kernel(
         zero = tl.reshape(_unpack(z[None, :], 1, BLOCK_N), (BLOCK_N,))
         if USE_DOT:
             if FP16:  # exact difference, one rounding of the product: the reference's float16 weight
-                w = (_magic(nib, True) - _magic(zero, True)[None, :]) * s.to(tl.float16)[None, :]
+                w = (_magic16(nib) - _magic16(zero)[None, :]) * s.to(tl.float16)[None, :]
             else:
-                w = (_magic(nib, False) - _magic(zero, False)[None, :]) * s.to(tl.float32)[None, :]
+                w = (_magic32(nib) - _magic32(zero)[None, :]) * s.to(tl.float32)[None, :]
             if SWAP_AB:  # [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]: the output columns fill the MMA's wide side
                 xt = tl.load(x_rows[None, :] + offs_k[:, None], mask=mask_m[None, :], other=0.0)
                 acc = tl.dot(tl.trans(w.to(xt.dtype)), xt, acc, input_precision=DOT_PRECISION)
@@ -105,7 +109,7 @@ def _w4a16_kernel(
                 acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
         else:
             x = tl.load(x_rows + offs_k).to(tl.float32)  # BLOCK_M is 1: this program's row, which exists
-            w32 = (_magic(nib, False) - _magic(zero, False)[None, :]) * s.to(tl.float32)[None, :]
+            w32 = (_magic32(nib) - _magic32(zero)[None, :]) * s.to(tl.float32)[None, :]
             acc += x[:, None] * w32
     out = out_ptr + split * stride_os
     if USE_DOT and SWAP_AB:
@@ -130,11 +134,11 @@ def w4a16_config(m: int, group_size: int, use_dot: bool) -> dict:
     BLOCK_K is capped by the group size, which it must divide."""
     if not use_dot:  # one row: 256 columns are 128 bytes of packed words per K row
         return dict(BLOCK_M=1, BLOCK_N=256, BLOCK_K=min(group_size, 32), num_warps=4, num_stages=4, SWAP_AB=False)
-    if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=min(group_size, 64), num_warps=4, num_stages=3, SWAP_AB=True)
-    if m <= 64:
-        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=min(group_size, 64), num_warps=4, num_stages=3, SWAP_AB=False)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=min(group_size, 64), num_warps=8, num_stages=3, SWAP_AB=False)
+    block_k = min(group_size, 64)
+    if m <= 64:  # the weight tile on the MMA's 64-row side (a warp-group MMA; fewer rows would not fill one)
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=block_k, num_warps=4, num_stages=3, SWAP_AB=True)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, num_warps=8, num_stages=3, SWAP_AB=False)
 
 
 def w4a16_linear(
