@@ -1,35 +1,141 @@
-"""Quantized matmuls on CUDA: FP8 through ``torch._scaled_mm``, AWQ through the Triton kernel.
+"""Quantized matmuls on CUDA, each by the kernel that suits its row count (`fp8_path`, `awq_path`).
 
-The same functions as kernels/quant_reference.py (which is the oracle for both).
+The same functions as kernels/quant_reference.py (which is the oracle for all of them).
 
-FP8: activations are quantized per token (a row-wise scale, max|row| / 448) and multiplied with the
-e4m3 weight by ``torch._scaled_mm`` with row-wise scales on both sides (the activation's per row,
-the weight's per output channel), accumulating in float32 on the FP8 tensor cores (compute
-capability 8.9+; the engine refuses FP8 elsewhere).  Row-wise scaling produces bfloat16 only (torch
-2.6-2.9), so a float16 or float32 model converts the output back.
+FP8 weights (e4m3 ``[N, K]``, one float32 scale per output channel):
+
+- up to FP8_W8A16_MAX_ROWS rows (decode; the boundary lives in kernels/quant_reference.py, whose CPU product
+  follows the same rule): kernels/fp8_linear.py's W8A16 product, which reads the weight once and leaves the
+  activations in 16 bits (CUDA-core loop up to FP8_CUDA_CORE_MAX_ROWS, else tensor cores);
+- above: the activations quantized per token by one Triton kernel, then ``torch._scaled_mm`` on the FP8
+  tensor cores with row-wise scales on both sides (the activation's per row, the weight's per column) applied
+  in the GEMM's epilogue.  Row-wise scaling is probed once per device and output dtype: where this torch or
+  GPU refuses it (bf16 output only on torch's CUTLASS path; none before compute capability 9.0 on older
+  builds), the product runs with unit scales into float32 and both scales are applied after it.
+
+AWQ int4 (AutoAWQ's GEMM layout): kernels/w4a16.py's in-register dequantization at every size below
+AWQ_DENSE_MIN_ROWS (CUDA-core loop up to AWQ_CUDA_CORE_MAX_ROWS rows), and from there the weight dequantized
+once for cuBLAS (a prefill chunk large enough that one pass over a 16-bit copy costs little).
+
+PAGEKEEPER_QUANT_KERNELS=legacy (read at import) runs the previous paths instead (torch-op quantization and
+``_scaled_mm`` at every size; kernels/awq_gemm.py), for A/B runs of the device benchmark.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from kernels import fp8_linear as f8
+from kernels import quant_reference as qr
 from kernels.awq_gemm import awq_gemm
-from kernels.quant_reference import quantize_per_token
+from kernels.w4a16 import w4a16_linear
+
+# Row-count boundaries between paths (benchmarks/quant_kernels.py times every path at the 8B's shapes and
+# M = 1, 8, 32, 256, 4096; its `rule` rows name the fastest per M).
+FP8_CUDA_CORE_MAX_ROWS = 1
+AWQ_CUDA_CORE_MAX_ROWS = 1
+AWQ_DENSE_MIN_ROWS = 512
+
+KERNEL_SETS = ("fast", "legacy")
+
+
+def _kernel_set() -> str:
+    value = os.environ.get("PAGEKEEPER_QUANT_KERNELS", "fast")
+    if value not in KERNEL_SETS:
+        raise ValueError(f"PAGEKEEPER_QUANT_KERNELS={value!r}: expected one of {', '.join(KERNEL_SETS)}")
+    return value
+
+
+KERNELS = _kernel_set()
+
+
+def fp8_path(m: int) -> str:
+    """Which FP8 kernel a product of `m` rows takes: "w8a16-cuda-core", "w8a16-dot" or "scaled-mm"."""
+    if KERNELS == "legacy" or m > qr.FP8_W8A16_MAX_ROWS:
+        return "scaled-mm"
+    return "w8a16-cuda-core" if m <= FP8_CUDA_CORE_MAX_ROWS else "w8a16-dot"
+
+
+def awq_path(m: int) -> str:
+    """Which AWQ kernel a product of `m` rows takes: "cuda-core", "dot", "dequantize-cublas" or "legacy"."""
+    if KERNELS == "legacy":
+        return "legacy"
+    if m >= AWQ_DENSE_MIN_ROWS:
+        return "dequantize-cublas"
+    return "cuda-core" if m <= AWQ_CUDA_CORE_MAX_ROWS else "dot"
+
+
+# -- FP8 -----------------------------------------------------------------------------------------------
+
+_ROWWISE: dict[tuple[torch.device, torch.dtype], torch.dtype | None] = {}
+_ONE: dict[torch.device, torch.Tensor] = {}
+
+
+def _rowwise_out_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
+    """The output dtype row-wise `_scaled_mm` gives for activations of `dtype` on `device` (x's own when
+    allowed, else bfloat16), or None where row-wise scaling is refused.  Probed once on a 16 x 16 product."""
+    key = (device, dtype)
+    if key not in _ROWWISE:
+        a = torch.zeros(16, 16, device=device, dtype=qr.FP8)
+        b = torch.zeros(16, 16, device=device, dtype=qr.FP8).t()
+        sa = torch.ones(16, 1, device=device, dtype=torch.float32)
+        sb = torch.ones(1, 16, device=device, dtype=torch.float32)
+        _ROWWISE[key] = None
+        for out in dict.fromkeys((dtype, torch.bfloat16)):
+            try:
+                torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out)
+            except (RuntimeError, ValueError):
+                continue
+            _ROWWISE[key] = out
+            break
+    return _ROWWISE[key]
+
+
+def scaled_mm(
+    xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``(xq x xs) @ (weight x weight_scale)^T`` in `dtype` on the FP8 tensor cores: xq e4m3 ``[M, K]`` with
+    xs ``[M, 1]``, weight e4m3 ``[N, K]`` row-major (so ``weight.t()`` is the column-major operand)."""
+    out = _rowwise_out_dtype(xq.device, dtype)
+    if out is not None:
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=out)
+    else:  # per-tensor (unit) scales, both row-wise scales applied to the float32 product
+        one = _ONE.get(xq.device)
+        if one is None:
+            one = _ONE[xq.device] = torch.ones((), device=xq.device, dtype=torch.float32)
+        y = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        y = y * xs * weight_scale.view(1, -1)
+    if isinstance(y, tuple):  # torch < 2.5 returned (out, amax)
+        y = y[0]
+    return y.to(dtype)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """``x @ (weight x weight_scale)^T`` with x quantized per token; weight ``[out, in]`` e4m3 row-major
-    (so ``weight.t()`` is the column-major operand ``_scaled_mm`` wants)."""
+    """``x @ (weight x weight_scale)^T`` by the path `fp8_path` names for x's row count."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    xq, xs = quantize_per_token(x2)
-    y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16)
-    if isinstance(y, tuple):  # torch < 2.5 returned (out, amax)
-        y = y[0]
-    return y.to(x.dtype).reshape(*shape[:-1], weight.shape[0])
+    path = fp8_path(x2.shape[0])
+    if path != "scaled-mm":
+        return f8.w8a16_linear(x2, weight, weight_scale, use_dot=path == "w8a16-dot").reshape(
+            *shape[:-1], weight.shape[0]
+        )
+    xq, xs = qr.quantize_per_token(x2) if KERNELS == "legacy" else f8.quantize_per_token(x2)
+    return scaled_mm(xq, xs, weight, weight_scale, x.dtype).reshape(*shape[:-1], weight.shape[0])
+
+
+# -- AWQ -----------------------------------------------------------------------------------------------
 
 
 def awq_linear(
     x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    return awq_gemm(x, qweight, qzeros, scales, group_size)
+    """``x @ W`` by the path `awq_path` names for x's row count."""
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    path = awq_path(m)
+    if path == "legacy":
+        return awq_gemm(x, qweight, qzeros, scales, group_size)
+    if path == "dequantize-cublas":
+        return awq_gemm(x, qweight, qzeros, scales, group_size, dense=True)
+    return w4a16_linear(x, qweight, qzeros, scales, group_size, use_dot=path == "dot")

@@ -13,9 +13,11 @@ and ``W[k, n] = (q[k, n] - z[k // group, n]) * s[k // group, n]``.  The order in
 odd columns so that AutoAWQ's CUDA kernel can unpack two fp16 values per shift.
 
 FP8 weights: ``weight`` float8_e4m3fn ``[out, in]`` and ``weight_scale`` float32 ``[out]``
-(per output channel); activations are quantized per token (row) at run time, as
-``torch._scaled_mm`` with row-wise scales computes on the GPU: ``y = (xq * sx) @ (wq * sw)^T``,
-accumulated in float32.
+(per output channel).  A product of up to FP8_W8A16_MAX_ROWS rows (a decode step) keeps its activations in
+their own dtype, ``y = x @ (wq * sw)^T``, as the GPU's W8A16 kernel computes it; a larger one quantizes them per
+token (row), as ``torch._scaled_mm`` with row-wise scales computes on the GPU: ``y = (xq * sx) @ (wq * sw)^T``.
+Both accumulate in float32.  The boundary is the GPU's (kernels/quant_cuda.py reads it from here), so the CPU
+path and the GPU compute the same product at every row count.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed int32 holds column 
 AWQ_NIBBLE_OF_COLUMN = tuple(AWQ_ORDER.index(j) for j in range(8))  # (0, 4, 1, 5, 2, 6, 3, 7)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# Up to this many rows an FP8 product leaves its activations unquantized (the GPU's W8A16 decode kernel reads
+# the weight once either way; the device run's kernel table chose the boundary: benchmarks/quant_kernels.py).
+FP8_W8A16_MAX_ROWS = 16
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -80,10 +85,14 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """``x @ W^T`` (no bias) with W = weight x weight_scale and x quantized per token, in float32."""
+    """``x @ W^T`` (no bias) with W = weight x weight_scale, in float32; x quantized per token when it has
+    more than FP8_W8A16_MAX_ROWS rows."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    xq, xs = quantize_per_token(x2)
     w = weight.float() * weight_scale.float()[:, None]
-    y = F.linear(xq.float() * xs, w)
+    if x2.shape[0] <= FP8_W8A16_MAX_ROWS:
+        y = F.linear(x2.float(), w)
+    else:
+        xq, xs = quantize_per_token(x2)
+        y = F.linear(xq.float() * xs, w)
     return y.to(x.dtype).reshape(*shape[:-1], weight.shape[0])

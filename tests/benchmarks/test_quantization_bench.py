@@ -13,7 +13,8 @@ import pytest
 def test_quick_quantization_benchmark(tmp_path):
     from benchmarks import quantization
 
-    assert quantization.main(["--quick", "--configs", "bf16", "fp8_kv", "awq", "--out", str(tmp_path)]) == 0
+    argv = ["--quick", "--configs", "bf16", "fp8_kv", "awq", "--batches", "1", "2", "--out", str(tmp_path)]
+    assert quantization.main(argv) == 0
     (path,) = tmp_path.glob("quantization-cpu-*.json")
     result = json.loads(path.read_text())
     engines = result["engines"]
@@ -23,3 +24,7 @@ def test_quick_quantization_benchmark(tmp_path):
     assert engines["awq"]["weights_by_dtype"].keys() == {"int32", "float32"}
     assert engines["fp8_kv"]["logit_error_vs_bf16"]["argmax_agree"] > 0.9
     assert 0 < result["awq_batch1"]["fraction_of_floor"] < 1
+    assert result["awq_throughput_ratio"] > 0 and result["awq_batch1_over_floor"] > 1
+    assert result["fp8_throughput_ratio"] is None and result["ppl_ratio_awq"] is None  # no fp8_weights engine ran
+    decode = engines["awq"]["decode"]
+    assert set(decode["by_batch"]) == {"1", "2"} and decode["by_batch"]["2"]["tpot_ms"] > 0

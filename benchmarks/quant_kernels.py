@@ -1,0 +1,377 @@
+"""Issue 39's per-layer kernel benchmark: every quantized-matmul path at Llama-3-8B's GEMM sizes, beside bf16.
+
+    python -m benchmarks.quant_kernels --out DIR [--sweep-budget-s 90]   # one GPU
+    python -m benchmarks.quant_kernels --quick --out DIR                 # CPU dry run (Triton's interpreter)
+
+For each projection (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096) and M = 1, 8, 32,
+256, 4096 rows, the device time (CUDA graph replay, L2 flushed: benchmarks/kernels.py's _bench) of:
+
+- `bf16`, `fp16`: F.linear on the 16-bit weight (fp16 is AWQ's activation dtype);
+- FP8 weights: `fp8_scaled_mm` (the Triton per-token quantization + torch._scaled_mm), `fp8_scaled_mm_torch_quant`
+  (the previous torch-op quantization), `fp8_quantize_only`, the W8A16 kernels `fp8_w8a16_cuda_core` (M <= 8)
+  and `fp8_w8a16_dot` (M <= 32), and `fp8_default` (kernels/quant_cuda.py's choice);
+- AWQ: `awq_cuda_core` (M <= 8), `awq_dot` (kernels/w4a16.py's default tile) and `awq_dot_other_order` (its
+  operands swapped, M <= 256), `awq_dequantize_cublas`, `awq_legacy`
+  (kernels/awq_gemm.py's own dispatch) and `awq_default`;
+
+each with its relative error against the float32 product of the dequantized weight, and the bytes floor (the
+weight read once, plus the activations in and out, at copy bandwidth).  `rule` sums the four projections (one
+decoder layer's linears) per M and names the fastest FP8 and AWQ path, the boundaries kernels/quant_cuda.py
+should use; `layer` gives that sum for bf16, the default paths and the fastest.  With --sweep-budget-s, tile
+sweeps of the W8A16 and AWQ kernels at M = 1 and 16 run until the budget is spent.  Writes
+DIR/quant-kernels-<gpu>-<date>.json after every projection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SHAPES = {"qkv_proj": (4096, 6144), "o_proj": (4096, 4096), "gate_up_proj": (4096, 28672), "down_proj": (14336, 4096)}
+ROWS = (1, 8, 32, 256, 4096)
+QUICK_SHAPES = {"qkv_proj": (256, 192), "down_proj": (384, 128)}
+QUICK_ROWS = (1, 8, 32)
+GROUP = 128
+FP8_PATHS = ("fp8_w8a16_cuda_core", "fp8_w8a16_dot", "fp8_scaled_mm")
+# The largest relative error each kind of path may show against the float32 product of its own dequantized
+# weight (W8A8 adds the activations' e4m3 rounding; the rest only round their output): past it, the row records
+# the path as wrong and the run exits 1.
+TOLERANCE = {"fp8_scaled_mm": 0.05, "fp8": 0.01, "awq": 0.005, "": 0.01}
+AWQ_PATHS = ("awq_cuda_core", "awq_dot", "awq_dot_other_order", "awq_dequantize_cublas")
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    if device.type == "cuda":
+        from benchmarks.kernels import _bench
+
+        return _bench
+
+    def cpu_ms(fn: Callable[[], Any]) -> float:
+        fn()
+        samples = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(samples)
+
+    return cpu_ms
+
+
+def variants(m: int, w: dict[str, torch.Tensor], x: torch.Tensor, x16: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """Every path that applies at `m` rows, as a closure over this projection's tensors."""
+    import torch.nn.functional as F
+
+    from kernels import fp8_linear as f8
+    from kernels import quant_cuda
+    from kernels import quant_reference as qr
+    from kernels.awq_gemm import awq_gemm
+    from kernels.w4a16 import w4a16_config, w4a16_linear
+
+    wq, ws = w["fp8"], w["fp8_scale"]
+    qw, qz, sc = w["qweight"], w["qzeros"], w["scales"]
+    out: dict[str, Callable[[], Any]] = {
+        "bf16": lambda: F.linear(x, w["bf16"]),
+        "fp16": lambda: F.linear(x16, w["fp16"]),
+        "fp8_scaled_mm": lambda: quant_cuda.scaled_mm(*f8.quantize_per_token(x), wq, ws, x.dtype),
+        "fp8_scaled_mm_torch_quant": lambda: quant_cuda.scaled_mm(*qr.quantize_per_token(x), wq, ws, x.dtype),
+        "fp8_quantize_only": lambda: f8.quantize_per_token(x),
+        "fp8_default": lambda: quant_cuda.fp8_linear(x, wq, ws),
+        "awq_dot": lambda: w4a16_linear(x16, qw, qz, sc, GROUP, use_dot=True),
+        "awq_dequantize_cublas": lambda: awq_gemm(x16, qw, qz, sc, GROUP, dense=True),
+        "awq_legacy": lambda: awq_gemm(x16, qw, qz, sc, GROUP),
+        "awq_default": lambda: quant_cuda.awq_linear(x16, qw, qz, sc, GROUP),
+    }
+    if m <= 256:  # the other operand order than the default tile's (kernels/w4a16.py's w4a16_config)
+        flipped = dict(SWAP_AB=not w4a16_config(m, GROUP, True)["SWAP_AB"])
+        out["awq_dot_other_order"] = lambda: w4a16_linear(x16, qw, qz, sc, GROUP, use_dot=True, config=flipped)
+    if m <= 32:
+        out["fp8_w8a16_dot"] = lambda: f8.w8a16_linear(x, wq, ws, use_dot=True)
+    if m <= 8:
+        out["fp8_w8a16_cuda_core"] = lambda: f8.w8a16_linear(x, wq, ws, use_dot=False)
+        out["awq_cuda_core"] = lambda: w4a16_linear(x16, qw, qz, sc, GROUP, use_dot=False)
+    return out
+
+
+def weights(k: int, n: int, device: torch.device) -> dict[str, torch.Tensor]:
+    from engine.model.quantize import awq_quantize
+    from kernels import quant_reference as qr
+
+    g = torch.Generator(device=device).manual_seed(k + n)
+    w = torch.randn(n, k, generator=g, device=device, dtype=torch.float32) * 0.02
+    wq, ws = qr.quantize_rows(w)
+    awq = awq_quantize(w.half(), GROUP)
+    return {
+        "bf16": w.bfloat16(),
+        "fp16": w.half(),
+        "fp8": wq,
+        "fp8_scale": ws,
+        "fp8_dense": wq.float() * ws[:, None],  # [n, k], the reference for the FP8 paths
+        "awq_dense": qr.awq_dequantize(awq["qweight"], awq["qzeros"], awq["scales"], GROUP),  # [k, n]
+        "qweight": awq["qweight"],
+        "qzeros": awq["qzeros"],
+        "scales": awq["scales"],
+    }
+
+
+def floors(k: int, n: int, m: int, copy_Bps: float) -> dict[str, float]:
+    """ms to read each format's weight once and the activations in and out, at copy bandwidth."""
+    acts16 = 2 * m * (k + n)
+    bytes_by = {
+        "bf16": 2 * k * n + acts16,
+        "fp8": k * n + 4 * n + acts16,
+        "awq": k * n // 2 + (k // GROUP) * n * 2 + (k // GROUP) * n // 2 + acts16,
+    }
+    return {f"{fmt}_floor_ms": round(b / copy_Bps * 1e3, 5) for fmt, b in bytes_by.items()}
+
+
+def _reference(name: str, w: dict[str, torch.Tensor], x: torch.Tensor, x16: torch.Tensor) -> torch.Tensor | None:
+    if name.startswith("fp8") and name != "fp8_quantize_only":
+        return x.float() @ w["fp8_dense"].t()
+    if name.startswith("awq"):
+        return x16.float() @ w["awq_dense"]
+    if name in ("bf16", "fp16"):
+        return (x if name == "bf16" else x16).float() @ w["bf16"].float().t()
+    return None
+
+
+def _tolerance(name: str, m: int) -> float:
+    from kernels import quant_cuda
+
+    if name.startswith("fp8_scaled_mm") or (name == "fp8_default" and quant_cuda.fp8_path(m) == "scaled-mm"):
+        return TOLERANCE["fp8_scaled_mm"]
+    return TOLERANCE[name.split("_")[0] if name.startswith(("fp8", "awq")) else ""]
+
+
+def measure(shapes: dict[str, tuple[int, int]], rows: tuple[int, ...], device: torch.device, copy_Bps: float, save):
+    bench = _timer(device)
+    results: list[dict[str, Any]] = []
+    for layer, (k, n) in shapes.items():
+        w = weights(k, n, device)
+        for m in rows:
+            gx = torch.Generator(device=device).manual_seed(m)
+            x = torch.randn(m, k, generator=gx, device=device, dtype=torch.float32).bfloat16()
+            x16 = x.half()
+            row: dict[str, Any] = {"layer": layer, "K": k, "N": n, "M": m, **floors(k, n, m, copy_Bps)}
+            errors: dict[str, str] = {}
+            for name, fn in variants(m, w, x, x16).items():
+                try:
+                    got = fn()
+                    want = _reference(name, w, x, x16)
+                    if want is not None:
+                        err = float((got.float() - want).norm() / want.norm())
+                        row[f"{name}_rel_err"] = float(f"{err:.3g}")
+                        tol = _tolerance(name, m)
+                        if not err < tol:
+                            errors[name] = f"wrong: relative error {err:.3g} against the reference (limit {tol})"
+                    row[f"{name}_ms"] = round(bench(fn), 5)
+                except Exception as e:  # noqa: BLE001 - one path that fails to compile or run: record it, keep going
+                    errors[name] = f"{type(e).__name__}: {e}"[:400]
+                    traceback.print_exc()
+            for fmt, paths in (("fp8", FP8_PATHS), ("awq", AWQ_PATHS)):
+                timed = {p: row[f"{p}_ms"] for p in paths if f"{p}_ms" in row}
+                if timed:
+                    best = min(timed, key=lambda p: timed[p])
+                    row[f"{fmt}_best"] = best
+                    row[f"{fmt}_best_over_floor"] = round(timed[best] / row[f"{fmt}_floor_ms"], 3)
+            if "bf16_ms" in row:
+                row["bf16_over_floor"] = round(row["bf16_ms"] / row["bf16_floor_ms"], 3)
+            if errors:
+                row["errors"] = errors
+            results.append(row)
+            print(
+                f"{layer} M={m}: bf16 {row.get('bf16_ms')} ms (floor {row['bf16_floor_ms']}); "
+                f"fp8 default {row.get('fp8_default_ms')} best {row.get('fp8_best')} (floor {row['fp8_floor_ms']}); "
+                f"awq default {row.get('awq_default_ms')} best {row.get('awq_best')} (floor {row['awq_floor_ms']})"
+                + (f"; errors in {sorted(errors)}" if errors else ""),
+                flush=True,
+            )
+        del w
+        save(results)
+    return results
+
+
+def rule(results: list[dict[str, Any]], rows: tuple[int, ...], layers: int) -> dict[str, Any]:
+    """Per M, one decoder layer's four projections summed: every path's total, the fastest FP8 and AWQ path."""
+    out: dict[str, Any] = {}
+    for m in rows:
+        at_m = [r for r in results if r["M"] == m]
+        if len(at_m) != layers:
+            continue
+        totals: dict[str, float] = {}
+        for key in at_m[0]:
+            if key.endswith("_ms") and all(key in r for r in at_m):
+                totals[key.removesuffix("_ms")] = round(sum(r[key] for r in at_m), 5)
+        entry: dict[str, Any] = {"layer_ms": totals}
+        for fmt, paths in (("fp8", FP8_PATHS), ("awq", AWQ_PATHS)):
+            timed = {p: totals[p] for p in paths if p in totals}
+            if timed:
+                entry[f"{fmt}_fastest"] = min(timed, key=lambda p: timed[p])
+        for name in ("fp8_default", "awq_default"):
+            if name in totals and "bf16" in totals:
+                entry[f"{name}_speedup_over_bf16"] = round(totals["bf16"] / totals[name], 3)
+            floor = totals.get(f"{name.split('_')[0]}_floor")
+            if name in totals and floor:
+                entry[f"{name}_over_floor"] = round(totals[name] / floor, 3)
+        out[str(m)] = entry
+    return out
+
+
+def _sweep_fn(kernel: str, w: dict[str, torch.Tensor], x: torch.Tensor, cfg: dict[str, Any]) -> Callable[[], Any]:
+    from kernels import fp8_linear as f8
+    from kernels.w4a16 import w4a16_linear
+
+    if kernel.startswith("fp8"):
+        return lambda: f8.w8a16_linear(x, w["fp8"], w["fp8_scale"], use_dot=kernel == "fp8_dot", config=cfg)
+    x16 = x.half()
+    return lambda: w4a16_linear(
+        x16, w["qweight"], w["qzeros"], w["scales"], GROUP, use_dot=kernel == "awq_dot", config=cfg
+    )
+
+
+SWEEP = {  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP_AB) per kernel
+    "fp8_cuda_core": [
+        (1, 16, 256, 4, 3, None),
+        (1, 8, 512, 4, 4, None),
+        (1, 32, 128, 4, 3, None),
+        (1, 16, 512, 8, 4, None),
+    ],
+    "fp8_dot": [
+        (16, 64, 128, 4, 4, None),
+        (16, 128, 128, 4, 3, None),
+        (16, 64, 256, 4, 3, None),
+        (16, 128, 64, 4, 4, None),
+    ],
+    "awq_cuda_core": [
+        (1, 256, 32, 4, 4, False),
+        (1, 128, 64, 4, 3, False),
+        (1, 256, 64, 8, 3, False),
+        (1, 512, 16, 4, 4, False),
+    ],
+    "awq_dot": [
+        (16, 128, 64, 4, 3, True),
+        (16, 64, 128, 4, 4, True),
+        (16, 128, 64, 4, 3, False),
+        (16, 256, 64, 8, 3, True),
+    ],
+}
+
+
+def sweep(
+    shapes: dict[str, tuple[int, int]], device: torch.device, budget_s: float, copy_Bps: float
+) -> list[dict[str, Any]]:
+    """Tiles of the W8A16 and AWQ kernels at M = 1 and 16 on the given shapes, until the budget is spent (each
+    new tile is a compile).  The CUDA-core loops run at M = 1 only."""
+    bench = _timer(device)
+    started = time.monotonic()
+    trials: list[dict[str, Any]] = []
+    for layer, (k, n) in shapes.items():
+        w = weights(k, n, device)
+        for m in (1, 16):
+            x = torch.randn(m, k, device=device, dtype=torch.float32).bfloat16()
+            for kernel, tiles in SWEEP.items():
+                if kernel.endswith("cuda_core") and m > 1:
+                    continue
+                for bm, bn, bk, warps, stages, swap in tiles:
+                    if time.monotonic() - started > budget_s:
+                        trials.append({"stopped": f"budget of {budget_s:.0f} s spent"})
+                        return trials
+                    cfg: dict[str, Any] = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                    if kernel != "fp8_cuda_core":
+                        cfg["BLOCK_M"] = bm
+                    if swap is not None:
+                        cfg["SWAP_AB"] = swap
+                    trial: dict[str, Any] = {"kernel": kernel, "layer": layer, "M": m, **cfg}
+                    try:
+                        ms = bench(_sweep_fn(kernel, w, x, cfg))
+                        fmt = "fp8" if kernel.startswith("fp8") else "awq"
+                        trial.update(
+                            ms=round(ms, 5), over_floor=round(ms / floors(k, n, m, copy_Bps)[f"{fmt}_floor_ms"], 3)
+                        )
+                    except Exception as e:  # noqa: BLE001 - a tile that does not fit: say so
+                        trial["error"] = f"{type(e).__name__}: {e}"[:200]
+                    trials.append(trial)
+                    print(f"sweep {trial}", flush=True)
+    return trials
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--quick", action="store_true", help="CPU dry run: small shapes, Triton's interpreter")
+    p.add_argument("--sweep-budget-s", type=float, default=0.0, help="seconds of tile sweeps after the table")
+    args = p.parse_args(argv)
+    gpu = torch.cuda.is_available() and not args.quick
+    if not gpu and not args.quick:
+        print("error: no CUDA device; use --quick for the CPU dry run", file=sys.stderr)
+        return 2
+    if args.quick and os.environ.get("TRITON_INTERPRET") != "1":
+        print("error: --quick runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if gpu else "cpu")
+    from benchmarks.throughput import copy_bandwidth
+
+    name = "cpu"
+    if gpu:
+        from benchmarks.kernels import gpu_slug
+
+        name = gpu_slug(torch.cuda.get_device_name())
+    shapes, rows = (SHAPES, ROWS) if gpu else (QUICK_SHAPES, QUICK_ROWS)
+    from kernels import quant_cuda
+
+    result: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name() if gpu else "cpu",
+        "date": dt.date.today().isoformat(),
+        "command": "python -m benchmarks.quant_kernels " + " ".join(sys.argv[1:] if argv is None else argv),
+        "torch": torch.__version__,
+        "group_size": GROUP,
+        "rule_in_use": {
+            "FP8_W8A16_MAX_ROWS": quant_cuda.qr.FP8_W8A16_MAX_ROWS,
+            "FP8_CUDA_CORE_MAX_ROWS": quant_cuda.FP8_CUDA_CORE_MAX_ROWS,
+            "AWQ_CUDA_CORE_MAX_ROWS": quant_cuda.AWQ_CUDA_CORE_MAX_ROWS,
+            "AWQ_DENSE_MIN_ROWS": quant_cuda.AWQ_DENSE_MIN_ROWS,
+        },
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"quant-kernels-{name}-{result['date']}.json"
+    started = time.monotonic()
+
+    def save(rows_so_far: list[dict[str, Any]]) -> None:
+        result["rows"] = rows_so_far
+        result["rule"] = rule(rows_so_far, rows, len(shapes))
+        result["seconds"] = round(time.monotonic() - started, 1)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+
+    result["copy_TBps"] = round(copy_bandwidth(device, (2 << 30) if gpu else (64 << 20)) / 1e12, 4)
+    copy_Bps = result["copy_TBps"] * 1e12
+    results = measure(shapes, rows, device, copy_Bps, save)
+    save(results)
+    if args.sweep_budget_s > 0:
+        sweep_shapes = {k: SHAPES[k] for k in ("o_proj", "gate_up_proj")} if gpu else dict(list(shapes.items())[:1])
+        result["sweep"] = sweep(sweep_shapes, device, args.sweep_budget_s, copy_Bps)
+        save(results)
+    for m, entry in result["rule"].items():
+        print(f"M={m}: fastest fp8 {entry.get('fp8_fastest')}, awq {entry.get('awq_fastest')}; {entry['layer_ms']}")
+    if gpu:
+        from benchmarks.kernels import EAGER_FALLBACKS
+
+        result["eager_fallbacks"] = EAGER_FALLBACKS
+        save(results)
+    print(f"wrote {path}")
+    failed = [r for r in results if "errors" in r]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Compile every default tile of the quantized-matmul kernels for an H100 (sm_90) and print one JSON line each:
+{"name", "ok", "registers", "stack", "shared", "error"}.  Run by tests/kernels/test_quant_compile.py in a process of
+its own: the kernel tests' conftest turns Triton's interpreter on for its whole process, and an interpreted kernel
+cannot be compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels.fp8_linear import _quant_rows_kernel, _w8a16_kernel, w8a16_config
+from kernels.splitk import _reduce_kernel
+from kernels.w4a16 import _w4a16_kernel, w4a16_config
+
+I32 = "i32"
+INTS = ("M", "N", "K", "stride_xm", "stride_om", "stride_os", "k_per_split")
+
+
+def _resources(cubin: bytes) -> tuple[int, int] | None:
+    """(registers, stack bytes) of the cubin, or None without cuobjdump."""
+    import triton.backends.nvidia as nv
+
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, timeout=60)
+    regs, stack = re.search(r"REG:(\d+)", out.stdout), re.search(r"STACK:(\d+)", out.stdout)
+    return (int(regs.group(1)), int(stack.group(1))) if regs and stack else None
+
+
+def compile_one(name: str, fn, types: dict[str, str], consts: dict, **options) -> dict:
+    signature, constexprs = {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if arg in consts:
+            signature[arg] = "constexpr"
+            constexprs[(i,)] = consts[arg]
+        else:
+            signature[arg] = types[arg]
+    row: dict = {"name": name}
+    try:
+        kernel = triton.compile(
+            ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+            target=GPUTarget("cuda", 90, 32),
+            options=options,
+        )
+    except Exception as e:  # noqa: BLE001 - reported, the test names it
+        return {**row, "ok": False, "error": f"{type(e).__name__}: {e}"[-1500:]}
+    used = _resources(kernel.asm["cubin"])
+    return {
+        **row,
+        "ok": True,
+        "registers": used and used[0],
+        "stack": used and used[1],
+        "shared": kernel.metadata.shared,
+    }
+
+
+def cases():
+    for k in (4096, 14336, 32768):
+        block = triton.next_power_of_2(min(k, 16384))
+        yield (
+            f"quantize rows K={k}",
+            _quant_rows_kernel,
+            dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", K=I32, stride_xm=I32),
+            dict(BLOCK=block, ONE_PASS=block >= k, NATIVE=True),
+            dict(num_warps=min(16, max(4, block // 1024))),
+        )
+    for dtype in ("bf16", "fp16"):
+        for m, use_dot in ((1, False), (2, False), (8, True), (16, True), (32, True)):
+            for out in (dtype, "fp32"):  # the output itself, or split-K partials
+                cfg = w8a16_config(m, use_dot)
+                consts = dict(
+                    BLOCK_M=cfg.pop("BLOCK_M"),
+                    BLOCK_N=cfg.pop("BLOCK_N"),
+                    BLOCK_K=cfg.pop("BLOCK_K"),
+                    USE_DOT=use_dot,
+                    DOT_DTYPE=tl.bfloat16 if dtype == "bf16" else tl.float16,
+                    EVEN_K=True,
+                )
+                types = dict(x_ptr=f"*{dtype}", w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr=f"*{out}")
+                types.update(dict.fromkeys(INTS, I32))
+                yield f"w8a16 {dtype} m={m} dot={use_dot} -> {out}", _w8a16_kernel, types, consts, cfg
+    for group in (32, 128):
+        for m, use_dot in ((1, False), (8, True), (32, True), (64, True), (256, True)):
+            cfg = w4a16_config(m, group, use_dot)
+            consts = dict(
+                GROUP=group,
+                BLOCK_M=cfg.pop("BLOCK_M"),
+                BLOCK_N=cfg.pop("BLOCK_N"),
+                BLOCK_K=cfg.pop("BLOCK_K"),
+                SWAP_AB=cfg.pop("SWAP_AB"),
+                USE_DOT=use_dot,
+                FP16=True,
+                DOT_PRECISION="tf32",
+            )
+            types = dict(x_ptr="*fp16", qweight_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16", out_ptr="*fp16")
+            types.update(dict.fromkeys(INTS, I32))
+            yield f"w4a16 m={m} group={group} dot={use_dot}", _w4a16_kernel, types, consts, cfg
+    yield (
+        "split-K sum",
+        _reduce_kernel,
+        dict(part_ptr="*fp32", out_ptr="*bf16", total=I32),
+        dict(SPLITS=7, BLOCK=1024),
+        dict(num_warps=4),
+    )
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run without TRITON_INTERPRET: interpreted kernels cannot be compiled")
+    for name, fn, types, consts, options in cases():
+        print(json.dumps(compile_one(name, fn, types, consts, **options)), flush=True)

@@ -1,0 +1,118 @@
+"""kernels/quant_cuda.py: which kernel each row count takes, and every path against the torch reference
+(Triton's interpreter and torch's CPU ``_scaled_mm`` without a GPU), including the per-tensor fallback
+where row-wise ``_scaled_mm`` is refused and the legacy kernel set the device benchmark A/Bs against."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import quant_cuda  # noqa: E402
+from kernels import quant_reference as qr  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_fp8_rule_by_rows(monkeypatch):
+    monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
+    monkeypatch.setattr(qr, "FP8_W8A16_MAX_ROWS", 16)
+    monkeypatch.setattr(quant_cuda, "FP8_CUDA_CORE_MAX_ROWS", 2)
+    assert [quant_cuda.fp8_path(m) for m in (1, 2, 3, 16, 17, 4096)] == [
+        "w8a16-cuda-core",
+        "w8a16-cuda-core",
+        "w8a16-dot",
+        "w8a16-dot",
+        "scaled-mm",
+        "scaled-mm",
+    ]
+    monkeypatch.setattr(quant_cuda, "KERNELS", "legacy")
+    assert {quant_cuda.fp8_path(m) for m in (1, 8, 4096)} == {"scaled-mm"}
+
+
+def test_awq_rule_by_rows(monkeypatch):
+    monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
+    monkeypatch.setattr(quant_cuda, "AWQ_CUDA_CORE_MAX_ROWS", 1)
+    monkeypatch.setattr(quant_cuda, "AWQ_DENSE_MIN_ROWS", 512)
+    assert [quant_cuda.awq_path(m) for m in (1, 2, 256, 511, 512, 4096)] == [
+        "cuda-core",
+        "dot",
+        "dot",
+        "dot",
+        "dequantize-cublas",
+        "dequantize-cublas",
+    ]
+    monkeypatch.setattr(quant_cuda, "KERNELS", "legacy")
+    assert quant_cuda.awq_path(1) == quant_cuda.awq_path(4096) == "legacy"
+
+
+def _fp8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(5)) * 0.05
+    wq, ws = qr.quantize_rows(w)
+    return wq.to(DEVICE), ws.to(DEVICE)
+
+
+@pytest.mark.parametrize("kernels", ["fast", "legacy"])
+def test_fp8_linear_every_path_matches_the_reference(monkeypatch, kernels):
+    """Decode rows (the W8A16 kernels; the reference computes the same product) and a prefill chunk (the Triton
+    quantization + _scaled_mm: the reference's per-token arithmetic).  The legacy set quantizes every product."""
+    monkeypatch.setattr(quant_cuda, "KERNELS", kernels)
+    monkeypatch.setattr(qr, "FP8_W8A16_MAX_ROWS", 4)
+    wq, ws = _fp8_weight(48, 64)
+    exact = wq.double() * ws.double()[:, None]
+    for m in (1, 3, 9):
+        x = torch.randn(2, m, 64, generator=torch.Generator().manual_seed(m)).bfloat16().to(DEVICE)[0]
+        got = quant_cuda.fp8_linear(x, wq, ws)
+        want = x.double() @ exact.t()
+        assert got.shape == (m, 48) and got.dtype == torch.bfloat16
+        err = float((got.double() - want).norm() / want.norm())
+        path = quant_cuda.fp8_path(m)
+        print(f"fp8 {kernels} m={m} ({path}): rel err {err:.2e} against the unquantized activations")
+        assert path == ("scaled-mm" if kernels == "legacy" or m > 4 else "w8a16-cuda-core" if m == 1 else "w8a16-dot")
+        if path == "scaled-mm":
+            xq, xs = qr.quantize_per_token(x)
+            per_token = (xq.double() * xs.double()) @ exact.t()
+            torch.testing.assert_close(got.double(), per_token, rtol=1e-2, atol=1e-2)
+            assert 5e-3 < err < 0.05  # the activations' e4m3 rounding shows
+        else:
+            torch.testing.assert_close(got, qr.fp8_linear(x, wq, ws), rtol=1e-2, atol=1e-2)
+            assert err < 5e-3  # only the output's bf16 rounding
+
+
+def test_fp8_linear_per_tensor_fallback(monkeypatch):
+    """Where row-wise scaling is refused, unit scales and both row-wise scales applied to a float32 product."""
+    monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
+    monkeypatch.setattr(qr, "FP8_W8A16_MAX_ROWS", 0)
+    wq, ws = _fp8_weight(32, 64)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    want = quant_cuda.fp8_linear(x, wq, ws)
+    monkeypatch.setitem(quant_cuda._ROWWISE, (x.device, x.dtype), None)
+    got = quant_cuda.fp8_linear(x, wq, ws)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, qr.fp8_linear(x, wq, ws), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", ["fast", "legacy"])
+def test_awq_linear_every_path_matches_the_reference(monkeypatch, kernels):
+    monkeypatch.setattr(quant_cuda, "KERNELS", kernels)
+    monkeypatch.setattr(quant_cuda, "AWQ_DENSE_MIN_ROWS", 20)
+    g = torch.Generator().manual_seed(3)
+    k, n, group = 64, 32, 32
+    qweight = qr.pack_int4(torch.randint(0, 16, (k, n), generator=g)).to(DEVICE)
+    qzeros = qr.pack_int4(torch.randint(0, 16, (k // group, n), generator=g)).to(DEVICE)
+    scales = (torch.rand(k // group, n, generator=g) * 0.02 + 0.001).to(DEVICE)
+    for m in (1, 3, 24):  # cuda-core, dot, dequantize-cublas
+        x = torch.randn(m, k, generator=g).to(DEVICE)
+        got = quant_cuda.awq_linear(x, qweight, qzeros, scales, group)
+        torch.testing.assert_close(got, qr.awq_linear(x, qweight, qzeros, scales, group), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_set_is_checked_at_import():
+    env = {**os.environ, "PAGEKEEPER_QUANT_KERNELS": "fastest"}
+    proc = subprocess.run([sys.executable, "-c", "import kernels.quant_cuda"], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "PAGEKEEPER_QUANT_KERNELS='fastest'" in proc.stderr
