@@ -69,12 +69,12 @@ def released_while_standing_by(device: torch.device) -> Iterator[None]:
     does not wait for its exit.  A spare killed with the front it stood behind took 7 s to exit at TP=4 (its ranks'
     teardown), and the restart's successor waited for all of it.  The marker goes before this process takes device
     memory (a spare promoted), so that from then on it counts as holding memory again."""
-    announced = False
+    held = 0  # on a CPU nothing of the KV cache is allocated before the standby ends
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         held = torch.cuda.memory_reserved(device)
-        announced = held <= RELEASE_SLACK_BYTES and announce_released(held)
+    announced = held <= RELEASE_SLACK_BYTES and announce_released(held)
     yield  # an exception (its supervisor or rank 0 gone, the standby's limit) means this process leaves: it stays
     if announced:  # announced, and whoever waits for it does not wait for its exit (a killed spare's ranks: 7 s)
         retract_released()

@@ -169,6 +169,26 @@ def test_a_standby_that_is_promoted_retracts_its_marker(monkeypatch, tmp_path):
     lifecycle.retract_released()  # twice is harmless
 
 
+def test_a_standby_is_released_while_it_stands_by_taken_back_when_promoted_kept_when_it_leaves(monkeypatch, tmp_path):
+    """The marker a spare writes while it stands by (engine/runner/release.py): gone once it is promoted (it takes
+    memory then), still there when it leaves on an error (killed with its front: nobody waits for its exit)."""
+    import os
+
+    import torch
+
+    from engine.runner.release import released_while_standing_by
+
+    monkeypatch.setenv("PAGEKEEPER_CACHE_DIR", str(tmp_path))
+    with released_while_standing_by(torch.device("cpu")):
+        assert lifecycle._released(os.getpid())
+    assert not lifecycle._released(os.getpid())
+    with pytest.raises(SystemExit):
+        with released_while_standing_by(torch.device("cpu")):
+            raise SystemExit("the supervisor is gone")
+    assert lifecycle._released(os.getpid())
+    lifecycle.retract_released()
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_a_standby_is_released_while_it_stands_by_and_not_after(monkeypatch, tmp_path):
     import os
