@@ -152,6 +152,21 @@ def _start_ticks(pid: int) -> str | None:
     return stat[stat.rindex(")") + 2 :].split()[19]
 
 
+def process_age_s(pid: int | None = None) -> float | None:
+    """Seconds since process `pid` (this one by default) started, from /proc/uptime and its start time in clock
+    ticks, both counted from boot (None without /proc).  psutil's create_time adds the boot time, which /proc/stat
+    gives in whole seconds: its ages were up to a second too long, and start-up timelines began before the process."""
+    import os
+
+    ticks = _start_ticks(os.getpid() if pid is None else pid)
+    try:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except OSError:
+        return None
+    return None if ticks is None else max(0.0, uptime - int(ticks) / os.sysconf("SC_CLK_TCK"))
+
+
 def released_marker(pid: int) -> Path | None:
     """Where process `pid` says it has freed its device memory (engine/runner/release.py); None: no such process.
     Under the cache folder, which an engine and its successor share (engine/cache_dir.py)."""

@@ -283,7 +283,10 @@ class StartupTimeline:
     def __init__(self) -> None:
         import psutil
 
-        created = psutil.Process().create_time()
+        from engine.lifecycle import process_age_s
+
+        age = process_age_s()
+        created = _time.time() - age if age is not None else psutil.Process().create_time()
         self.seconds: dict[str, float] = {"interpreter": round(_MODULE_STARTED - created, 3)}
         self._created = created
         self._mark = _MODULE_STARTED
