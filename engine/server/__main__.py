@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import structlog
 import uvicorn
@@ -498,18 +498,22 @@ def serve(
     # everything built so far lives as long as the server: out of the collector's full passes (engine/gc_heap.py)
     frozen = freeze_startup_heap()
     async_engine.start()
-    timeline.mark("http_server")
-    log.info(
-        "serving",
-        url=f"http://{host}:{port}",
-        model=model_name,
-        pid=os.getpid(),
-        socket="inherited" if inherited else "bound",
-        systemd_notify=notifier.enabled,
-        watchdog_s=notifier.watchdog_interval,
-        gc_frozen_objects=frozen,
-        startup=timeline.seconds,
-    )
+
+    def announce() -> None:
+        timeline.mark("http_server")
+        log.info(
+            "serving",
+            url=f"http://{host}:{port}",
+            model=model_name,
+            pid=os.getpid(),
+            socket="inherited" if inherited else "bound",
+            systemd_notify=notifier.enabled,
+            watchdog_s=notifier.watchdog_interval,
+            gc_frozen_objects=frozen,
+            startup=timeline.seconds,
+        )
+
+    server.announce = announce  # logged once the server listens with its signal handlers in place
     try:
         server.run(sockets=[sock])
     finally:
@@ -580,6 +584,9 @@ class DrainOnTermServer(uvicorn.Server):
         self._stopping: str | None = None  # "drain" | "now" once asked
         self._last_tick = time.monotonic()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The `serving` line, said from `startup`: uvicorn sets its signal handlers as it starts serving, and a
+        # SIGTERM right after a `serving` said earlier met the default action (the process died, nothing drained).
+        self.announce: Callable[[], None] = lambda: None
         if control is not None:
             control.set_in_flight_reader(lambda: tracker.in_flight)
             control.set_settled_reader(lambda: not async_engine.startup_work_pending)
@@ -609,6 +616,7 @@ class DrainOnTermServer(uvicorn.Server):
         self._loop.set_exception_handler(AcceptErrorsCondensed())
         await super().startup(sockets=sockets)
         if self.started and not self.should_exit:
+            self.announce()
             get_notifier().ready(self.serving_status)
             if self.async_engine.lifecycle.phase == Phase.LOADING:
                 self.async_engine.lifecycle.move(Phase.SERVING)
