@@ -10,8 +10,20 @@ import threading
 import time
 
 import httpx
+import pytest
+
+from tests.server.harness import start_server
 
 MODEL = "pagekeeper-default"
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory: pytest.TempPathFactory):
+    """One server with the default flags for the tests that need nothing else; each leaves it as it found it, but
+    the last, which stops it (file order)."""
+    server = start_server(tmp_path_factory.mktemp("default"))
+    yield server
+    server.kill()
 
 
 def _stream_tokens(url: str, max_tokens: int, out: list, idx: int) -> None:
@@ -80,8 +92,8 @@ def test_sigterm_drains_in_flight_streams_refuses_new_work_and_exits_0(launch):
     assert exit_s < 2.0
 
 
-def test_drain_endpoint_reports_counts_and_can_be_undone(launch):
-    server = launch()
+def test_drain_endpoint_reports_counts_and_can_be_undone(default_server):
+    server = default_server
     r = httpx.post(server.url + "/drain", params={"timeout": 5})
     assert r.status_code == 200 and r.json()["drained"] is True and r.json()["in_flight"] == 0
     assert httpx.get(server.url + "/health").status_code == 503
@@ -122,8 +134,8 @@ def test_health_turns_stalled_when_the_step_loop_freezes(launch):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
-def test_debug_hooks_are_off_by_default(launch):
-    server = launch()
+def test_debug_hooks_are_off_by_default(default_server):
+    server = default_server
     assert httpx.post(server.url + "/debug/freeze", params={"seconds": 1}).status_code == 404
     assert httpx.post(server.url + "/debug/block-http-loop", params={"seconds": 1}).status_code == 404
     assert httpx.post(server.url + "/debug/metrics", params={"mode": "garbage"}).status_code == 404
@@ -228,10 +240,12 @@ def test_a_stream_under_way_at_a_handover_leaves_its_connection_open_for_the_cli
         listener.close()
 
 
-def test_a_request_whose_connection_closed_before_its_body_arrived_is_not_logged_as_one(launch):
+def test_a_request_whose_connection_closed_before_its_body_arrived_is_not_logged_as_one(default_server):
     """A connection closed mid-body (a client killed while sending; connections cut at shutdown) was logged as an
-    `http_request` with status 400: FastAPI's answer to a body it could not read, which nobody received."""
-    server = launch()
+    `http_request` with status 400: FastAPI's answer to a body it could not read, which nobody received.  Stops the
+    shared server: the file's last test on it."""
+    server = default_server
+    at = len(server.log())  # what the earlier tests on this server logged is theirs
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
     cut = socket.create_connection(("127.0.0.1", server.port))
     cut.sendall(head + b'{"model":')
@@ -245,6 +259,6 @@ def test_a_request_whose_connection_closed_before_its_body_arrived_is_not_logged
     server.proc.send_signal(signal.SIGINT)
     assert server.proc.wait(30) == 0
     pending.close()
-    logged = [json.loads(ln) for ln in server.log().splitlines() if '"http_request"' in ln]
+    logged = [json.loads(ln) for ln in server.log()[at:].splitlines() if '"http_request"' in ln]
     print([(e["path"], e["status"]) for e in logged])
     assert [(e["path"], e["status"]) for e in logged] == [("/v1/completions", 200)]

@@ -1,7 +1,10 @@
 """Must-show 5: schemathesis against /openapi.json — >= 1,000 cases, no 5xx, still serving after.
 
 The server's own request log is the count of record: every HTTP request the fuzzer made, with its
-status, so the assertion does not depend on how schemathesis summarises its run.
+status, so the assertion does not depend on how schemathesis summarises its run.  The fuzzer's own case
+generation is most of the test's time (the server was busy 40 s of a 100 s run): 75 examples per operation
+made 1,951 requests (120 made 2,135, in 25 s more), most of them from the coverage phase, whose count does not
+depend on the examples asked for.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def test_schemathesis_finds_no_server_errors(launch, tmp_path):
             "--checks",
             "not_a_server_error",
             "--max-examples",
-            "120",
+            "75",
             "--exclude-path",
             "/drain",
             "--seed",

@@ -13,6 +13,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.default_model import DEFAULT_MODEL_DIR
+from tests.server.harness import start_server
 
 GENERATION_DEFAULTS = {
     "temperature": 0.0,
@@ -78,9 +79,16 @@ def test_stats_lines_are_logged_while_there_is_work_and_not_with_disable_log_sta
     assert counts[()] >= 1 and counts[("--disable-log-stats",)] == 0
 
 
-def test_uvicorn_log_level_reaches_uvicorn(launch):
+@pytest.fixture(scope="module")
+def chatty(tmp_path_factory: pytest.TempPathFactory):
+    """A server with `--uvicorn-log-level info`, for the two tests below that read its log (the second stops it)."""
+    server = start_server(tmp_path_factory.mktemp("chatty"), "--uvicorn-log-level", "info")
+    yield server
+    server.kill()
+
+
+def test_uvicorn_log_level_reaches_uvicorn(launch, chatty):
     quiet = launch()
-    chatty = launch("--uvicorn-log-level", "info")
     for server in (quiet, chatty):
         httpx.get(server.url + "/health")
     assert "Uvicorn running" not in quiet.log() and "Started server process" not in quiet.log()
@@ -106,12 +114,13 @@ def test_disable_fastapi_docs_leaves_no_docs_and_the_key_guards_only_the_api(lau
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "pagekeeper-default"
 
 
-def test_every_line_of_the_engines_log_is_json(launch):
+def test_every_line_of_the_engines_log_is_json(chatty):
     """A log collector reads JSON lines: transformers' warning about a prompt past the tokenizer's length and
-    uvicorn's about a malformed request were plain lines among them."""
+    uvicorn's about a malformed request were plain lines among them.  Stops the shared server, whose whole log it
+    reads (the test above sent it a request too)."""
     import socket
 
-    server = launch("--uvicorn-log-level", "info")
+    server = chatty
     body = {"model": "pagekeeper-default", "prompt": "Hello there " * 200, "max_tokens": 4}
     assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 400
     with socket.create_connection(("127.0.0.1", server.port)) as s:
