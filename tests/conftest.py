@@ -98,8 +98,7 @@ def checkpoint(checkpoint_root: Path):
     return get
 
 
-# -- the ten-minute soak (tests/opsctl/test_soak.py), run alongside whatever else the run selects ---------------
-# README's command leaves it out (its marker, pyproject.toml's addopts); CI runs it on its own (.ci/run).
+# -- the ten-minute soak (tests/opsctl/test_soak.py), run alongside the rest of the suite ------------------------
 
 SOAK_SECONDS = 600.0
 # Each of the 8 clients pauses between requests.  Measured alone (`python -m tests.opsctl.soak --seconds 90 --pause

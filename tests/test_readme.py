@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,30 +77,3 @@ def test_ci_runs_readmes_test_command():
     assert extract, ".ci/run no longer extracts README's test command"
     out = subprocess.run(["bash", "-c", extract.group(1)], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert out.stdout.strip() == CI_TEST_COMMAND
-
-
-SOAK = "tests/opsctl/test_soak.py"
-
-
-def _collected(*args: str) -> list[str]:
-    """The node ids `python3 -m pytest <args>` selects in tests/opsctl/test_soak.py (without conftest.py, which
-    imports torch: the selection is pyproject.toml's and the markers')."""
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "--noconftest", "-p", "no:cacheprovider", *args, SOAK],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return [line for line in out.stdout.splitlines() if "::" in line]
-
-
-def test_the_soak_is_left_out_of_readmes_command_and_ci_runs_it_on_its_own():
-    """The ten-minute soak alone would hold README's command for ten minutes: its marker leaves it out unless a -m
-    selects it, and .ci/run runs it after README's command."""
-    soak = [f"{SOAK}::test_ten_minutes_of_healthy_load_cause_no_policy_action"]
-    assert _collected() == []  # README's command selects no -m: the soak is not in it
-    assert _collected("-m", "soak") == soak
-    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
-    run_readme = next(i for i, line in enumerate(ci) if line.strip() == 'bash -c "$test_cmd"')
-    assert "python3 -m pytest -m soak" in [line.strip() for line in ci[run_readme + 1 :]]

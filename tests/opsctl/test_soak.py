@@ -1,10 +1,9 @@
 """Healthy steady load for ten minutes at a 1 s poll: the supervisor takes no action.
 
-Left out of README's test command by its marker (pyproject.toml); CI runs it on its own (`-m soak`,
-.ci/run).  The load runs in its own process from the session's first test on (tests/conftest.py,
-tests/opsctl/soak.py), so that in a run that selects more (`-m slow`) the ten minutes overlap the other
-tests; this check runs last and waits for whatever is left.  The policy uses its default thresholds; only the
-poll (1 s) and the cooldown (5 s, so that nearly all ten minutes are judged) are set.
+The load runs in its own process from the session's first test on (tests/conftest.py,
+tests/opsctl/soak.py), so the ten minutes overlap the rest of the suite; this check runs last and
+waits for whatever is left.  The policy uses its default thresholds; only the poll (1 s) and the
+cooldown (5 s, so that nearly all ten minutes are judged) are set.
 """
 
 from __future__ import annotations
