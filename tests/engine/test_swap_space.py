@@ -5,6 +5,8 @@ unit of deferred work (a pinning thread held up a cold start's first steps), or 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -14,7 +16,9 @@ from engine.llm_engine import LLMEngine
 from engine.runner.swap_space import SwapSpace
 
 
-def test_blocks_are_allocated_on_a_thread_of_their_own():
+@contextmanager
+def threads_that_allocate() -> Iterator[list[str]]:
+    """The names of the threads that call torch.empty meanwhile, in order."""
     seen: list[str] = []
     real_empty = torch.empty
 
@@ -24,33 +28,28 @@ def test_blocks_are_allocated_on_a_thread_of_their_own():
 
     torch.empty = spy  # type: ignore[assignment]
     try:
-        swap = SwapSpace((3, 2, 4), torch.float16, layers=2, pin=False)
-        blocks = swap.tensors()
+        yield seen
     finally:
         torch.empty = real_empty  # type: ignore[assignment]
+
+
+def test_blocks_are_allocated_on_a_thread_of_their_own():
+    with threads_that_allocate() as seen:
+        swap = SwapSpace((3, 2, 4), torch.float16, layers=2, pin=False)
+        blocks = swap.tensors()
     assert swap.ready() and len(blocks) == 2 and blocks[0].shape == (3, 2, 4) and blocks[0].dtype == torch.float16
     assert seen == ["swap-space", "swap-space"]
     assert SwapSpace.empty().tensors() == [] and SwapSpace((0, 2), torch.float16, 4, False).tensors() == []
 
 
 def test_a_swap_space_on_the_callers_thread_allocates_a_layer_per_step_or_the_rest_when_read():
-    seen: list[str] = []
-    real_empty = torch.empty
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(threading.current_thread().name)
-        return real_empty(*args, **kwargs)
-
-    torch.empty = spy  # type: ignore[assignment]
-    try:
+    with threads_that_allocate() as seen:
         swap = SwapSpace((3, 2, 4), torch.float16, layers=3, pin=False, background=False)
         assert seen == [] and swap.quiet() and not swap.ready()  # nothing yet, and no thread: captures may run
         steps = swap.allocation_steps()
         next(steps)
         assert len(seen) == 1 and not swap.ready()
         blocks = swap.tensors()  # the first swap: what is missing, now
-    finally:
-        torch.empty = real_empty  # type: ignore[assignment]
     assert swap.ready() and len(blocks) == 3 and seen == [threading.current_thread().name] * 3
     assert list(steps) == []  # the deferred job finds nothing left
     background = SwapSpace((3, 2, 4), torch.float16, layers=1, pin=False)
