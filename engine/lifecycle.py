@@ -214,7 +214,9 @@ def _released(pid: int) -> bool:
     return marker is not None and marker.exists()
 
 
-def standby_until_exit(pid: int, limit_s: float | None = STANDBY_LIMIT_S) -> float:
+def standby_until_exit(
+    pid: int, limit_s: float | None = STANDBY_LIMIT_S, timings: dict[str, float] | None = None
+) -> float:
     """In STANDBY, wait for process `pid` and every process under it to exit (the engine this one replaces frees
     the GPU: its engine core or tensor-parallel ranks hold device memory too, and a killed engine's children die a
     moment after it); the seconds waited.  A process that announced it has freed its device memory
@@ -222,7 +224,9 @@ def standby_until_exit(pid: int, limit_s: float | None = STANDBY_LIMIT_S) -> flo
 
     A spare engine the supervisor keeps ready waits without a limit (`limit_s` None); every standby also ends if
     this process's parent (its supervisor) exits first: a successor nobody supervises must not wake up and serve
-    beside whatever a new supervisor starts.  TimeoutError past `limit_s`, SystemExit when the parent is gone."""
+    beside whatever a new supervisor starts.  TimeoutError past `limit_s`, SystemExit when the parent is gone.
+    `timings` receives `after_pid_s`: how long the wait went on after `pid` itself exited or announced its release
+    (its engine core's and ranks' exits or releases), and `released`: 1.0 if `pid` announced, 0.0 if it exited."""
     import os
     import select
     import time
@@ -261,7 +265,12 @@ def standby_until_exit(pid: int, limit_s: float | None = STANDBY_LIMIT_S) -> flo
                     "rank) is gone: a standby engine does not start on its own"
                 )
             break
+        pid_done = time.monotonic()
+        if timings is not None:
+            timings["released"] = 1.0 if _released(pid) else 0.0
         wait_gone_or_released(under, deadline)
+        if timings is not None:
+            timings["after_pid_s"] = round(time.monotonic() - pid_done, 3)
     finally:
         os.close(fd)
         if parent_fd is not None:

@@ -6,7 +6,12 @@ Waiting for the process to exit made that wait include the driver's teardown of 
 has stopped stepping, drops its KV cache and graphs, returns the allocator's cache to the driver, and writes a
 marker (`announce_released`): the successor counts it as gone and allocates while the old process finishes its
 exit.  A process that still holds more than RELEASE_SLACK_BYTES announces nothing: its successor waits for the
-exit, as before."""
+exit, as before.
+
+After the marker, the process unpins its swap space itself: left to the exit, the driver's teardown of gigabytes of
+pinned pages held every other process's cudaMalloc and pinned allocation for seconds (the successor's KV cache and
+graph pools among them), while unpinning them before the exit delayed nobody's calls by more than tens of ms
+(docs/decisions/unpin-before-exit.md)."""
 
 from __future__ import annotations
 
@@ -59,7 +64,25 @@ def release_for_successor(runner: ModelRunner) -> bool:
         held_bytes=held,
         announced=announced,
     )
+    release_pinned_memory(runner)
     return announced
+
+
+def release_pinned_memory(runner: ModelRunner) -> int:
+    """Unpin the swap space and the host allocator's cached pinned blocks before the exit (the module's docstring
+    says why); the swap space's bytes.  Only for a process that is leaving: nothing can swap afterwards."""
+    started = time.monotonic()
+    try:
+        dropped = runner.swap.release()
+        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds only
+        if empty_host_cache is not None:
+            empty_host_cache()  # the caching host allocator's blocks go back: cudaFreeHost here, not in the exit
+    except Exception as e:  # the exit's teardown frees them as before
+        log.warning("pinned_memory_release_failed", error=str(e)[:300])
+        return 0
+    if dropped:
+        log.info("pinned_memory_released", seconds=round(time.monotonic() - started, 3), swap_bytes=dropped)
+    return dropped
 
 
 @contextmanager

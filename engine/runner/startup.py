@@ -124,9 +124,12 @@ def start_runner(
             if cuda:
                 warm_kernels(config, model_info, model, device)  # while the old engine still serves
                 phases.mark("kernels")
+            waits: dict[str, float] = {}
             with released_while_standing_by(device):
-                standby_until_exit(config.standby_after, None if config.standby_spare else STANDBY_LIMIT_S)
+                standby_until_exit(config.standby_after, None if config.standby_spare else STANDBY_LIMIT_S, waits)
             phases.mark("standby")
+            # what ended the standby: the old engine's release or its exit, and how long its other processes took
+            log.info("standby_ended", predecessor=config.standby_after, **waits)
         baseline = device_baseline(device, shared_bytes) if cuda else None
     else:
         baseline = device_baseline(device) if cuda else None

@@ -87,11 +87,14 @@ def test_standby_also_waits_for_the_processes_under_the_predecessor(monkeypatch)
     )  # the predecessor leaves after 0.5 s; its child lives until 1.5 s
     old = subprocess.Popen([sys.executable, "-c", code])
     started = time.monotonic()
-    lifecycle.standby_until_exit(old.pid)
+    timings: dict[str, float] = {}
+    lifecycle.standby_until_exit(old.pid, timings=timings)
     waited = time.monotonic() - started
     old.wait()
     assert waited > 1.2, f"the standby ended after {waited:.2f} s, before the predecessor's child exited"
     assert waited < 10
+    # the split the successor logs (standby_ended): the child outlived the predecessor by about a second
+    assert timings["released"] == 0.0 and 0.5 < timings["after_pid_s"] < waited
 
 
 ANNOUNCES = (

@@ -1,10 +1,14 @@
 """engine/runner/swap_space.py: a standby engine's swap space is allocated on a thread while the engine it replaces
 still serves, and a runner given one uses it; a cold start's is allocated on the step loop's own thread, a layer per
-unit of deferred work (a pinning thread held up a cold start's first steps), or at once by the first swap."""
+unit of deferred work (a pinning thread held up a cold start's first steps), or at once by the first swap.  A leaving
+process drops it (`release`), also while a thread still pins it."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -83,3 +87,33 @@ def test_a_runner_swaps_through_the_swap_space_its_start_up_began():
     cache[:, 3].fill_(7.0)
     runner.apply(StepPlan(swap_out=[(3, 5)]))  # device block 3 out to host block 5
     assert torch.equal(blocks[0][:, 5], cache[:, 3])
+
+
+def test_a_released_swap_space_drops_its_blocks():
+    swap = SwapSpace((3, 2, 4), torch.float16, layers=3, pin=False, background=False)
+    blocks = swap.tensors()
+    first = weakref.ref(blocks[0].untyped_storage())
+    assert swap.release() == 3 * 3 * 2 * 4 * 2
+    assert blocks == [] and swap.tensors() == []  # the runner's view of the list is empty too
+    gc.collect()
+    assert first() is None  # nothing else refers to the pages: the host allocator may give them back
+
+
+def test_releasing_stops_a_thread_still_pinning_after_its_current_layer():
+    real_empty = torch.empty
+    started = threading.Event()
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        started.set()
+        time.sleep(0.02)
+        return real_empty(*args, **kwargs)
+
+    torch.empty = slow  # type: ignore[assignment]
+    try:
+        swap = SwapSpace((4,), torch.float32, layers=200, pin=False)
+        assert started.wait(5)
+        dropped = swap.release()
+    finally:
+        torch.empty = real_empty  # type: ignore[assignment]
+    assert 0 < dropped < 200 * 16  # it stopped long before the 200th layer (4 s at 20 ms each)
+    assert swap.ready() and swap.tensors() == []

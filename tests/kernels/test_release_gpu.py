@@ -30,3 +30,71 @@ def test_a_released_runner_holds_less_than_the_slack_and_announces_it(checkpoint
     assert release_for_successor(runner) is True
     assert torch.cuda.memory_reserved() <= RELEASE_SLACK_BYTES
     assert len(list((tmp_path / "released").iterdir())) == 1
+
+
+def test_a_leaving_runner_drops_its_swap_space():
+    """The swap space is unpinned by the leaving process, not by its exit's teardown (release.py's docstring)."""
+    from types import SimpleNamespace
+
+    from engine.runner.release import release_pinned_memory
+    from engine.runner.swap_space import SwapSpace
+
+    swap = SwapSpace((2, 8), torch.float32, layers=4, pin=False, background=False)
+    blocks = swap.tensors()
+    assert release_pinned_memory(SimpleNamespace(swap=swap)) == 4 * 2 * 8 * 4  # type: ignore[arg-type]
+    assert blocks == []
+
+
+@pytest.mark.gpu
+def test_a_released_cuda_runner_unpins_its_swap_space(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEKEEPER_CACHE_DIR", str(tmp_path))
+    llm = LLM(
+        str(checkpoint("llama")),
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=256,
+        gpu_memory_utilization=0.5,
+        swap_space=0.25,
+        preemption_mode="swap",
+    )
+    llm.generate(["hello"] * 2, SamplingParams(max_tokens=4), use_tqdm=False)
+    runner = llm.llm_engine.core.runner
+    runner.deferred.run_all()  # the cold start's swap_space job: every layer pinned
+    blocks = runner.cpu_caches
+    assert blocks and all(b.is_pinned() for b in blocks)
+    assert release_for_successor(runner) is True
+    assert blocks == []
+
+
+@pytest.mark.gpu
+def test_sequences_swapped_through_the_registered_swap_space_keep_their_tokens(checkpoint, tmp_path, monkeypatch):
+    """Under KV pressure on the GPU, preempted sequences go to the page-locked huge-page blocks and come back: the
+    tokens equal an unpressured run's (float32: greedy equality means something)."""
+    import random
+
+    monkeypatch.setenv("PAGEKEEPER_CACHE_DIR", str(tmp_path))
+    path = str(checkpoint("llama"))
+    rng = random.Random(5)
+    prompts = [{"prompt_token_ids": [rng.randrange(4, 200) for _ in range(rng.randrange(5, 40))]} for _ in range(10)]
+    p = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    relaxed = LLM(path, device="cuda", dtype="float32", block_size=16, max_model_len=128, gpu_memory_utilization=0.3)
+    want = [o.outputs[0].token_ids for o in relaxed.generate(prompts, p, use_tqdm=False)]
+    per_block = (
+        relaxed.llm_engine.core.runner.kv_caches[0][:, 0].numel() * 4 * len(relaxed.llm_engine.core.runner.kv_caches)
+    )
+    del relaxed
+    tight = LLM(
+        path,
+        device="cuda",
+        dtype="float32",
+        block_size=16,
+        max_model_len=80,
+        kv_cache_memory_bytes=7 * per_block,
+        preemption_mode="swap",
+        swap_space=(64 * per_block) / 2**30,
+    )
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, p, use_tqdm=False)]
+    core = tight.llm_engine.core
+    assert core.scheduler.num_preemptions > 0 and core.kv.blocks_swapped_out > 0
+    assert all(b.is_pinned() for b in core.runner.cpu_caches)  # registered in place, seen as pinned by torch
+    assert got == want
