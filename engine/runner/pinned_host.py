@@ -12,10 +12,15 @@ allocator.
 from __future__ import annotations
 
 import mmap
+import time
 
 import torch
 
 HUGE_PAGE = 2 << 20
+# Between two pieces' unregistrations.  Back to back, the leaving ranks of a TP=4 engine held the driver for the 2 s
+# their 8 GiB each took to unpin, and the successor's first graph capture waited that long; a pause lets the
+# successor's calls in between, as the swap space's paced pinning does for a step's launches.
+UNREGISTER_PAUSE_S = 0.005
 
 
 class HostRegion:
@@ -44,11 +49,14 @@ class HostRegion:
         self._registered.append(piece.data_ptr())
         return piece
 
-    def release(self) -> None:
-        """Unlock every pinned piece here, not in the exit's teardown; the mapping goes when no tensor refers to it."""
+    def release(self, pause_s: float = UNREGISTER_PAUSE_S) -> None:
+        """Unlock every pinned piece here, not in the exit's teardown, pausing `pause_s` between pieces; the mapping
+        goes when no tensor refers to it."""
         cudart = torch.cuda.cudart()
         while self._registered:
             cudart.cudaHostUnregister(self._registered.pop())
+            if self._registered:
+                time.sleep(pause_s)
         del self._bytes, self._whole
         try:
             self._map.close()

@@ -81,3 +81,13 @@ def test_a_refused_registration_falls_back_to_torchs_allocator(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
     swap = SwapSpace((4, 4), torch.float32, layers=2, pin=True, background=False)
     assert len(swap.tensors()) == 2 and made == [True, True]  # torch's pinned allocator, once refused, for the rest
+
+
+def test_release_pauses_between_pieces_so_that_other_processes_get_the_driver(cudart, monkeypatch):
+    pauses: list[float] = []
+    monkeypatch.setattr(pinned_host.time, "sleep", pauses.append)
+    region = HostRegion(3 * HUGE_PAGE)
+    for i in range(3):
+        region.pin(i * HUGE_PAGE, 4096)
+    region.release()
+    assert cudart.registered == {} and pauses == [pinned_host.UNREGISTER_PAUSE_S] * 2  # between, not after
