@@ -32,6 +32,7 @@ import argparse
 import datetime as dt
 import json
 import math
+import os
 import shutil
 import sys
 import sysconfig
@@ -92,21 +93,35 @@ class TrainConfig:
 # -- the text ------------------------------------------------------------------------------------
 
 
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
+def python_files(root: Path) -> list[Path]:
+    """The *.py files under `root`, not descending into installed packages (a pyenv or conda stdlib holds its
+    site-packages, gigabytes of them) or caches."""
+    out = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__"))
+        out += [Path(folder) / f for f in sorted(files) if f.endswith(".py")]
+    return out
 
 
-def split_corpus(root: Path, max_bytes: int | None = None) -> tuple[list[str], list[str]]:
-    """The *.py files under `root` (not installed packages) as (training, held-out) texts, split by file: a
-    file's relative path decides, so a run anywhere splits the same sources alike.  `max_bytes` keeps the
-    first files (sorted by path) up to that many bytes of text (the CPU dry run)."""
+def default_corpus(min_bytes: int = 4_000_000) -> list[Path]:
+    """The running interpreter's standard library; where an image ships too little of its source (compiled files
+    only), torch's Python sources beside it."""
+    roots = [Path(sysconfig.get_paths()["stdlib"])]
+    if sum(p.stat().st_size for p in python_files(roots[0])) < min_bytes:
+        import torch
+
+        roots.append(Path(torch.__file__).parent)
+    return roots
+
+
+def split_corpus(roots: Sequence[Path], max_bytes: int | None = None) -> tuple[list[str], list[str]]:
+    """The *.py files under `roots` (not installed packages below them) as (training, held-out) texts, split by
+    file: a file's path relative to its root decides, so a run anywhere splits the same sources alike.
+    `max_bytes` keeps the first files (sorted by path) up to that many bytes of text (the CPU dry run)."""
     train: list[str] = []
     held: list[str] = []
     total = 0
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if "site-packages" in rel or "dist-packages" in rel or "__pycache__" in rel:
-            continue
+    for path, rel in sorted((p, p.relative_to(root).as_posix()) for root in roots for p in python_files(root)):
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
@@ -118,7 +133,7 @@ def split_corpus(root: Path, max_bytes: int | None = None) -> tuple[list[str], l
         if max_bytes is not None and total >= max_bytes and held and train:
             break
     if not train or not held:
-        raise SystemExit(f"error: too few Python sources under {root} to split into training and held-out text")
+        raise SystemExit(f"error: too few Python sources under {', '.join(map(str, roots))} to split in two")
     return train, held
 
 
@@ -480,13 +495,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     date = dt.date.today().isoformat()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"perplexity-{name}-{date}.json"
-    corpus = args.corpus or stdlib_root()
+    corpus = [args.corpus] if args.corpus else default_corpus()
     result: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name() if gpu else "cpu",
         "date": date,
         "command": "python -m benchmarks.perplexity " + " ".join(argv),
         "torch": torch.__version__,
-        "corpus": {"root": str(corpus), "heldout": f"files whose path's CRC-32 is 0 mod {HELDOUT_EVERY}"},
+        "corpus": {"roots": [str(c) for c in corpus], "heldout": f"files whose path's CRC-32 is 0 mod {HELDOUT_EVERY}"},
         "model": asdict(shape),
         "train": asdict(cfg),
         "eval": {"window": window, "prompts": args.prompts, "prompt_len": prompt_len, "gen": gen},

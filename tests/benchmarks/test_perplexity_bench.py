@@ -70,7 +70,7 @@ def test_the_split_is_by_file_and_by_path(tmp_path):
         (tmp_path / n).write_text(f"x = {n!r}\n")
     (tmp_path / "site-packages").mkdir()
     (tmp_path / "site-packages" / "pkg.py").write_text("installed = True\n")
-    train, held = ppl.split_corpus(tmp_path)
+    train, held = ppl.split_corpus([tmp_path])
     want_held = {f"x = {n!r}\n" for n in names if zlib.crc32(n.encode()) % ppl.HELDOUT_EVERY == 0}
     assert set(held) == want_held and len(train) + len(held) == 40
     assert not any("installed" in t for t in train + held)
