@@ -586,20 +586,20 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             result[f"ppl_{cname}"] = round(perplexity(lps[cname]), 5)
             engines[cname]["ppl"] = result[f"ppl_{cname}"]
             print(f"{cname}: ppl {result[f'ppl_{cname}']}", flush=True)
+            if cname == "bf16":
+                result["ppl_engine_over_transformers"] = round(result["ppl_bf16"] / result["ppl_transformers"], 5)
+                result["logprob_mean_abs_diff_vs_transformers"] = round(mean_abs_diff(lps["bf16"], hf), 6)
+            elif "bf16" in outs:
+                result.setdefault("greedy_agreement", {})[cname] = agreement(outs["bf16"], outs[cname])
+                diff = mean_abs_diff(lps[cname], lps["bf16"])
+                engines[cname]["logprob_mean_abs_diff_vs_bf16"] = round(diff, 6)
         except Exception as e:  # noqa: BLE001 - record why a configuration could not run, keep the rest
             engines[cname] = {"flags": flags, "error": f"{type(e).__name__}: {e}"[:800]}
             engines[cname]["traceback_tail"] = traceback.format_exc()[-2500:]
             print(f"{cname}: failed: {engines[cname]['error']}", flush=True)
         _free()
+        result.update(ratios(result))  # kept as each engine ends: a stage stopped at its limit keeps them
         phase(f"engine_{cname}", t)
-    if "bf16" in lps:
-        result["ppl_engine_over_transformers"] = round(result["ppl_bf16"] / result["ppl_transformers"], 5)
-        result["logprob_mean_abs_diff_vs_transformers"] = round(mean_abs_diff(lps["bf16"], hf), 6)
-        result["greedy_agreement"] = {c: agreement(outs["bf16"], o) for c, o in outs.items() if c != "bf16"}
-        for c in lps:
-            if c != "bf16":
-                engines[c]["logprob_mean_abs_diff_vs_bf16"] = round(mean_abs_diff(lps[c], lps["bf16"]), 6)
-    result.update(ratios(result))
     result["wall_s"] = round(sum(result["seconds"].values()), 1)
     save()
     if args.keep is None:
