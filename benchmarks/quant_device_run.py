@@ -2,6 +2,7 @@
 
     bash benchmarks/quant_device_run.sh                      # OUT=<folder>: what benchmarks/quant_device_run.sh runs
     python -m benchmarks.quant_device_run --out DIR [--stages kernels engines tests legacy] [--deadline-s 520]
+    python -m benchmarks.quant_device_run --out DIR --stages perplexity serving   # must-shows 2 and 4, one call
     python -m benchmarks.quant_device_run --quick --out DIR  # the same stages on the CPU (interpreter, embedded model)
 
 Stages, each a fresh process (its GPU memory gone when it ends), most important first, each stopped (its process
@@ -17,6 +18,14 @@ group killed) when it would pass the deadline, its output streamed to the consol
               reference)  -> DIR/gpu-quant-tests-<gpu>-<date>.log
     legacy    the fp8 and AWQ engines again with PAGEKEEPER_QUANT_KERNELS=legacy (the previous kernels), when
               time is left: the same run's A/B  -> DIR/quantization-<gpu>-<date>-legacy.json
+    perplexity  benchmarks/perplexity.py: a small Llama trained for PERPLEXITY_TRAIN_S on the stdlib's sources,
+              its held-out perplexity and greedy agreement in bf16 / fp8 weights / fp8 KV / AWQ; its ppl_ratio_*
+              keys also go into DIR's quantization-*.json when the engines stage wrote one
+              -> DIR/perplexity-<gpu>-<date>.json
+    serving   benchmarks/quant_serving.py: `opsctl start` with bf16, fp8 and awq on the 8B shape, one completion
+              each, `opsctl doctor`'s weight bytes  -> DIR/quant-serving-<gpu>-<date>.json
+
+The default stages are the first four (about 8 minutes on an H100); perplexity and serving fit a call of their own.
 
 Each stage's JSON is rewritten as it goes, so a stage stopped or failed keeps what it measured.  After every
 stage DIR/quant-device-run-<gpu>-<date>.json is rewritten: the stages (exit code, seconds, stopped or not), the
@@ -37,10 +46,15 @@ from typing import Any
 from benchmarks.tp_device_run import Log, _commit, pytest_summary, run_stage
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ("kernels", "engines", "tests", "legacy")
+STAGES = ("kernels", "engines", "tests", "legacy", "perplexity", "serving")
+DEFAULT_STAGES = ("kernels", "engines", "tests", "legacy")
 # The longest each stage may take on one H100 (the deadline cuts it shorter when less is left): the kernel table
-# is ~200 timed products and ~30 compiles, then the sweep; the engines stage is four 8B engines of ~65 s each.
-STAGE_LIMIT_S = {"kernels": 170, "engines": 320, "tests": 120, "legacy": 200}
+# is ~200 timed products and ~30 compiles, then the sweep; the engines stage is four 8B engines of ~65 s each;
+# perplexity is data and tokenizer (~20 s), training, then four small engines; serving is three 8B starts, each
+# with a completion, doctor and a stop.
+STAGE_LIMIT_S = {"kernels": 170, "engines": 320, "tests": 120, "legacy": 200, "perplexity": 310, "serving": 200}
+PERPLEXITY_TRAIN_S = 120  # of the stage's 310 s (benchmarks/perplexity.py's own default is 150)
+STOP_MARGIN_S = 15  # the serving stage stops its deployments this long before its limit (they outlive a kill)
 QUICK_LIMIT_FACTOR = 4  # the CPU dry run: Triton's interpreter on a shared machine, only the deadline matters
 MIN_STAGE_S = 30  # a stage with less than this left is skipped (it could not finish anything useful)
 ENGINE_CONFIGS = ["bf16", "fp8_weights", "fp8_weights_fp8_kv", "awq"]
@@ -53,10 +67,33 @@ TEST_FILES = [
 ]
 
 
-def commands(stage: str, out: Path, quick: bool, sweep_s: float) -> tuple[list[str], dict[str, str]]:
-    """The stage's command line and the environment it adds."""
+def engines_file(out: Path) -> Path | None:
+    """The engines stage's results file in `out` (the newest, not the legacy arm's), if there is one."""
+    files = sorted(p for p in out.glob("quantization-*.json") if not p.stem.endswith("-legacy"))
+    return files[-1] if files else None
+
+
+def commands(
+    stage: str, out: Path, quick: bool, sweep_s: float, limit_s: float | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The stage's command line and the environment it adds (`limit_s`: the time the stage gets)."""
     py = [sys.executable, "-m"]
     env: dict[str, str] = {"TRITON_INTERPRET": "1"} if quick else {}
+    if stage == "perplexity":
+        cmd = py + [
+            "benchmarks.perplexity",
+            "--out",
+            str(out),
+            "--train-seconds",
+            "2" if quick else str(PERPLEXITY_TRAIN_S),
+        ]
+        merge = engines_file(out)
+        return cmd + (["--merge", str(merge)] if merge else []) + (["--quick"] if quick else []), {}
+    if stage == "serving":
+        deadline = (limit_s if limit_s is not None else STAGE_LIMIT_S[stage]) - STOP_MARGIN_S
+        return py + ["benchmarks.quant_serving", "--out", str(out), "--deadline-s", str(round(deadline))] + (
+            ["--quick"] if quick else []
+        ), {}
     if stage == "kernels":
         return py + ["benchmarks.quant_kernels", "--out", str(out), "--sweep-budget-s", str(sweep_s)] + (
             ["--quick"] if quick else []
@@ -81,7 +118,8 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 
 def summarize(summary: dict[str, Any], out: Path, slug: str, date: str) -> None:
-    """The issue's keys and the per-engine rows from the engines stage, the kernel stage's rule, the legacy A/B."""
+    """The issue's keys and the per-engine rows from the engines stage, the kernel stage's rule, the legacy A/B, the
+    perplexity stage's ratios (over the engines file's nulls) and the serving stage's weight ratios."""
     engines = _read(out / f"quantization-{slug}-{date}.json")
     if engines is not None:
         from benchmarks.quantization import ISSUE39_KEYS
@@ -106,6 +144,28 @@ def summarize(summary: dict[str, Any], out: Path, slug: str, date: str) -> None:
         summary["legacy"] = {
             name: {k: row.get(k) for k in ("throughput_tok_s", "batch1", "error") if k in row}
             for name, row in legacy.get("engines", {}).items()
+        }
+    ppl = _read(out / f"perplexity-{slug}-{date}.json")
+    if ppl is not None:
+        for key in ("ppl_ratio_fp8", "ppl_ratio_fp8_kv", "ppl_ratio_awq"):
+            if ppl.get(key) is not None:
+                summary[key] = ppl[key]
+        summary["perplexity"] = {
+            k: ppl.get(k)
+            for k in (
+                "ppl_transformers", "ppl_bf16", "ppl_fp8", "ppl_fp8_kv", "ppl_awq", "ppl_engine_over_transformers",
+                "greedy_agreement", "model", "training", "seconds",
+            )
+        }  # fmt: skip
+        errors = {c: row["error"] for c, row in ppl.get("engines", {}).items() if "error" in row}
+        if errors:
+            summary["perplexity"]["errors"] = errors
+    serving = _read(out / f"quant-serving-{slug}-{date}.json")
+    if serving is not None:
+        summary["serving"] = {k: v for k, v in serving.items() if "weight_ratio" in k}
+        summary["serving"]["configs"] = {
+            name: {k: row.get(k) for k in ("completion", "doctor_weights_line", "error", "skipped") if k in row}
+            for name, row in serving.get("configs", {}).items()
         }
 
 
@@ -149,8 +209,8 @@ def device_run(args: argparse.Namespace) -> int:
             log.line(f"=== stage {stage}: skipped, {left:.0f} s left before the deadline")
             save()
             continue
-        cmd, env = commands(stage, args.out, args.quick, args.sweep_budget_s)
         limit = min(left, STAGE_LIMIT_S[stage] * (QUICK_LIMIT_FACTOR if args.quick else 1))
+        cmd, env = commands(stage, args.out, args.quick, args.sweep_budget_s, limit)
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # run_stage passes this process's environment on
         try:
@@ -176,8 +236,12 @@ def device_run(args: argparse.Namespace) -> int:
     summary["wall_s"] = round(time.monotonic() - started, 1)
     save()
     failed = [s["name"] for s in summary["stages"] if s.get("rc") not in (0, None) or s.get("skipped")]
-    for key in ("fp8_throughput_ratio", "fp8_batch1_over_floor", "awq_throughput_ratio", "awq_batch1_over_floor"):
+    from benchmarks.quantization import ISSUE39_KEYS
+
+    for key in ISSUE39_KEYS:
         log.line(f"  {key}: {summary.get(key)}")
+    if "serving" in summary:
+        log.line(f"  serving: {json.dumps({k: v for k, v in summary['serving'].items() if k != 'configs'})}")
     log.line(f"wrote {final} ({summary['wall_s']} s); stages not done or failed: {failed or 'none'}")
     return 1 if failed else 0
 
@@ -186,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="where the results and logs go ($OUT on the device)")
     p.add_argument("--quick", action="store_true", help="the CPU dry run (Triton's interpreter, embedded model)")
-    p.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
+    p.add_argument("--stages", nargs="+", choices=STAGES, default=list(DEFAULT_STAGES))
     p.add_argument("--deadline-s", type=float, default=520.0, help="seconds before every stage is done or stopped")
     p.add_argument("--sweep-budget-s", type=float, default=40.0, help="the kernel stage's tile sweeps")
     args = p.parse_args(argv)

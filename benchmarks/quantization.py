@@ -26,7 +26,8 @@ benchmarks/results/quantization-<gpu>-<date>.json:
   copy bandwidth), ms per decode step at each `--batches` size (128 tokens after 128-token prompts, in
   `decode`), and teacher-forced logits against bf16 (and AWQ also against fp16).
 - issue 39's top-level keys (`fp8_throughput_ratio`, `fp8_batch1_over_floor`, `awq_throughput_ratio`,
-  `awq_batch1_over_floor`; the `ppl_ratio_*` keys stay null: no trained model runs here).
+  `awq_batch1_over_floor`; the `ppl_ratio_*` keys stay null here: benchmarks/perplexity.py's trained model
+  gives them, its `--merge` writes them into this file).
 - `awq_batch1`: AWQ's floor over its measured time per token: the fraction of the weight-bandwidth
   floor reached (its linear layers read 4x fewer bytes than bf16's; the LM head stays 16-bit).
 """
@@ -386,7 +387,8 @@ ISSUE39_KEYS = (
 def issue39_keys(engines: dict[str, Any]) -> dict[str, Any]:
     """Issue 39's top-level keys: FP8 weights' and AWQ's throughput over bf16's, and their batch-1 ms/token
     over their own weight-read floor (targets: >= 1.3 and <= 1.25 for FP8, >= 1.0 and <= 1.3 for AWQ).  The
-    perplexity ratios need the trained model, which this benchmark does not run: null."""
+    perplexity ratios need the trained model, which this benchmark does not run: null (benchmarks/perplexity.py
+    --merge fills them in)."""
     bf16 = engines.get("bf16", {}).get("throughput_tok_s")
     out: dict[str, Any] = {key: None for key in ISSUE39_KEYS}
     for prefix, config in (("fp8", "fp8_weights"), ("awq", "awq")):

@@ -29,6 +29,23 @@ def test_stage_commands(tmp_path):
     assert cmd[cmd.index("-m", 2) + 1] == "gpu" and all(f in cmd for f in qdr.TEST_FILES)
 
 
+def test_the_perplexity_and_serving_stages_commands(tmp_path):
+    """perplexity trains for its share of the stage and merges into the engines stage's file when there is one (not
+    the legacy arm's); serving stops its deployments (which outlive a kill of the stage) before the stage's limit."""
+    cmd, env = qdr.commands("perplexity", tmp_path, quick=False, sweep_s=40)
+    assert cmd[1:3] == ["-m", "benchmarks.perplexity"] and env == {} and "--merge" not in cmd and "--quick" not in cmd
+    assert cmd[cmd.index("--train-seconds") + 1] == str(qdr.PERPLEXITY_TRAIN_S)
+    assert qdr.PERPLEXITY_TRAIN_S < qdr.STAGE_LIMIT_S["perplexity"] - 120  # data, checkpoints, four engines
+    (tmp_path / "quantization-h100-2026-01-01.json").write_text("{}")
+    (tmp_path / "quantization-h100-2026-01-01-legacy.json").write_text("{}")
+    cmd, _ = qdr.commands("perplexity", tmp_path, quick=True, sweep_s=40)
+    assert cmd[cmd.index("--merge") + 1] == str(tmp_path / "quantization-h100-2026-01-01.json") and "--quick" in cmd
+    cmd, env = qdr.commands("serving", tmp_path, quick=False, sweep_s=40, limit_s=150)
+    assert cmd[1:3] == ["-m", "benchmarks.quant_serving"] and env == {}
+    assert cmd[cmd.index("--deadline-s") + 1] == str(150 - qdr.STOP_MARGIN_S)
+    assert not {"perplexity", "serving"} & set(qdr.DEFAULT_STAGES)  # a device call of their own
+
+
 def test_issue39_keys_from_the_engine_rows():
     engines = {
         "bf16": {"throughput_tok_s": 9000.0, "batch1": {"over_floor": 1.27}},
@@ -65,10 +82,43 @@ def test_summary_gathers_the_stages_files(tmp_path):
     assert "legacy" not in summary
 
 
+def test_summary_takes_the_perplexity_and_serving_stages_files(tmp_path):
+    """The perplexity file's ratios replace the engines file's nulls; the serving file's weight ratios come along."""
+    (tmp_path / "quantization-h100-2026-01-01.json").write_text(
+        json.dumps({"fp8_throughput_ratio": 1.4, **dict.fromkeys(ISSUE39_KEYS[4:])})
+    )
+    ppl = {
+        "ppl_bf16": 4.0,
+        "ppl_ratio_fp8": 1.003,
+        "ppl_ratio_fp8_kv": 1.001,
+        "ppl_ratio_awq": None,
+        "greedy_agreement": {"fp8": {"prefix": 0.9, "full": 0.7}},
+        "engines": {"bf16": {"ppl": 4.0}, "awq": {"error": "RuntimeError: no"}},
+    }
+    (tmp_path / "perplexity-h100-2026-01-01.json").write_text(json.dumps(ppl))
+    serving = {
+        "weight_ratio_fp8": 0.566,
+        "linear_weight_ratio_awq": 0.26,
+        "configs": {"awq": {"completion": {"status": 200}, "doctor_weights_line": "int32 ...", "engine": {}}},
+    }
+    (tmp_path / "quant-serving-h100-2026-01-01.json").write_text(json.dumps(serving))
+    summary: dict = {}
+    qdr.summarize(summary, tmp_path, "h100", "2026-01-01")
+    assert summary["fp8_throughput_ratio"] == 1.4 and summary["ppl_ratio_fp8"] == 1.003
+    assert summary["ppl_ratio_fp8_kv"] == 1.001 and summary["ppl_ratio_awq"] is None
+    assert summary["perplexity"]["greedy_agreement"] == ppl["greedy_agreement"]
+    assert summary["perplexity"]["errors"] == {"awq": "RuntimeError: no"}
+    assert summary["serving"] == {
+        "weight_ratio_fp8": 0.566,
+        "linear_weight_ratio_awq": 0.26,
+        "configs": {"awq": {"completion": {"status": 200}, "doctor_weights_line": "int32 ..."}},
+    }
+
+
 def test_a_stage_past_its_limit_is_stopped_and_the_next_still_runs(tmp_path, monkeypatch):
     """A stage that hangs is killed at its limit; the run records it, goes on, keeps its files and exits 1."""
 
-    def commands(stage, out, quick, sweep_s):
+    def commands(stage, out, quick, sweep_s, limit_s=None):
         if stage == "kernels":
             return [sys.executable, "-c", "import time; print('hanging', flush=True); time.sleep(60)"], {}
         return [sys.executable, "-c", "import os; print('env', os.environ.get('PAGEKEEPER_QUANT_KERNELS'))"], {
