@@ -13,9 +13,15 @@ FP8 weights (e4m3 ``[N, K]``, one float32 scale per output channel):
   GPU refuses it (bf16 output only on torch's CUTLASS path; none before compute capability 9.0 on older
   builds), the product runs with unit scales into float32 and both scales are applied after it.
 
-AWQ int4 (AutoAWQ's GEMM layout): kernels/w4a16.py's in-register dequantization at every size below
-AWQ_DENSE_MIN_ROWS (CUDA-core loop up to AWQ_CUDA_CORE_MAX_ROWS rows), and from there the weight dequantized
-once for cuBLAS (a prefill chunk large enough that one pass over a 16-bit copy costs little).
+AWQ int4 (AutoAWQ's GEMM layout): kernels/awq_gemm.py's GEMV up to AWQ_GEMV_MAX_ROWS rows, kernels/w4a16.py's
+in-register dequantization below AWQ_DENSE_MIN_ROWS (its CUDA-core loop up to AWQ_CUDA_CORE_MAX_ROWS rows), and
+from there the weight dequantized once for cuBLAS.
+
+The boundaries are the fastest path per row count at the 8B's four projections on an H100
+(benchmarks/results/quant-kernels-h100-2026-11-27.json, `rule`; tests/kernels/test_quant_dispatch.py holds the
+defaults to it): FP8 through ``_scaled_mm`` at every M (the W8A16 product was 4 % slower at M = 1 and 2x slower at
+M = 8); AWQ through the GEMV at M = 1 (0.14 ms for the four against 0.20-0.23 ms), the in-register kernel at 8 and 32,
+the dequantized weight from the crossing of the two near 84 rows (linear between the M = 32 and 256 timings).
 
 PAGEKEEPER_QUANT_KERNELS=legacy (read at import) runs the previous paths instead (torch-op quantization and
 ``_scaled_mm`` at every size; kernels/awq_gemm.py), for A/B runs of the device benchmark.
@@ -35,8 +41,9 @@ from kernels.w4a16 import w4a16_linear
 # Row-count boundaries between paths (benchmarks/quant_kernels.py times every path at the 8B's shapes and
 # M = 1, 8, 32, 256, 4096; its `rule` rows name the fastest per M).
 FP8_CUDA_CORE_MAX_ROWS = 1
-AWQ_CUDA_CORE_MAX_ROWS = 1
-AWQ_DENSE_MIN_ROWS = 512
+AWQ_GEMV_MAX_ROWS = 1
+AWQ_CUDA_CORE_MAX_ROWS = 0
+AWQ_DENSE_MIN_ROWS = 96
 
 KERNEL_SETS = ("fast", "legacy")
 
@@ -59,11 +66,13 @@ def fp8_path(m: int) -> str:
 
 
 def awq_path(m: int) -> str:
-    """Which AWQ kernel a product of `m` rows takes: "cuda-core", "dot", "dequantize-cublas" or "legacy"."""
+    """Which AWQ kernel a product of `m` rows takes: "gemv", "cuda-core", "dot", "dequantize-cublas" or "legacy"."""
     if KERNELS == "legacy":
         return "legacy"
     if m >= AWQ_DENSE_MIN_ROWS:
         return "dequantize-cublas"
+    if m <= AWQ_GEMV_MAX_ROWS:
+        return "gemv"
     return "cuda-core" if m <= AWQ_CUDA_CORE_MAX_ROWS else "dot"
 
 
@@ -134,7 +143,7 @@ def awq_linear(
     """``x @ W`` by the path `awq_path` names for x's row count."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     path = awq_path(m)
-    if path == "legacy":
+    if path in ("legacy", "gemv"):  # kernels/awq_gemm.py: its GEMV at a few rows (and its own choice above)
         return awq_gemm(x, qweight, qzeros, scales, group_size)
     if path == "dequantize-cublas":
         return awq_gemm(x, qweight, qzeros, scales, group_size, dense=True)

@@ -29,9 +29,10 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed int32 holds column 
 AWQ_NIBBLE_OF_COLUMN = tuple(AWQ_ORDER.index(j) for j in range(8))  # (0, 4, 1, 5, 2, 6, 3, 7)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-# Up to this many rows an FP8 product leaves its activations unquantized (the GPU's W8A16 decode kernel reads
-# the weight once either way; the device run's kernel table chose the boundary: benchmarks/quant_kernels.py).
-FP8_W8A16_MAX_ROWS = 16
+# Up to this many rows an FP8 product leaves its activations unquantized (the GPU's W8A16 kernel,
+# kernels/fp8_linear.py).  None: on an H100 the FP8 tensor cores with per-token activations were the fastest at
+# every row count, M = 1 included (kernels/quant_cuda.py's docstring has the figures).
+FP8_W8A16_MAX_ROWS = 0
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -73,7 +74,10 @@ def awq_linear(
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x / s rounded to e4m3, s float32 ``[rows, 1]``) with s = max|row| / 448: each row uses the whole range."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    # a tensor divisor: CUDA divides by a Python scalar as a multiplication by its reciprocal, one ulp off the
+    # correctly rounded quotient that kernels/fp8_linear.py's kernel (and the CPU) computes
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 

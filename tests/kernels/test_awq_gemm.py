@@ -81,9 +81,11 @@ def test_gemm_keeps_leading_dims_and_refuses_a_misfit():
         awq_gemm(torch.randn(2, 64).to(DEVICE), qweight, qzeros, scales, 64)
 
 
-def test_fp8_linear_reference_is_per_token_and_per_channel():
+def test_fp8_linear_reference_is_per_token_and_per_channel(monkeypatch):
     """The CPU path of --quantization fp8: weight rows use the e4m3 range each; so do activation rows, in a product
-    of more than FP8_W8A16_MAX_ROWS rows (a decode step's few rows stay in their own dtype, as on the GPU)."""
+    of more than FP8_W8A16_MAX_ROWS rows (up to that boundary a product's rows stay in their own dtype, as on the
+    GPU; the boundary is set here, since its default, 0, quantizes every row)."""
+    monkeypatch.setattr(qr, "FP8_W8A16_MAX_ROWS", 8)
     g = torch.Generator().manual_seed(2)
     w = torch.randn(48, 64, generator=g) * torch.logspace(-2, 1, 48)[:, None]  # rows of very different sizes
     rows = qr.FP8_W8A16_MAX_ROWS + 5

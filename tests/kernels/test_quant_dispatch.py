@@ -37,9 +37,11 @@ def test_fp8_rule_by_rows(monkeypatch):
 
 def test_awq_rule_by_rows(monkeypatch):
     monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
-    monkeypatch.setattr(quant_cuda, "AWQ_CUDA_CORE_MAX_ROWS", 1)
+    monkeypatch.setattr(quant_cuda, "AWQ_GEMV_MAX_ROWS", 1)
+    monkeypatch.setattr(quant_cuda, "AWQ_CUDA_CORE_MAX_ROWS", 2)
     monkeypatch.setattr(quant_cuda, "AWQ_DENSE_MIN_ROWS", 512)
-    assert [quant_cuda.awq_path(m) for m in (1, 2, 256, 511, 512, 4096)] == [
+    assert [quant_cuda.awq_path(m) for m in (1, 2, 3, 256, 511, 512, 4096)] == [
+        "gemv",
         "cuda-core",
         "dot",
         "dot",
@@ -49,6 +51,38 @@ def test_awq_rule_by_rows(monkeypatch):
     ]
     monkeypatch.setattr(quant_cuda, "KERNELS", "legacy")
     assert quant_cuda.awq_path(1) == quant_cuda.awq_path(4096) == "legacy"
+
+
+# the path names of kernels/quant_cuda.py and the columns of benchmarks/quant_kernels.py's table that time them
+FP8_COLUMNS = {
+    "scaled-mm": "fp8_scaled_mm_ms",
+    "w8a16-cuda-core": "fp8_w8a16_cuda_core_ms",
+    "w8a16-dot": "fp8_w8a16_dot_ms",
+}
+AWQ_COLUMNS = {
+    "gemv": "awq_legacy_ms",
+    "cuda-core": "awq_cuda_core_ms",
+    "dot": "awq_dot_ms",
+    "dequantize-cublas": "awq_dequantize_cublas_ms",
+}
+
+
+def test_the_default_rule_takes_the_fastest_path_the_device_run_measured(monkeypatch):
+    """At each row count the H100 table timed, the default boundaries pick a path within 5 % of the fastest
+    for the 8B's four projections together (a path the table did not time at that M cannot be picked)."""
+    import json
+    from pathlib import Path
+
+    table = Path(__file__).resolve().parents[2] / "benchmarks/results/quant-kernels-h100-2026-11-27.json"
+    rows = json.loads(table.read_text())["rows"]
+    monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
+    for m in sorted({r["M"] for r in rows}):
+        at_m = [r for r in rows if r["M"] == m]
+        for path_of, columns in ((quant_cuda.fp8_path, FP8_COLUMNS), (quant_cuda.awq_path, AWQ_COLUMNS)):
+            totals = {p: sum(r[c] for r in at_m) for p, c in columns.items() if all(c in r for r in at_m)}
+            chosen = path_of(m)
+            assert chosen in totals, f"M={m}: {chosen} was not timed"
+            assert totals[chosen] <= 1.05 * min(totals.values()), f"M={m}: {chosen} {totals}"
 
 
 def _fp8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
