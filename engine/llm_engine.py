@@ -62,6 +62,7 @@ class Core(Protocol):
     def recycle(self) -> tuple[list[SeqDelta], RecycleReport]: ...
     def has_deferred_work(self) -> bool: ...
     def run_deferred(self) -> None: ...
+    def wake(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -238,6 +239,10 @@ class LLMEngine:
 
     def run_deferred(self) -> None:
         self.core.run_deferred()
+
+    def wake(self) -> None:
+        """Thread-safe: a `run_deferred` waiting for the core returns now (work was posted for the loop)."""
+        self.core.wake()
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One engine step; outputs for every request that advanced (as its output kind asks),

@@ -110,10 +110,11 @@ def checkpoint(checkpoint_root: Path):
 SOAK_SECONDS = 600.0
 # Each of the 8 clients pauses between requests.  Measured alone (`python -m tests.opsctl.soak --seconds 90 --pause
 # P`, the engine's CPU seconds from /proc, 2026-11-27): at 1 s the soak's engine served 6.4 requests/s on 0.85 of a
-# core, at 2.5 s 2.9/s on 0.3 (about 1,700 requests in the ten minutes; the test wants more than 1,000).  In the
-# suite (3,876 requests in 607 s at 1 s) all engines together used 50 CPU seconds less at 2.5 s, one run of each,
-# counted as benchmarks/suite_cpu.py counts.
-SOAK_PAUSE_S = 2.5
+# core, at 2.5 s 2.9/s on 0.3.  In the suite at 2.5 s: 1,713 requests in 607 s, each client's turn 2.83 s (so 0.33 s
+# a request), and the soak's processes used 231 CPU seconds, a fifth of what two cores give in ten minutes.  At 3 s
+# a turn is about 3.35 s: about 1,450 requests (the test wants more than 1,000; that holds while a request takes
+# under 1.6 s on average, five times what it took beside the suite).
+SOAK_PAUSE_S = 3.0
 
 
 def _is_soak(item: pytest.Item) -> bool:
@@ -246,8 +247,8 @@ def _background_soak(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
     """Starts tests/opsctl/soak.py in its own process at the session's first test, if the soak test runs.
 
     Exactly once per run: under pytest-xdist each worker sets this fixture up, and the first to create the
-    shared soak directory starts the soak; the others (and the soak test, on whichever worker it lands) only
-    read its files.  The process that is not a worker (plain pytest, or xdist's controller once every worker
+    shared soak directory starts the soak (unless xdist's controller already did: `pytest_sessionstart`); the
+    others (and the soak test, on whichever worker it lands) only read its files.  The process that is not a worker (plain pytest, or xdist's controller once every worker
     has finished) kills what is left of it at the end."""
     if not any(_is_soak(item) for item in request.session.items):
         yield None
@@ -262,6 +263,48 @@ def _background_soak(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
     yield handle
     if not hasattr(request.config, "workerinput"):
         handle.stop()
+
+
+SOAK_TEST_FILE = Path(__file__).parent / "opsctl" / "test_soak.py"
+
+
+def _soak_may_run(config: pytest.Config) -> bool:
+    """Before collection, whether this run's selection can hold the soak: a path given (or testpaths) that holds
+    its file, and no -m or -k (which may keep it out: those runs start it at their first test instead)."""
+    if config.option.collectonly or config.option.markexpr or config.option.keyword:
+        return False
+    here = Path(config.invocation_params.dir)
+    for arg in config.args:
+        given = (here / arg.split("::")[0]).resolve()
+        if given == SOAK_TEST_FILE or given in SOAK_TEST_FILE.parents:
+            return True
+    return False
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    return config.pluginmanager.hasplugin("dsession")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """xdist's controller starts the soak before it starts the workers: they take half a minute to start and
+    collect, which the ten minutes would otherwise add to the run.  A worker's `_background_soak` then finds it
+    started; if no worker collected the soak test after all, `pytest_xdist_node_collection_finished` stops it."""
+    config = session.config
+    if not _is_xdist_controller(config) or not _soak_may_run(config):
+        return
+    root = _soak_dir(config, config._tmp_path_factory)  # type: ignore[attr-defined]
+    root.mkdir(parents=True, exist_ok=True)
+    SoakHandle(root).start()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
+    """xdist's controller: a soak it started for a run whose workers did not collect the soak test is stopped."""
+    config = node.config  # type: ignore[attr-defined]
+    root = _soak_dir(config, config._tmp_path_factory)
+    if root.is_dir() and not any(i.split("::")[0].endswith("opsctl/test_soak.py") for i in ids):
+        SoakHandle(root).stop()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

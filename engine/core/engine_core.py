@@ -327,6 +327,9 @@ class EngineCore:
         launched = self._launch(None)
         assert launched is None  # nothing was scheduled
 
+    def wake(self) -> None:
+        """Nothing to cut short: this core's `run_deferred` runs a unit of work and never waits."""
+
     def finish_deferred(self) -> None:
         """Run all deferred work now (every rank runs each unit inside a launch)."""
         while self.runner.deferred.pending:

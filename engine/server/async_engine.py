@@ -218,6 +218,7 @@ class AsyncEngine:
         with self._wake:
             self._stop = True
             self._wake.notify()
+        self.engine.wake()  # a loop waiting for the core (its idle wait) sees it now
         if self._loop is not None:
             try:
                 self._loop.result(timeout=10)
@@ -315,6 +316,7 @@ class AsyncEngine:
         with self._wake:
             self._inbox.append(command)
             self._wake.notify()
+        self.engine.wake()
 
     # -- drain ----------------------------------------------------------------------------------
 

@@ -17,7 +17,6 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.opsctl.harness import deployment
 from tests.opsctl.load import Load
@@ -35,11 +34,18 @@ SOAK_SUPERVISOR = {
 }
 
 
+WATCHED = ("vllm_num_requests_waiting", "vllm_num_requests_running")
+
+
 def _gauges(text: str) -> dict[str, float]:
+    """The gauges the instant rule reads, from their lines of the text exposition.  prometheus_client's parser
+    took 34 ms of CPU for the engine's whole 76 KB page, once a second for the ten minutes beside the suite."""
     out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = s.value
+    for line in text.splitlines():
+        if line.startswith(WATCHED):
+            name, value = line.split("{", 1)[0].split(" ", 1)[0], line.rsplit(" ", 1)[1]
+            if name in WATCHED:
+                out[name] = float(value)
     return out
 
 
