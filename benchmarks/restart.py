@@ -394,7 +394,7 @@ def scenario_kill9(d: Deployment, args: argparse.Namespace) -> dict[str, Any]:
 
 def scenario_rank_kill(d: Deployment, args: argparse.Namespace) -> dict[str, Any]:
     """kill -9 of one tensor-parallel rank (not rank 0) under load: the engine core's group ends with one line and
-    the front resumes what was in flight on a new core (engine/coreproc/), with no supervisor restart."""
+    the front resumes what was in flight on a new core (engine/loop/), with no supervisor restart."""
     import psutil
 
     load = Load(d.url, args.clients, args.max_tokens).start()

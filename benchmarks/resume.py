@@ -3,7 +3,7 @@
     python -m benchmarks.resume --shape 8b            # one GPU: faults under load, then the throughput A/B
     python -m benchmarks.resume --quick               # CPU smoke run on the embedded model
 
-`faults`: an `opsctl start` deployment with `engine_core = "process"` (engine/coreproc/) under `--clients` HTTP
+`faults`: an `opsctl start` deployment with `engine_core = "process"` (engine/loop/) under `--clients` HTTP
 clients (streaming or not, kept-alive or new connections, greedy completions of `--max-tokens`), then, in turn, kill
 -9 of the engine core, SIGSTOP of the core until the front's silence detector (`health_stall_seconds`) kills it, an
 injected fatal device error (`/debug/core-fault?kind=fatal`), and last kill -9 of the front itself (the supervisor
@@ -58,7 +58,7 @@ def core_pid(d: Deployment, not_pid: int | None = None, timeout: float = 600.0) 
         if front:
             try:
                 for child in psutil.Process(int(front)).children():
-                    if "engine.coreproc" in " ".join(child.cmdline()) and child.pid != not_pid:
+                    if "engine.loop" in " ".join(child.cmdline()) and child.pid != not_pid:
                         return int(child.pid)
             except psutil.Error:
                 pass

@@ -81,7 +81,7 @@ def bind_compute_thread(plan: CpuThreadPlan) -> None:
     inherit these cores; one intra-op thread per compute core."""
     if not plan.binds:
         return
-    import torch  # here: a front whose core runs in its own process (engine/coreproc/) never imports it
+    import torch  # here: a front whose core runs in its own process (engine/loop/) never imports it
 
     if plan.pins:
         os.sched_setaffinity(0, plan.compute_cores)

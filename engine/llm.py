@@ -22,8 +22,8 @@ from tqdm import tqdm
 from engine.chat import load_chat_template, render_chat
 from engine.config import ConfigError, EngineConfig
 from engine.gc_heap import frozen_heap
-from engine.llm_engine import LLMEngine, PromptType
 from engine.logs import LEVELS, configure_logging, startup_details_at
+from engine.loop.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 

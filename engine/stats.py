@@ -1,7 +1,7 @@
 """The engine's numbers as plain data: what the core keeps per step and hands to whoever exports them.
 
 The core (and the core's process) imports no Prometheus: the HTTP server turns a snapshot into metrics
-(engine/server/metrics.py), and a remote core sends its snapshots to its front as they are (engine/coreproc/).
+(engine/server/metrics.py), and a remote core sends its snapshots to its front as they are (engine/loop/).
 """
 
 from __future__ import annotations
@@ -77,5 +77,5 @@ class EngineSnapshot:
     token_gap_counts: tuple[int, ...] = field(default_factory=tuple)
     token_gap_sum: float = 0.0
     # Graph captures and warm-ups still to run after serving began (engine/runner/deferred.py): until they are
-    # done the engine has not settled, and spares wait (engine/coreproc/remote.py, opsctl/launcher.py).
+    # done the engine has not settled, and spares wait (engine/loop/remote.py, opsctl/launcher.py).
     startup_work_pending: bool = False

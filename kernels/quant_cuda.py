@@ -17,11 +17,8 @@ AWQ int4 (AutoAWQ's GEMM layout): kernels/awq_gemm.py's GEMV up to AWQ_GEMV_MAX_
 in-register dequantization below AWQ_DENSE_MIN_ROWS (its CUDA-core loop up to AWQ_CUDA_CORE_MAX_ROWS rows), and
 from there the weight dequantized once for cuBLAS.
 
-The boundaries are the fastest path per row count at the 8B's four projections on an H100
-(benchmarks/results/quant-kernels-h100-2026-11-27.json, `rule`; tests/kernels/test_quant_dispatch.py holds the
-defaults to it): FP8 through ``_scaled_mm`` at every M (the W8A16 product was 4 % slower at M = 1 and 2x slower at
-M = 8); AWQ through the GEMV at M = 1 (0.14 ms for the four against 0.20-0.23 ms), the in-register kernel at 8 and 32,
-the dequantized weight from the crossing of the two near 84 rows (linear between the M = 32 and 256 timings).
+The boundaries are the fastest path per row count that the device benchmark measured at the 8B's projections
+(docs/decisions/quant-paths.md; tests/kernels/test_quant_dispatch.py holds the defaults to the committed table).
 
 PAGEKEEPER_QUANT_KERNELS=legacy (read at import) runs the previous paths instead (torch-op quantization and
 ``_scaled_mm`` at every size; kernels/awq_gemm.py), for A/B runs of the device benchmark.

@@ -44,7 +44,7 @@ WANTED_BASES = {
     "generation_tokens": ("generation_tokens_total",),
     "prompt_tokens": ("prompt_tokens_total",),
     "requests_finished": ("request_success_total",),
-    # the engine core's own process (engine/coreproc/): its restarts behind the front and the requests it resumed
+    # the engine core's own process (engine/loop/): its restarts behind the front and the requests it resumed
     "core_restarts": ("engine_core_restarts_total",),
     "requests_resumed": ("requests_resumed_total",),
 }
@@ -355,10 +355,10 @@ class ProcessReading:
     status: str = "absent"
     rss_bytes: int | None = None  # the engine and every process under it (its engine core, tensor-parallel ranks)
     cpu_percent: float | None = None
-    core_pid: int | None = None  # the engine core's process under the engine (engine/coreproc/); None: one process
+    core_pid: int | None = None  # the engine core's process under the engine (engine/loop/); None: one process
 
 
-CORE_MODULE = "engine.coreproc"  # what the engine core's command line runs (`python -m engine.coreproc`)
+CORE_MODULE = "engine.loop"  # what the engine core's command line runs (`python -m engine.loop`)
 
 
 class ProcessProbe:
@@ -368,7 +368,7 @@ class ProcessProbe:
     @staticmethod
     def _tree(proc: psutil.Process) -> tuple[int, int | None]:
         """Resident memory of `proc` and the processes under it (an engine whose core runs in a process of its
-        own, engine/coreproc/, holds most of its memory there), and the pid of that core (None: none)."""
+        own, engine/loop/, holds most of its memory there), and the pid of that core (None: none)."""
         total = proc.memory_info().rss
         cores: list[tuple[float, int]] = []
         for child in proc.children(recursive=True):
@@ -378,7 +378,7 @@ class ProcessProbe:
                     cores.append((child.create_time(), child.pid))
             except psutil.Error:
                 pass  # gone between the listing and the reading
-        # the serving core is the oldest: a spare standing by behind it (engine/coreproc/remote.py) starts after it
+        # the serving core is the oldest: a spare standing by behind it (engine/loop/remote.py) starts after it
         return total, min(cores)[1] if cores else None
 
     def read(self, pid: int | None) -> ProcessReading:

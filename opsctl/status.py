@@ -33,7 +33,7 @@ class EngineStatus:
     process: ProcessReading | None
     last_exit: str | None
     readings_age_s: float | None = None  # how old the figures above are: the last poll's (None: no poll yet)
-    core_restarts: int | None = None  # engine cores restarted behind the front (engine/coreproc/), every reason
+    core_restarts: int | None = None  # engine cores restarted behind the front (engine/loop/), every reason
     requests_resumed: int | None = None  # in-flight requests the front handed to a new core
 
 

@@ -248,7 +248,8 @@ def _background_soak(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
 
     Exactly once per run: under pytest-xdist each worker sets this fixture up, and the first to create the
     shared soak directory starts the soak (unless xdist's controller already did: `pytest_sessionstart`); the
-    others (and the soak test, on whichever worker it lands) only read its files.  The process that is not a worker (plain pytest, or xdist's controller once every worker
+    others (and the soak test, on whichever worker it lands) only read its files.  The process that is not a
+    worker (plain pytest, or xdist's controller once every worker
     has finished) kills what is left of it at the end."""
     if not any(_is_soak(item) for item in request.session.items):
         yield None

@@ -3,7 +3,7 @@
 - `LAYERS` is the order of the packages, from the bottom up (docs/architecture.md, "Layers and packages"): a
   module imports its own layer and the layers below it, never one above, so no two packages import each other
   (no package cycle either).  Every import counts, at module level, inside a function and under `if TYPE_CHECKING:`.
-- The core and its process keep plain numbers: nothing they can import brings in prometheus_client.
+- The core and the engine loop keep plain numbers: nothing they can import brings in prometheus_client.
 - `engine/runner` takes plans and returns tokens: from `engine.core` it may import only the plan
   module (the contract between the two), so that a worker process (tensor parallelism) needs nothing else of
   the core.
@@ -75,19 +75,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the core", ("engine/core",)),
     ("the runner", ("engine/runner",)),
     ("tensor-parallel ranks", ("engine/distributed",)),
-    ("the core's process", ("engine/coreproc",)),
-    # the engine's front and public API: a core in this process or another, outputs, `LLM` (engine/__init__.py names
-    # its exports as strings, the highest of them engine.llm)
-    (
-        "engine's front",
-        (
-            "engine/__init__.py",
-            "engine/llm_engine.py",
-            "engine/output_processor.py",
-            "engine/llm.py",
-            "engine/generate.py",
-        ),
-    ),
+    # the engine loop's room: the client the front drives (LLMEngine, a core in this process or in its own), the
+    # core's process, the output processor and the async bridge the HTTP server talks to
+    ("the engine loop", ("engine/loop",)),
+    # the public API: `LLM`, generate (engine/__init__.py names its exports as strings, the highest of them engine.llm)
+    ("engine's front", ("engine/__init__.py", "engine/llm.py", "engine/generate.py")),
     ("the HTTP server", ("engine/server",)),
     ("the ops kit", ("opsctl",)),
 )
@@ -210,10 +202,11 @@ def _offenders_in(paths: set[Path], forbidden: str) -> list[str]:
     )
 
 
-def test_the_core_and_its_process_reach_no_prometheus():
-    """Prometheus is the HTTP server's (engine/server/metrics.py): the core and its process keep plain numbers
-    (engine/stats.py), and nothing they can import brings prometheus_client in."""
-    starts = [REPO / "engine/coreproc/core_main.py", *sorted((REPO / "engine/core").glob("*.py"))]
+def test_the_core_and_the_engine_loop_reach_no_prometheus():
+    """Prometheus is the HTTP server's (engine/server/metrics.py): the core and the engine loop keep plain numbers
+    (engine/stats.py; the async bridge reports to an observer the server hands it), and nothing they can import
+    brings prometheus_client in."""
+    starts = [*sorted((REPO / "engine/loop").glob("*.py")), *sorted((REPO / "engine/core").glob("*.py"))]
     assert _offenders_in(_reachable(starts), "prometheus_client") == []
 
 
@@ -225,22 +218,23 @@ def test_the_engine_never_imports_the_ops_kit():
     assert _offenders("engine", "opsctl") == []
 
 
-def test_the_core_and_its_process_never_import_the_server():
-    """engine/coreproc/core_main.py runs the core without the HTTP server: nothing below it may reach back up."""
+def test_the_core_and_the_engine_loop_never_import_the_server():
+    """engine/loop/core_main.py runs the core without the HTTP server, and the loop's bridge is the server's to
+    drive: nothing below the server may reach back up."""
     assert _offenders("engine/core", "engine.server") == []
-    assert _offenders("engine/coreproc", "engine.server") == []
+    assert _offenders("engine/loop", "engine.server") == []
 
 
 def test_a_front_whose_core_runs_in_its_own_process_imports_no_torch():
     """The front stays small so that it is not what dies (issue 38): what it imports to serve, checked in a fresh
-    interpreter (engine/coreproc/remote.py, the server's modules, LLMEngine with a remote core)."""
+    interpreter (engine/loop/remote.py, the server's modules, LLMEngine with a remote core)."""
     import subprocess
     import sys
 
     code = (
         "import sys\n"
-        "import engine.server.__main__, engine.server.app, engine.server.openai_api, engine.llm_engine\n"
-        "import engine.coreproc.remote, engine.model.tokenizer_load, engine.cpu_threads, engine.core_share\n"
+        "import engine.server.__main__, engine.server.app, engine.server.openai_api, engine.loop.llm_engine\n"
+        "import engine.loop.remote, engine.model.tokenizer_load, engine.cpu_threads, engine.core_share\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -2,7 +2,7 @@
 
 This is the core's side of admission.  What crosses from the front to the core is a `ValidRequest`: plain data
 (token ids, parameters, a compiled grammar's text), so the same request can be handed to a core in this process
-or, through engine/coreproc/, to one in another process, and handed again to the next core when one dies
+or, through engine/loop/, to one in another process, and handed again to the next core when one dies
 (`resumed`: the tokens each sequence had already produced, which the new core takes as given).
 """
 

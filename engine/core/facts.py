@@ -1,7 +1,7 @@
 """What a front needs to know of the core it talks to, as plain data: limits, the KV pool's size, start-up phases;
 and what a recycle of the pool did.
 
-A core in the same process and one in another process (engine/coreproc/) answer with the same value, so that the
+A core in the same process and one in another process (engine/loop/) answer with the same value, so that the
 front's validation, metrics labels and start-up log do not depend on where the core runs.
 """
 

@@ -1,7 +1,7 @@
 """A KV leak on purpose (the `--enable-debug-hooks` fault): blocks that no sequence will ever give back.
 
 Lives beside the KV manager so that both a core in the server process (engine/server/debug_hooks.py) and one in
-its own process (engine/coreproc/core_main.py) can be told to leak, and the supervisor's stuck-cache cure tested.
+its own process (engine/loop/core_main.py) can be told to leak, and the supervisor's stuck-cache cure tested.
 """
 
 from __future__ import annotations

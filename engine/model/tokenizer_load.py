@@ -1,4 +1,4 @@
-"""Loading a checkpoint's tokenizer, without torch: the engine core and the front (engine/coreproc/) both load one.
+"""Loading a checkpoint's tokenizer, without torch: the engine core and the front (engine/loop/) both load one.
 
 The `tokenizers` library builds it where engine/model/hf_tokenizer.py can do so as transformers would; transformers'
 AutoTokenizer (imported only then) otherwise.

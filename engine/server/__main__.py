@@ -63,7 +63,7 @@ from engine.server.settings import ServerConfig, resolve_key_files
 from engine.server.sockets import bind, inherited_socket
 
 if TYPE_CHECKING:
-    from engine.server.async_engine import AsyncEngine
+    from engine.loop.async_engine import AsyncEngine
 
 log = structlog.get_logger("pagekeeper.server")
 
@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("thread", "process"),
         help="Where the model runs: in a process of its own (process, the default): when that process dies "
         "(killed, a fatal device error, a hang), this one starts a new one and resumes every request in flight on "
-        "it, streams included (engine/coreproc/); or on a thread of this process (thread).",
+        "it, streams included (engine/loop/); or on a thread of this process (thread).",
     )
     s.add_argument(
         "--max-resumes",
@@ -327,7 +327,7 @@ def _engine_in_process(
     import torch
 
     from engine.cpu_threads import bind_compute_thread
-    from engine.llm_engine import LLMEngine
+    from engine.loop.llm_engine import LLMEngine
 
     engine_thread.call(lambda: bind_compute_thread(threads))
     # Beside the engine it replaces, this one loads and serves on half the threads (engine/core_share.py).
@@ -354,7 +354,7 @@ class _CoreShareByMessage:
 
 def _spawn_core(server_config: ServerConfig, engine_config: EngineConfig) -> Any:
     """The engine core's process, started before the front imports its HTTP side: the two load side by side."""
-    from engine.coreproc.remote import RemoteCore
+    from engine.loop.remote import RemoteCore
 
     return RemoteCore(
         engine_config,
@@ -372,10 +372,10 @@ def _spawn_core(server_config: ServerConfig, engine_config: EngineConfig) -> Any
 
 
 def _front_of_core_process(engine_config: EngineConfig, engine_thread: Any, core: Any) -> tuple[Any, Any]:
-    """A front whose engine core runs in its own process (engine/coreproc/): no torch here, and the requests in
+    """A front whose engine core runs in its own process (engine/loop/): no torch here, and the requests in
     flight outlive the core.  `core`: the RemoteCore `_spawn_core` started, ready or not."""
-    from engine.coreproc.remote import CoreStartFailed
-    from engine.llm_engine import LLMEngine
+    from engine.loop.llm_engine import LLMEngine
+    from engine.loop.remote import CoreStartFailed
 
     def start() -> Any:
         try:
@@ -403,9 +403,9 @@ def serve(
     timeline = StartupTimeline()
     core = _spawn_core(server_config, engine_config) if server_config.engine_core == "process" else None
     from engine.cpu_threads import CpuThreadPlan, available_cores, bind_serving_threads, plan_cpu_threads
+    from engine.loop.async_engine import AsyncEngine
+    from engine.loop.engine_thread import EngineThread
     from engine.server.app import build_app
-    from engine.server.async_engine import AsyncEngine
-    from engine.server.engine_thread import EngineThread
     from engine.server.metrics import EngineMetrics
     from engine.server.state import ServerState
     from engine.server.stats_log import StatsLogger, interval_from_env
@@ -413,7 +413,7 @@ def serve(
     timeline.mark("imports_and_flags")
     notifier = get_notifier()
     notifier.status(f"loading {engine_config.model_name()}")
-    # bound to its cores, then building the engine, then stepping it: one thread (engine/server/engine_thread.py)
+    # bound to its cores, then building the engine, then stepping it: one thread (engine/loop/engine_thread.py)
     engine_thread = EngineThread()
     if core is not None:
         engine, core_share = _front_of_core_process(engine_config, engine_thread, core)
@@ -447,7 +447,13 @@ def serve(
         engine.core.on_core_ended = metrics.core_ended
         engine.core.on_resumed = lambda r: metrics.request_resumed(r.reason, r.seconds)
     async_engine = AsyncEngine(
-        engine, metrics, server_config.health_stall_seconds, server_config.max_waiting, engine_thread, LIFECYCLE
+        engine,
+        metrics,
+        server_config.health_stall_seconds,
+        server_config.max_waiting,
+        engine_thread,
+        LIFECYCLE,
+        status=lambda text: get_notifier().status(text),
     )
     bind_serving_threads(threads)
     state = ServerState(

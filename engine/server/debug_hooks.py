@@ -33,7 +33,7 @@ class DebugHooks:
         self.metrics_mode = "normal"
         self.metrics_seconds = 0.0
         self._leak = KVLeak(kv) if kv is not None else None  # a core in this process
-        self.core_fault = core_fault  # a core in its own process (engine/coreproc/remote.py): told by message
+        self.core_fault = core_fault  # a core in its own process (engine/loop/remote.py): told by message
 
     @property
     def leaked(self) -> int:
@@ -90,7 +90,7 @@ async def leak_kv(
 @router.post("/debug/core-fault")
 async def core_fault(http: Request, kind: str = Query(..., pattern="^(exit|fatal)$")) -> dict[str, str]:
     """Kill the engine core process at once ("exit", as kill -9 would) or make its next step raise as a fatal
-    device error does ("fatal"); only where the core runs in its own process (engine/coreproc/)."""
+    device error does ("fatal"); only where the core runs in its own process (engine/loop/)."""
     hooks = _hooks(http)
     if hooks.core_fault is None:
         raise OpenAIError(400, "the engine core runs in the server process here (--engine-core thread)", param="kind")
@@ -146,7 +146,7 @@ class _MetricsFaults:
 
 def install(app: FastAPI, state: ServerState) -> DebugHooks:
     core = state.engine.core
-    remote = getattr(core, "fault", None)  # a core in its own process is told by message (engine/coreproc/)
+    remote = getattr(core, "fault", None)  # a core in its own process is told by message (engine/loop/)
     hooks = DebugHooks(getattr(core, "kv", None) if remote is None else None, remote)  # kv: EngineCore's own
     app.state.debug_hooks = hooks
     state.async_engine.add_loop_hook(hooks.hold_step_loop)

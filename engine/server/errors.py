@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.server.async_engine import EngineStopping
+from engine.loop.async_engine import EngineStopping
 from engine.server.protocol import ErrorResponse
 
 log = structlog.get_logger("pagekeeper.server")

@@ -103,7 +103,7 @@ LATENCY_BUCKETS = (
 
 FINISHED_REASONS = ("stop", "length", "abort")
 FAILURE_REASONS = ("rejected", "invalid", "error")
-# why an engine core in its own process ended (engine/coreproc/remote.py): killed by a signal, exited after an error
+# why an engine core in its own process ended (engine/loop/remote.py): killed by a signal, exited after an error
 # or on its own, or killed by its front for a silence past --health-stall-seconds
 CORE_END_REASONS = ("killed", "error", "exit", "hang")
 
@@ -243,7 +243,7 @@ class EngineMetrics:
         self.buffer = gauge("fragmentation_buffer_bytes", "Memory kept free for allocator fragmentation")
         self.steps = counter("engine_steps", "Engine step loop iterations (the heartbeat)")
         self.draining = gauge("engine_draining", "1 while the engine drains")
-        # a core in its own process (engine/coreproc/): its ends, and the requests the next core took over
+        # a core in its own process (engine/loop/): its ends, and the requests the next core took over
         self.core_ends = counter(
             "engine_core_restarts", "Engine core processes that ended and were replaced", ["reason"]
         )

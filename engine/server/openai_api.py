@@ -17,10 +17,10 @@ import structlog
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from engine.loop.async_engine import EngineStepError, EngineStopping
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from engine.server import protocol as p
-from engine.server.async_engine import EngineStepError, EngineStopping
 from engine.server.errors import OpenAIError, error_body, error_responses
 from engine.server.state import ServerState, get_state, require_api_key
 from engine.server.tool_calls import ToolCallStream, finish_reason, parse_reply, plan_tools

@@ -65,7 +65,7 @@ class ServerConfig:
     disable_log_stats: bool = False
     disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json (vLLM's flag)
     cpu_reserved_cores: Annotated[int, Field(ge=0)] | None = None  # None: 1 on a CPU engine with >= 2 cores
-    engine_core: Literal["thread", "process"] = "process"  # engine/coreproc/: a core may die without its requests
+    engine_core: Literal["thread", "process"] = "process"  # engine/loop/: a core may die without its requests
     max_resumes: Annotated[int, Field(ge=0, le=100)] = 3  # times one request is handed to a new core
     resume_timeout: Annotated[float, Field(gt=0, le=86400)] = 300.0  # seconds one request may wait for a new core
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "warning"

@@ -19,8 +19,8 @@ from fastapi import Request
 
 from engine.chat import ChatTemplateError, render_chat
 from engine.core.admission import ValidRequest
-from engine.llm_engine import LLMEngine
-from engine.server.async_engine import AsyncEngine, EngineDraining, EngineOverloaded
+from engine.loop.async_engine import AsyncEngine, EngineDraining, EngineOverloaded
+from engine.loop.llm_engine import LLMEngine
 from engine.server.errors import OpenAIError
 from engine.server.metrics import EngineMetrics
 

@@ -9,7 +9,7 @@ import time
 
 from engine.config import EngineConfig
 from engine.core import engine_core
-from engine.llm_engine import LLMEngine
+from engine.loop.llm_engine import LLMEngine
 from engine.runner.deferred import DeferredWork, one_unit
 from engine.sampling_params import SamplingParams
 

@@ -8,7 +8,7 @@ from structlog.testing import capture_logs
 from engine.config import EngineConfig
 from engine.core.first_steps import FirstSteps, step_kind
 from engine.core.plan import SeqStep, StepPlan
-from engine.llm_engine import LLMEngine
+from engine.loop.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -29,7 +29,7 @@ ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "opt": "OPTForCausalLM",
 }
-# What the engine and its tools read from a config (engine/model/, engine/runner/, engine/llm_engine.py, loader.py)
+# What the engine and its tools read from a config (engine/model/, engine/runner/, engine/loop/llm_engine.py, loader.py)
 ENGINE_FIELDS = (
     "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "attention_bias",

@@ -12,7 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.default_model import DEFAULT_MODEL_DIR
-from engine.llm_engine import RequestRejected
+from engine.loop.llm_engine import RequestRejected
 from engine.sampling_params import SamplingParamsError
 
 ZEN = json.loads((DEFAULT_MODEL_DIR / "zen_prefixes.json").read_text())
@@ -244,7 +244,7 @@ def test_the_served_name_of_the_embedded_model_is_a_model_name_too():
 
 
 def test_structured_outputs_offline_as_in_vllm():
-    from engine.llm_engine import RequestRejected
+    from engine.loop.llm_engine import RequestRejected
     from engine.sampling_params import StructuredOutputsParams
 
     llm = LLM("pagekeeper-default")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.loop.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 PROMPTS = ["Beautiful is", "Errors should never", "Now is better than", "Special cases aren't"]

@@ -16,7 +16,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.plan import StepPlan
-from engine.llm_engine import LLMEngine
+from engine.loop.llm_engine import LLMEngine
 from engine.runner.swap_space import SwapSpace
 
 

@@ -132,7 +132,7 @@ def test_graphs_captured_under_load_replay_at_once_wanted_size_first_and_change_
     current batch needs first, each replayed from its capture on.  float32: the tokens equal the eager ones."""
     from engine.config import EngineConfig
     from engine.core import engine_core
-    from engine.llm_engine import LLMEngine
+    from engine.loop.llm_engine import LLMEngine
     from engine.runner.cuda_graphs import DecodeGraphs
 
     rng = random.Random(11)

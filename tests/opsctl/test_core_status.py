@@ -1,5 +1,5 @@
 """`opsctl status` shows the engine core's own process: its pid, its restarts behind the front, the requests the
-front resumed on a new core (engine/coreproc/).  The supervisor watches both processes; the front restarts the core
+front resumed on a new core (engine/loop/).  The supervisor watches both processes; the front restarts the core
 on its own, so a killed core is not a supervisor restart."""
 
 from __future__ import annotations

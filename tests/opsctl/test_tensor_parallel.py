@@ -74,7 +74,7 @@ def test_opsctl_serves_restarts_and_recovers_a_tp2_engine(deploy, tmp_path):
     worker.send_signal(signal.SIGKILL)
     killed = time.monotonic()
     # The engine core (a process of its own, the ranks under it) ends with its rank; the engine's front starts a
-    # new core and resumes what was in flight (engine/coreproc/): the supervisor has nothing to restart.
+    # new core and resumes what was in flight (engine/loop/): the supervisor has nothing to restart.
     replaced: list = []
     while time.monotonic() - killed < 120 and not replaced:
         replaced = [w for w in tp_workers(second) if w.pid != worker.pid]

@@ -1,4 +1,4 @@
-"""`--engine-core process` (engine/coreproc/): the engine core dies under load and no client notices but a pause.
+"""`--engine-core process` (engine/loop/): the engine core dies under load and no client notices but a pause.
 
 Steady load from six clients (streams and not, kept-alive and new connections, greedy), then three faults in turn:
 kill -9 of the core, SIGSTOP of the core until the front's silence detector kills it, and an injected fatal
@@ -107,7 +107,7 @@ def _core(server_pid: int, not_pid: int | None = None, timeout: float = 60.0) ->
     while time.monotonic() < deadline:
         for child in psutil.Process(server_pid).children():
             try:
-                if "engine.coreproc" in " ".join(child.cmdline()) and child.pid != not_pid:
+                if "engine.loop" in " ".join(child.cmdline()) and child.pid != not_pid:
                     return child
             except psutil.NoSuchProcess:
                 pass

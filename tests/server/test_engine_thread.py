@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from engine.server.engine_thread import EngineThread
+from engine.loop.engine_thread import EngineThread
 
 
 def test_jobs_run_in_order_on_one_daemon_thread_and_return_their_results() -> None:
@@ -49,7 +49,7 @@ def test_running_follows_a_long_job() -> None:
 def test_a_loop_still_running_does_not_hold_the_process_open() -> None:
     code = (
         "import threading\n"
-        "from engine.server.engine_thread import EngineThread\n"
+        "from engine.loop.engine_thread import EngineThread\n"
         "EngineThread().submit(threading.Event().wait)\n"
         "print('main done')\n"
     )
@@ -67,7 +67,7 @@ def test_a_step_loop_that_raises_is_logged_and_reads_stalled() -> None:
     from structlog.testing import capture_logs
 
     from engine import LLM
-    from engine.server.async_engine import AsyncEngine
+    from engine.loop.async_engine import AsyncEngine
     from engine.server.metrics import EngineMetrics
 
     llm = LLM(max_model_len=128)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.core.admission import ValidRequest
 from engine.core.deltas import SeqDelta
-from engine.coreproc.messages import Admit
+from engine.loop.messages import Admit
 
 
 @dataclass(eq=False)

@@ -21,18 +21,17 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Union
+from typing import AsyncIterator, Callable, Protocol, Sequence, Union
 
 import structlog
 
 from engine.core.admission import ValidRequest
 from engine.lifecycle import Lifecycle, Phase
-from engine.llm_engine import LLMEngine, RequestRejected
+from engine.loop.engine_thread import EngineThread
+from engine.loop.llm_engine import LLMEngine, RequestRejected
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind
-from engine.server.engine_thread import EngineThread
-from engine.server.metrics import EngineMetrics
-from engine.server.notify import get_notifier
+from engine.stats import EngineSnapshot
 
 log = structlog.get_logger("pagekeeper.server")
 
@@ -175,18 +174,47 @@ class DrainResult:
     waited_seconds: float
 
 
+class EngineObserver(Protocol):
+    """What the bridge reports: each step's snapshot and each request's end.  The HTTP server's Prometheus metrics
+    (engine/server/metrics.py) are one; the loop itself keeps plain numbers."""
+
+    def update(self, s: EngineSnapshot) -> None: ...
+
+    def request_finished(
+        self,
+        reason: str,
+        arrival: float,
+        first_scheduled: float | None,
+        first_token: float | None,
+        finished: float,
+        num_prompt_tokens: int,
+        output_token_counts: Sequence[int],
+    ) -> None: ...
+
+    def request_failed(self, reason: str) -> None: ...
+
+    def set_draining(self, draining: bool) -> None: ...
+
+
+def _say_nothing(text: str) -> object:
+    return None
+
+
 class AsyncEngine:
     def __init__(
         self,
         engine: LLMEngine,
-        metrics: EngineMetrics,
+        metrics: EngineObserver,
         health_stall_seconds: float = 30.0,
         max_waiting: int | None = None,
         engine_thread: EngineThread | None = None,
         lifecycle: Lifecycle | None = None,
+        status: Callable[[str], object] = _say_nothing,
     ) -> None:
+        """`status`: where a drain's or a handover's progress is told (the server passes systemd's notifier)."""
         self.engine = engine
-        # the thread that built the engine runs its step loop (engine/server/engine_thread.py says why)
+        self.status = status
+        # the thread that built the engine runs its step loop (engine/loop/engine_thread.py says why)
         self._engine_thread = engine_thread or EngineThread()
         self._loop: Future[None] | None = None
         self.metrics = metrics
@@ -325,7 +353,7 @@ class AsyncEngine:
         if self.lifecycle.phase in (Phase.LOADING, Phase.SERVING, Phase.RECYCLING):
             self.lifecycle.move(Phase.DRAINING)
             log.info("drain_started", in_flight=self.num_in_flight, timeout_s=timeout)
-            get_notifier().status(f"draining: {self.num_in_flight} request(s) in flight")
+            self.status(f"draining: {self.num_in_flight} request(s) in flight")
         start = time.monotonic()
         at_start = self.num_in_flight
         while self._slots and time.monotonic() - start < timeout:
@@ -342,7 +370,7 @@ class AsyncEngine:
     def begin_handover(self) -> None:
         """Report draining (health, metric) while still admitting requests on open connections."""
         self.lifecycle.move(Phase.HANDING_OVER)
-        get_notifier().status(f"handing over: {self.num_in_flight} request(s) in flight")
+        self.status(f"handing over: {self.num_in_flight} request(s) in flight")
         log.info("handover_started", in_flight=self.num_in_flight)
 
     def abort_all(self, reason: str) -> int:
@@ -359,7 +387,7 @@ class AsyncEngine:
         if self.lifecycle.phase != Phase.DRAINING:
             return
         self.lifecycle.move(Phase.SERVING)
-        get_notifier().status("serving (drain cancelled)")
+        self.status("serving (drain cancelled)")
         log.info("drain_cancelled")
 
     # -- recycling the KV pool --------------------------------------------------------------------
@@ -461,7 +489,7 @@ class AsyncEngine:
             self._fail_everything(EngineStepError(f"the engine step failed: {e}"))
             return
         self._publish(outputs)
-        for request_id, why in self.engine.take_failed():  # resumed too often (engine/coreproc/)
+        for request_id, why in self.engine.take_failed():  # resumed too often (engine/loop/)
             self.metrics.request_failed("error")
             slot = self._slots.get(request_id)
             if slot is not None:

@@ -1,4 +1,4 @@
-"""The engine core in its own process (engine/coreproc/): the same tokens as a core in this process, and every
+"""The engine core in its own process (engine/loop/): the same tokens as a core in this process, and every
 request in flight resumed, with the tokens it would have given, when the core is killed, hangs or fails.
 
 The embedded model runs in float32 on the CPU, so greedy equality is exact, and seeded sampling draws token k
@@ -15,9 +15,9 @@ import time
 import pytest
 
 from engine.config import ConfigError, EngineConfig
-from engine.coreproc.inflight import Resumed
-from engine.coreproc.remote import RemoteCore
-from engine.llm_engine import LLMEngine
+from engine.loop.inflight import Resumed
+from engine.loop.llm_engine import LLMEngine
+from engine.loop.remote import RemoteCore
 from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
@@ -172,7 +172,7 @@ def test_a_core_dies_with_its_front() -> None:
     import sys
 
     code = (
-        "import time\nfrom engine.config import EngineConfig\nfrom engine.coreproc.remote import RemoteCore\n"
+        "import time\nfrom engine.config import EngineConfig\nfrom engine.loop.remote import RemoteCore\n"
         "core = RemoteCore(EngineConfig())\nprint('PID', core.pid, flush=True)\ntime.sleep(120)\n"
     )
     front = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

@@ -1,6 +1,6 @@
-"""The front's handle on an engine core in another process: what engine/llm_engine.py's `Core` asks, by message.
+"""The front's handle on an engine core in another process: what engine/loop/llm_engine.py's `Core` asks, by message.
 
-It starts the core (`python -m engine.coreproc`, a socket pair between the two), forwards admissions and ends,
+It starts the core (`python -m engine.loop`, a socket pair between the two), forwards admissions and ends,
 and turns the core's Stepped messages into the deltas `LLMEngine.step()` returns.  When the core ends — it exited,
 was killed, or said nothing for `stall_s` (hung: then this kills it) — every request in flight is kept
 (inflight.py), a new core is started, and once it is ready each request is handed to it again.  The step loop
@@ -31,8 +31,10 @@ from engine.core.admission import ValidRequest
 from engine.core.deltas import SeqDelta
 from engine.core.facts import CoreFacts, RecycleReport
 from engine.core.request import RequestStatus
-from engine.coreproc.inflight import InFlight, Resumed
-from engine.coreproc.messages import (
+from engine.cpu_threads import CpuThreadPlan
+from engine.lifecycle import LIFECYCLE, Phase, descendants, wait_gone_or_released
+from engine.loop.inflight import InFlight, Resumed
+from engine.loop.messages import (
     Admit,
     Fault,
     Finish,
@@ -45,8 +47,6 @@ from engine.coreproc.messages import (
     Stepped,
     YieldCores,
 )
-from engine.cpu_threads import CpuThreadPlan
-from engine.lifecycle import LIFECYCLE, Phase, descendants, wait_gone_or_released
 from engine.stats import EngineSnapshot
 
 log = structlog.get_logger("pagekeeper.server")
@@ -85,7 +85,7 @@ class CoreStartFailed(RuntimeError):
 
 
 def _leave(code: int) -> None:
-    from engine.coreproc.core_main import leave
+    from engine.loop.core_main import leave
 
     leave(code)
 
@@ -167,7 +167,7 @@ class RemoteCore:
         """A core's process and the front's end of its socket, its Start message sent."""
         front_end, core_end = socket.socketpair()
         fd = core_end.fileno()
-        command = [sys.executable, "-m", "engine.coreproc", "--fd", str(fd), "--front", str(os.getpid())]
+        command = [sys.executable, "-m", "engine.loop", "--fd", str(fd), "--front", str(os.getpid())]
         proc = subprocess.Popen([*command, *(("--spare",) if spare else ())], pass_fds=(fd,))
         core_end.close()
         conn = Connection(front_end.detach())
@@ -371,7 +371,7 @@ class RemoteCore:
             token_gap_sum=s.token_gap_sum + b.token_gap_sum,
         )
 
-    # -- what LLMEngine asks (engine/llm_engine.py: Core) ----------------------------------------
+    # -- what LLMEngine asks (engine/loop/llm_engine.py: Core) ----------------------------------------
 
     @property
     def facts(self) -> CoreFacts:

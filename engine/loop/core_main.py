@@ -1,4 +1,4 @@
-"""The engine core's process: `python -m engine.coreproc --fd N`, started by its front (remote.py).
+"""The engine core's process: `python -m engine.loop --fd N`, started by its front (remote.py).
 
 It builds the EngineCore the front's Start message describes, says Ready, then steps whenever it has work and
 sends every step's token deltas with a snapshot of its state.  Idle, it still sends a snapshot every
@@ -22,7 +22,11 @@ import structlog
 
 from engine.config import ConfigError
 from engine.core_share import CoreShare
-from engine.coreproc.messages import (
+from engine.cpu_threads import available_cores, bind_compute_thread, plan_cpu_threads
+from engine.gc_heap import freeze_startup_heap, pause_startup_collections, resume_startup_collections
+from engine.lifecycle import LIFECYCLE, PROCESS_EXIT
+from engine.logs import configure_logging
+from engine.loop.messages import (
     Admit,
     Fault,
     Finish,
@@ -35,10 +39,6 @@ from engine.coreproc.messages import (
     Stepped,
     YieldCores,
 )
-from engine.cpu_threads import available_cores, bind_compute_thread, plan_cpu_threads
-from engine.gc_heap import freeze_startup_heap, pause_startup_collections, resume_startup_collections
-from engine.lifecycle import LIFECYCLE, PROCESS_EXIT
-from engine.logs import configure_logging
 
 log = structlog.get_logger("pagekeeper.core")
 
@@ -143,7 +143,7 @@ def die_with(front: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.coreproc")
+    parser = argparse.ArgumentParser(prog="python -m engine.loop")
     parser.add_argument("--fd", type=int, required=True, help="this end of the front's socket pair")
     parser.add_argument("--front", type=int, default=None, help="the front's pid: this process dies with it")
     parser.add_argument("--spare", action="store_true", help="a spare standing by behind the serving core (a label)")

@@ -19,7 +19,7 @@ from engine.core.facts import CoreFacts, RecycleReport
 from engine.core.request import RequestStatus
 from engine.generation_defaults import load_generation_defaults
 from engine.kv.kv_cache_manager import blocks_for_tokens
-from engine.output_processor import OutputProcessor
+from engine.loop.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from engine.stats import EngineSnapshot
@@ -43,7 +43,7 @@ class Limits:
 
 
 class Core(Protocol):
-    """What the front asks of a core: engine/core/engine_core.py in this process, or engine/coreproc/remote.py's
+    """What the front asks of a core: engine/core/engine_core.py in this process, or engine/loop/remote.py's
     handle on one in another process."""
 
     @property
@@ -68,7 +68,7 @@ class Core(Protocol):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, defer_startup_work: bool = False, core: Core | None = None) -> None:
-        """A core in this process unless `core` is given (a front whose core runs elsewhere: engine/coreproc/)."""
+        """A core in this process unless `core` is given (a front whose core runs elsewhere: engine/loop/)."""
         # read before the model: a --generation-config that is not there fails in a second, not after the load
         self.generation_defaults = load_generation_defaults(config)
         if core is None:
@@ -204,7 +204,7 @@ class LLMEngine:
         return self.outputs.abort(request_id, time.monotonic())
 
     def take_failed(self) -> list[tuple[str, str]]:
-        """Requests a core in another process gave up (engine/coreproc/remote.py), with why; they are dropped."""
+        """Requests a core in another process gave up (engine/loop/remote.py), with why; they are dropped."""
         take = getattr(self.core, "take_failed", None)
         failed: list[tuple[str, str]] = take() if take is not None else []
         for request_id, _ in failed:

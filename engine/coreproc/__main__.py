@@ -1,3 +1,0 @@
-from engine.coreproc.core_main import leave, main
-
-leave(main())

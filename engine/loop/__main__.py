@@ -1,0 +1,3 @@
+from engine.loop.core_main import leave, main
+
+leave(main())
