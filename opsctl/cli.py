@@ -882,7 +882,8 @@ def config_show(ctx: Ctx, as_json: bool) -> None:
 def effective_config(cfg: PagekeeperConfig) -> dict[str, dict[str, dict[str, Any]]]:
     """{section: {key: {"value": ..., "from": "file" | "default"}}} for every key a config file may set."""
     from engine.config import EngineConfig
-    from engine.server.config_file import SECRET_ENV, SERVER_KEYS, engine_file_keys
+    from engine.ops_contract.secrets import SECRET_ENV
+    from engine.server.config_file import SERVER_KEYS, engine_file_keys
 
     def origin(section: str, key: str, flags: tuple[str, ...]) -> str:
         if key in flags:

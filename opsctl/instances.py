@@ -138,7 +138,7 @@ def instance_holding(port: int) -> str | None:
     "instance 'x' (runtime dir D, config C, supervisor pid P)", or None when no pagekeeper process of this user does.
     Instances whose runtime dirs are not siblings (each given its own --runtime-dir) do not see each other's
     instance.json, so a clash on the port is found from the process that holds it."""
-    from engine.server.sockets import command_line, listening_pids
+    from engine.ops_contract.sockets import command_line, listening_pids
 
     for pid in listening_pids(port):
         runtime = _runtime_dir_of(command_line(pid))

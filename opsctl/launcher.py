@@ -40,9 +40,9 @@ import psutil
 import structlog
 
 from engine.config import ConfigError
-from engine.server import control
-from engine.server.handover import InflightFile
-from engine.server.sockets import bind
+from engine.ops_contract import control
+from engine.ops_contract.inflight import InflightFile
+from engine.ops_contract.sockets import bind
 from opsctl.constants import (
     ADOPT_TIMEOUT_S,
     ENGINE_CONTROL_TIMEOUT_S,

@@ -28,8 +28,8 @@ import structlog
 
 from engine.config import ConfigError
 from engine.logs import configure_logging
-from engine.server.config_file import SECRET_ENV, in_config_terms
-from engine.server.settings import read_secret
+from engine.ops_contract.secrets import key_from_config
+from engine.server.config_file import in_config_terms
 from opsctl.bytecode import bytecode_plan
 from opsctl.config import PagekeeperConfig, load_config
 from opsctl.constants import (
@@ -133,10 +133,8 @@ def engine_error_in_config_terms(line: str, cfg: PagekeeperConfig) -> str:
 
 
 def _admin_key(cfg: PagekeeperConfig) -> str | None:
-    """The admin key the engine was given, read the way the engine reads it (file, config, environment)."""
-    if cfg.engine.get("admin_key_file"):
-        return read_secret(cfg.engine["admin_key_file"], "[engine] admin_key_file")
-    return cfg.engine.get("admin_key") or os.environ.get(SECRET_ENV["admin_key"]) or None
+    """The admin key the engine it starts uses: one rule for both (engine/ops_contract/secrets.py)."""
+    return key_from_config("admin_key", cfg.engine)
 
 
 def hold_lock(runtime: Path) -> Any:

@@ -65,6 +65,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "engine/core_share.py",
         ),
     ),
+    # what the engine and opsctl agree on: the control socket's client, the in-flight file, sockets, keys
+    ("the engine-ops contract", ("engine/ops_contract",)),
     ("kernels", ("kernels",)),
     ("the tensor-parallel group", ("engine/parallel",)),
     ("models", ("engine/model",)),

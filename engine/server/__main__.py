@@ -53,14 +53,16 @@ from engine.gc_heap import freeze_startup_heap, resume_startup_collections
 from engine.lifecycle import LIFECYCLE, PROCESS_EXIT, Phase
 from engine.logs import configure_logging
 from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenizer_dir
+from engine.ops_contract.inflight import InflightFile
+from engine.ops_contract.secrets import SECRET_ENV
+from engine.ops_contract.sockets import bind, inherited_socket
 from engine.schema import validate_section
-from engine.server.config_file import SECRET_ENV, engine_args, error_in_file_terms, load_engine_section
+from engine.server.config_file import engine_args, error_in_file_terms, load_engine_section
 from engine.server.control import ControlSocket, admin_handlers
-from engine.server.handover import RESTARTING_MESSAGE, HandoverDrain, HttpTracker, InflightFile
+from engine.server.handover import RESTARTING_MESSAGE, HandoverDrain, HttpTracker
 from engine.server.limits import AcceptErrorsCondensed, BodyLimit, connection_limit, guarded_protocol
 from engine.server.notify import get_notifier
 from engine.server.settings import ServerConfig, resolve_key_files
-from engine.server.sockets import bind, inherited_socket
 
 if TYPE_CHECKING:
     from engine.loop.async_engine import AsyncEngine

@@ -24,13 +24,13 @@ import tomllib
 
 from engine.config import INTERNAL_FIELDS as ENGINE_INTERNAL_FIELDS
 from engine.config import ConfigError, EngineConfig
+from engine.ops_contract.secrets import SECRET_ENV
 from engine.schema import validate_section
 from engine.server.settings import INTERNAL_FIELDS, ServerConfig
 
 SECTIONS = ("engine", "supervisor")
 
 # Keys never put on a command line, and the environment variables the server reads them from.
-SECRET_ENV = {"api_key": "PAGEKEEPER_API_KEY", "admin_key": "PAGEKEEPER_ADMIN_KEY"}
 
 # Server flags of `python -m engine.server` that are not engine flags, with their defaults.
 SERVER_KEYS = {f.name: f.default for f in dataclasses.fields(ServerConfig) if f.name not in INTERNAL_FIELDS}

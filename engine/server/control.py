@@ -171,28 +171,3 @@ def _process_name(pid: int) -> str:
         return " ".join(a.decode(errors="replace") for a in argv[:3] if a)[:120]
     except OSError:
         return "?"
-
-
-def request(path: str | os.PathLike[str], cmd: str, timeout: float = 5.0, **args: Any) -> dict[str, Any]:
-    """Send one command to an engine's control socket (OSError/ValueError when it does not answer)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(str(path))
-        s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
-        data = s.makefile("rb").readline()
-    reply: dict[str, Any] = json.loads(data)  # the engine answers with one JSON object
-    return reply
-
-
-def receive_listening_socket(path: str | os.PathLike[str], timeout: float = 5.0) -> socket.socket:
-    """Ask a running engine for its listening socket (a supervisor adopting it needs its own copy)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(str(path))
-        s.sendall(b'{"cmd": "listen_fd"}\n')
-        msg, fds, _flags, _addr = socket.recv_fds(s, 1024, 1)
-    if not fds or not json.loads(msg or b"{}").get("ok"):
-        raise OSError(f"the engine at {path} did not hand over its listening socket")
-    sock = socket.socket(fileno=fds[0])
-    sock.set_inheritable(True)
-    return sock

@@ -18,19 +18,17 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
-import mmap
-import os
 import struct
 import termios
 import time
-from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import structlog
 
+from engine.ops_contract.inflight import InflightFile
+
 log = structlog.get_logger("pagekeeper.server")
 
-_COUNT = struct.Struct("<q")
 # Paths that are probes, not work: a supervisor or load balancer polling them is not a request in flight.
 _PROBE_PATHS = ("/health", "/metrics")
 # A keep-alive connection that stayed idle this long after the handover began is closed.  Clients that
@@ -38,38 +36,6 @@ _PROBE_PATHS = ("/health", "/metrics")
 # `Connection: close`), so only connections nobody is using are closed this way.
 IDLE_CLOSE_S = 1.0
 _POLL_S = 0.02
-
-
-class InflightFile:
-    """Two shared counters: requests in flight now, and requests answered "restarting" by a stop-now."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            os.ftruncate(fd, 2 * _COUNT.size)
-            self._map = mmap.mmap(fd, 2 * _COUNT.size)
-        finally:
-            os.close(fd)
-        self.set(0)
-        self.set_aborted(0)
-
-    def set(self, value: int) -> None:
-        _COUNT.pack_into(self._map, 0, value)
-
-    def set_aborted(self, value: int) -> None:
-        _COUNT.pack_into(self._map, _COUNT.size, value)
-
-    @staticmethod
-    def read(path: str | os.PathLike[str]) -> tuple[int, int] | None:
-        """(in flight, aborted) as an engine last published them (None if there is no such file)."""
-        try:
-            data = Path(path).read_bytes()
-        except OSError:
-            return None
-        if len(data) < 2 * _COUNT.size:
-            return None
-        return _COUNT.unpack_from(data, 0)[0], _COUNT.unpack_from(data, _COUNT.size)[0]
 
 
 class HttpTracker:

@@ -7,15 +7,14 @@ section of the TOML config file (opsctl/config.py) refuse the same mistakes with
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
-import stat
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
 
 from engine.config import ConfigError
+from engine.ops_contract.secrets import read_secret
 
 _LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 
@@ -74,26 +73,6 @@ class ServerConfig:
     inflight_file: str | None = None
     share_cores_with: Annotated[int, Field(ge=1)] | None = None  # the engine a handover runs beside
     config: str | None = None
-
-
-def read_secret(path: str, flag: str) -> str:
-    """A key from a file only its owner can read (0600 or 0400), owned by this user or root."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as e:
-        raise ConfigError(f"{flag} {path}: {e.strerror}") from None
-    with os.fdopen(fd) as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_uid not in (os.geteuid(), 0):
-            raise ConfigError(f"{flag} {path}: not a regular file of yours or root's")
-        if info.st_mode & 0o077:
-            raise ConfigError(
-                f"{flag} {path} has mode {stat.S_IMODE(info.st_mode):04o}: others can read the key; `chmod 600 {path}`"
-            )
-        key = f.read().strip()
-    if not key:
-        raise ConfigError(f"{flag} {path} is empty")
-    return key
 
 
 def resolve_key_files(server: ServerConfig) -> ServerConfig:

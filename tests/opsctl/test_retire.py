@@ -14,13 +14,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-from engine.server.handover import InflightFile
+from engine.ops_contract.inflight import InflightFile
 from opsctl.launcher import EngineProcess, ProcessLauncher, Retired
 
 PUBLISH_AND_DIE = textwrap.dedent(
     """
     import os, signal, sys
-    from engine.server.handover import InflightFile
+    from engine.ops_contract.inflight import InflightFile
     counter = InflightFile(sys.argv[1])
     counter.set(int(sys.argv[2]))
     os.kill(os.getpid(), signal.SIGKILL)

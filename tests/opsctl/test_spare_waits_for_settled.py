@@ -12,7 +12,8 @@ import time
 import pytest
 
 from engine.lifecycle import Lifecycle, Phase
-from engine.server.control import ControlSocket, request
+from engine.ops_contract.control import request
+from engine.server.control import ControlSocket
 from opsctl import launcher as launcher_module
 from opsctl.launcher import EngineProcess, ProcessLauncher
 

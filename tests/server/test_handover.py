@@ -16,8 +16,8 @@ import time
 import httpx
 import pytest
 
-from engine.server import control
-from engine.server.handover import InflightFile
+from engine.ops_contract import control
+from engine.ops_contract.inflight import InflightFile
 from tests.opsctl.load import Load, tally
 
 pytestmark = pytest.mark.slow
