@@ -58,6 +58,7 @@ WANTED = {key: tuple(prefix + base for prefix in _PREFIXES for base in bases) fo
 _WANTED_NAMES = {name for names in WANTED.values() for name in names}
 HISTOGRAMS = {key: tuple(prefix + base + "_bucket" for prefix in _PREFIXES) for key, base in HISTOGRAM_BASES.items()}
 _HISTOGRAM_NAMES = {name for names in HISTOGRAMS.values() for name in names}
+_SCRAPED_NAMES = _WANTED_NAMES | _HISTOGRAM_NAMES
 
 
 @dataclass
@@ -178,15 +179,25 @@ class EngineScrape:
     model: str | None
 
 
+def _wanted_lines(text: str) -> str:
+    """The sample lines of `text` whose series is one of WANTED or HISTOGRAMS (comments and the rest left out)."""
+    kept = []
+    for line in text.splitlines():
+        if line and line[0] != "#" and line.split("{", 1)[0].split(" ", 1)[0].rstrip() in _SCRAPED_NAMES:
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
 def scrape_engine_metrics(text: str) -> EngineScrape:
     """The values of WANTED and the buckets of HISTOGRAMS in `text`, each summed over its label sets (a histogram
-    per upper bound); ValueError if the text is not Prometheus."""
+    per upper bound); ValueError if the text is not Prometheus.  Only the lines of those series reach the parser:
+    all of an engine's 76 KB took 34 ms of CPU, every poll of a supervisor, every second of `opsctl top`."""
     from prometheus_client.parser import text_string_to_metric_families
 
     sums: dict[str, float] = {}
     buckets: dict[str, dict[float, float]] = {}
     model = None
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(_wanted_lines(text)):
         for sample in family.samples:
             if sample.name in _WANTED_NAMES:
                 sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)

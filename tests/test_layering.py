@@ -51,6 +51,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "engine/default_model",
             "engine/cache_dir.py",
             "engine/logs.py",
+            "engine/lean_imports.py",
             "engine/lifecycle.py",
             "engine/sampling_params.py",
             "engine/outputs.py",

@@ -24,11 +24,13 @@ import time as _time
 _MODULE_STARTED = _time.time()  # before anything heavy is imported: the start-up timeline's first mark
 
 from engine.gc_heap import pause_startup_collections  # noqa: E402
+from engine.lean_imports import import_structlog_without_rich  # noqa: E402
 from engine.openmp_waits import prefer_passive_waits  # noqa: E402
 
 prefer_passive_waits()  # before anything loads torch, which loads libgomp (engine/openmp_waits.py)
 if __name__ == "__main__":  # this process is the server: no collections until its heap is frozen (engine/gc_heap.py)
     pause_startup_collections()
+    import_structlog_without_rich()  # before any module of ours imports structlog (engine/lean_imports.py)
 
 import argparse
 import asyncio

@@ -1,5 +1,5 @@
 """What `opsctl` and the supervisor import before the engine is spawned (issue 35: a start in seconds): neither rich
-(structlog's console renderer offered it; opsctl/lean_imports.py), nor httpx (the engine probe's client, made at the
+(structlog's console renderer offered it; engine/lean_imports.py), nor httpx (the engine probe's client, made at the
 first probe), nor torch or anything of the engine's model; the CLI not prometheus_client either (the probe's metrics
 parser).  Their logs stay what they were: readable lines in a terminal, JSON lines otherwise."""
 

@@ -1,7 +1,8 @@
 """What an engine server imports: its start with the embedded model, and serving chat, tokenization and a
 structured output, import neither transformers (its config and tokenizer are read without it,
 engine/model/hf_config.py and hf_tokenizer.py), nor sympy (which torch imported when the model was moved off the
-meta device with `to_empty`), nor triton on a CPU (the probe cache's key imported it for its version)."""
+meta device with `to_empty`), nor triton on a CPU (the probe cache's key imported it for its version), nor rich
+(structlog offers it; engine/lean_imports.py)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,5 @@ def test_a_server_starts_and_serves_without_transformers(tmp_path):
     print(f"{len(imported)} modules imported; heavy: {heavy[:10]}")
     assert len(imported) > 500 and "torch" in imported and "tokenizers" in imported
     assert not heavy
+    # structlog's `import rich` of a hidden rich is listed too (failing, in microseconds): rich by its own modules
+    assert not [m for m in imported if m.startswith("rich.")]
