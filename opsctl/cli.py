@@ -211,15 +211,13 @@ def _wait_until_serving(ctx: Ctx, proc: subprocess.Popen | None, timeout: float,
                 click.echo("", err=True)
             return st
         if st is not None and st.engine.state.gave_up:
-            kind = (
-                "failed permanently"
-                if state == EngineState.FAILED
-                else f"keeps failing; the supervisor gave up after {st.restarts.total} restart(s)"
-            )
-            # an engine that exited 2 named a mistake (the table above: start exits 2), whether this sees the failed
-            # state or the supervisor's own exit with 2 first
-            code = EXIT_USAGE if state == EngineState.FAILED else EXIT_GAVE_UP
-            _fail(f"the engine {kind}: {one_line(st.crash_loop.reason)}; fix it, then `opsctl restart`", code)
+            reason = one_line(st.crash_loop.reason)
+            if state == EngineState.FAILED:
+                # an engine that exited 2 named a mistake (the table above: start exits 2) in its own line, told as
+                # is, whether this sees the failed state or the supervisor's own exit with 2 first
+                _fail(f"{reason}; fix it, then `opsctl restart`", EXIT_USAGE)
+            gave_up = f"the supervisor gave up after {st.restarts.total} restart(s)"
+            _fail(f"the engine keeps failing; {gave_up}: {reason}; fix it, then `opsctl restart`", EXIT_GAVE_UP)
         if st is None and proc is None and waited > 5:
             _fail("the supervisor is gone; see `opsctl logs --supervisor`", EXIT_ERROR)
         if waited > timeout:

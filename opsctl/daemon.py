@@ -366,8 +366,10 @@ class Supervisor:
         return True
 
     def _give_up(self, action: Action) -> None:
-        detail = self.launcher.exit_summary() or action.reason
         permanent = action.permanent
+        # an exit 2 is the engine naming a setting to fix: its own line, the one last_failure.json keeps too, so that
+        # `opsctl start` says the same whether it sees this state or the supervisor's exit first
+        detail = (self.launcher.exit_error() if permanent else None) or self.launcher.exit_summary() or action.reason
         with self.lock:
             self.state = replace(self.state, gave_up=True)
             self.gave_up_reason = detail

@@ -58,3 +58,27 @@ def test_stop_then_stop_again(running):
     assert first.returncode == 0 and json.loads(first.stdout)["stopped"] is True, first.stdout + first.stderr
     again = running.opsctl("stop")
     assert again.returncode == 0 and again.stdout.strip() == "not running"
+
+
+def test_start_tells_an_engine_exit_2_in_its_own_line_whichever_it_sees_first(tmp_path, monkeypatch, capsys):
+    """`opsctl start` may see the supervisor's failed state before the supervisor's exit (with a 50 ms follow it
+    often does): that path said `the engine failed permanently: exit code 2: ...` where the other says the engine's
+    line as is; a test of the config keys' names failed on it in a loaded full run."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from opsctl import cli
+    from opsctl.state import EngineState
+
+    line = f"{tmp_path}/pagekeeper.toml: [engine] max_model_len = 100000 exceeds the model's limit of 256 tokens"
+    failed = SimpleNamespace(
+        engine=SimpleNamespace(state=EngineState.FAILED),
+        crash_loop=SimpleNamespace(reason=line),
+        restarts=SimpleNamespace(total=0),
+    )
+    monkeypatch.setattr(cli, "_status_or_none", lambda runtime: failed)
+    with pytest.raises(SystemExit) as exited:
+        cli._wait_until_serving(SimpleNamespace(runtime=lambda: tmp_path), None, 10.0, "starting")  # type: ignore[arg-type]
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: {line}; fix it, then `opsctl restart`"
