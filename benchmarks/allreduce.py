@@ -1,4 +1,4 @@
-"""Measured all-reduce time and bandwidth between the GPUs of this host (NCCL), one process per GPU.
+"""Measured all-reduce time and bandwidth between this host's GPUs (NCCL, symmetric memory), one process per GPU.
 
     python -m benchmarks.allreduce --tp 2 4 --sizes 2097152 134217728
     python -m benchmarks.allreduce --tp 2 --device cpu --sizes 65536     # gloo on the CPU (smoke run)
@@ -8,10 +8,12 @@ here for its size, so what is measured is the fastest this host does it, the way
 of back-to-back all-reduces timed with CUDA events after every rank has synchronised (a lone all-reduce timed
 per call also times the other ranks' late arrival, which made small messages look several times slower), the
 fastest of several rounds, launched eagerly and replayed from a CUDA graph (as the engine's decode steps do);
-the smaller of the two is `seconds`.  One spawn of max(tp) processes measures every group size (ranks 0..tp-1
-form each group).  Prints (and with --out writes) one JSON object: per group size, per message size, the
-seconds, the algorithm bandwidth (bytes / time) and the bus bandwidth (algbw x 2 (n - 1) / n, the per-link
-figure nccl-tests reports).
+the smaller of the two is `nccl_s`.  On CUDA the engine's symmetric-memory sum (engine/parallel/peer_allreduce.py,
+the path PAGEKEEPER_TP_ALLREDUCE=auto takes up to its buffer's size) is timed the same way (`peer_s`), and
+`seconds` is the faster of the two: what the bounds charge.  One spawn of max(tp) processes measures every
+group size (ranks 0..tp-1 form each group).  Prints (and with --out writes) one JSON object: per group size,
+per message size, the seconds, the algorithm bandwidth (bytes / time) and the bus bandwidth
+(algbw x 2 (n - 1) / n, the per-link figure nccl-tests reports).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine.parallel.peer_allreduce import PeerAllReduce
 
 ROUNDS = 5
 INIT_TIMEOUT = timedelta(seconds=120)
@@ -51,15 +55,24 @@ def _time_round(fn: Any, ops: int, device: torch.device) -> float:
     return (time.perf_counter() - t) / ops
 
 
-def _measure_size(group: Any, nbytes: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+def _measure_size(
+    group: Any, nbytes: int, device: torch.device, dtype: torch.dtype, peer: PeerAllReduce | None = None
+) -> dict[str, Any]:
+    """NCCL's times for `nbytes` (eager_s, graph_s), or with `peer` the symmetric-memory path's instead."""
     import torch.distributed as dist
 
     x = torch.ones(max(1, nbytes // torch.empty((), dtype=dtype).element_size()), dtype=dtype, device=device)
     ops = ops_per_round(nbytes)
 
+    def one() -> None:
+        if peer is not None:
+            peer.sum_(x)
+        else:
+            dist.all_reduce(x, group=group)
+
     def eager() -> None:
         for _ in range(ops):
-            dist.all_reduce(x, group=group)
+            one()
 
     def sync() -> None:
         dist.all_reduce(torch.ones(1, device=device), group=group)  # every rank here before the round starts
@@ -67,7 +80,7 @@ def _measure_size(group: Any, nbytes: int, device: torch.device, dtype: torch.dt
             torch.cuda.synchronize(device)
 
     for _ in range(3):
-        dist.all_reduce(x, group=group)
+        one()
     row: dict[str, Any] = {"ops_per_round": ops}
     times = []
     for _ in range(ROUNDS):
@@ -76,7 +89,7 @@ def _measure_size(group: Any, nbytes: int, device: torch.device, dtype: torch.dt
     row["eager_s"] = min(times)
     if device.type == "cuda":
         try:
-            graph = _capture(lambda: dist.all_reduce(x, group=group), ops, device)
+            graph = _capture(one, ops, device)
             times = []
             for _ in range(ROUNDS):
                 sync()
@@ -124,22 +137,53 @@ def _rank(rank: int, world: int, store_path: str, tps: list[int], sizes: list[in
     for tp in sorted(tps):
         group = None if tp == world else dist.new_group(list(range(tp)))  # every rank takes part in making it
         if rank < tp:
+            peer, why = _peer(group, device, max(sizes)) if device_kind == "cuda" else (None, None)
             rows: dict[str, Any] = {}
             for nbytes in sizes:
-                row = _measure_size(group, nbytes, device, dtype)
-                t = min(row.get("graph_s", math.inf), row["eager_s"])
+                row = {k: v for k, v in _measure_size(group, nbytes, device, dtype).items() if k != "ops_per_round"}
+                nccl = min(row.get("graph_s", math.inf), row["eager_s"])
+                row = {"nccl_s": nccl, **row}
+                t = nccl
+                if peer is not None:
+                    fast = _measure_size(group, nbytes, device, dtype, peer)
+                    row["peer_eager_s"] = fast["eager_s"]
+                    if "graph_s" in fast:
+                        row["peer_graph_s"] = fast["graph_s"]
+                    row["peer_s"] = min(fast.get("graph_s", math.inf), fast["eager_s"])
+                    t = min(t, row["peer_s"])
+                elif why:
+                    row["peer_error"] = why
                 algbw = nbytes / t
                 rows[str(nbytes)] = {
                     "seconds": t,
                     "algbw_GBps": round(algbw / 1e9, 2),
                     "busbw_GBps": round(algbw * 2 * (tp - 1) / tp / 1e9, 2),
-                    **{k: v for k, v in row.items() if k != "ops_per_round"},
+                    **row,
                 }
             results[str(tp)] = rows
         dist.barrier(group=None, device_ids=[rank] if device_kind == "cuda" else None)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def _peer(group: Any, device: torch.device, max_bytes: int) -> tuple[PeerAllReduce | None, str | None]:
+    """The engine's symmetric-memory sum for this group, with a buffer for the largest size (a collective)."""
+    import torch.distributed as dist
+
+    from engine.parallel import peer_allreduce
+
+    try:
+        peer: PeerAllReduce | None = PeerAllReduce.set_up(group, device, max_bytes)
+        why = None
+    except Exception as e:  # noqa: BLE001 - the NCCL figures stand alone, the file says why
+        peer, why = None, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+    if not peer_allreduce._all_ranks(peer is not None, group, device):
+        return None, why or "another rank's symmetric memory did not set up"
+    assert peer is not None
+    peer.check(group, device)
+    dist.barrier(group=group, device_ids=[device.index])
+    return peer, None
 
 
 def measure(tps: list[int] | int, sizes: list[int], device: str = "cuda") -> dict[str, Any]:

@@ -20,6 +20,7 @@ and the rows it samples.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -140,17 +141,38 @@ def bounds(steps: list[StepShape], cost: ModelCost, matmul_flops: float, copy_by
     }
 
 
+class StepLog(list[StepShape]):
+    """The steps of a run in order, with the perf_counter() time at which the scheduler planned each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.planned_at: list[float] = []
+
+    def seconds_by_kind(self, end: float) -> dict[str, dict[str, float]]:
+        """Wall seconds between each step's plan and the next's (the last: until `end`), summed over the
+        decode-only steps and over the steps that carry prompt tokens.  With the engine's pipelined steps a step's
+        planning may precede the previous one's finish, so a kind's share is approximate by about one step."""
+        out = {"decode": {"steps": 0, "seconds": 0.0}, "prefill": {"steps": 0, "seconds": 0.0}}
+        ends = self.planned_at[1:] + [end]
+        for step, start, stop in zip(self, self.planned_at, ends):
+            kind = out["decode" if all(n == 1 for _, n in step.seqs) else "prefill"]
+            kind["steps"] += 1
+            kind["seconds"] += stop - start
+        return out
+
+
 @contextlib.contextmanager
-def recorded_steps(llm: Any) -> Iterator[list[StepShape]]:
+def recorded_steps(llm: Any) -> Iterator[StepLog]:
     """Every step the engine's scheduler plans inside the block, as StepShapes (the plan is plain
-    data, so reading it changes nothing the engine does)."""
+    data, so reading it changes nothing the engine does), and when each was planned (`StepLog.planned_at`)."""
     scheduler = llm.llm_engine.core.scheduler
-    steps: list[StepShape] = []
+    steps = StepLog()
     original = scheduler.schedule
 
     def schedule() -> Any:
         plan = original()
         if plan.seqs:
+            steps.planned_at.append(time.perf_counter())
             steps.append(
                 StepShape(tuple((s.start, s.num_tokens) for s in plan.seqs), sum(len(s.sample_ids) for s in plan.seqs))
             )

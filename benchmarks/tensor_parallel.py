@@ -235,6 +235,12 @@ def _measure(
             elapsed = time.perf_counter() - t
         assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
         bounds = run_bounds(steps, rank_model, peaks, table)
+        by_kind = steps.seconds_by_kind(t + elapsed)
+        for kind, row in by_kind.items():
+            decode = kind == "decode"
+            part = run_bounds([s for s in steps if all(n == 1 for _, n in s.seqs) == decode], rank_model, peaks, table)
+            row["seconds"] = round(row["seconds"], 3)
+            row.update({k: part[k] for k in ("compute_s", "allreduce_s", "serial_s", "overlapped_s")})
         arm = {
             "arm": name,
             "overlap_tokens": tokens,
@@ -242,6 +248,8 @@ def _measure(
             "tok_s": round(args.num_prompts * args.output_len / elapsed, 1),
             "overlapped_forwards": getattr(model, "overlapped_steps", 0) - before,
             "bounds": bounds,
+            # measured wall time (approximate by about a step: pipelined steps) and bounds of each kind of step
+            "by_step_kind": by_kind,
             "bound_fraction_serial": round(bounds["serial_s"] / elapsed, 3),
             "bound_fraction_overlapped": round(bounds["overlapped_s"] / elapsed, 3),
         }

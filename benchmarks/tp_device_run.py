@@ -12,6 +12,8 @@ DIR/run.log:
     allreduce     benchmarks/allreduce.py at every message size the 8B and 70B shapes use, TP 2 and 4
     70b           Llama-3.1-70B shape at TP 4: memory plan per rank, the throughput workload with the overlap
                   off and on (--overlap-ab), batch-1 ms per token, both bounds (benchmarks/tp_bounds.py)
+    70b-nccl      the same with every all-reduce on NCCL (PAGEKEEPER_TP_ALLREDUCE=nccl): the engine before the
+                  symmetric-memory sum of small all-reduces (engine/parallel/peer_allreduce.py), in the same run
     8b            Llama-3-8B shape at TP 1, 2, 4: the scaling curve and its bounds
     correctness   float32 greedy tokens and bf16 logits at TP 2 and 4 against TP 1 (Llama-3.2-1B shape)
     tests         pytest tests/kernels/test_tensor_parallel_gpu.py (TP 2 and 4: graphs, eager, overlap)
@@ -39,7 +41,9 @@ from pathlib import Path
 from typing import IO, Any
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ("allreduce", "70b", "8b", "correctness", "tests")
+STAGES = ("allreduce", "70b", "70b-nccl", "8b", "correctness", "tests")
+# Stages that run another stage's command under other environment variables (an A/B across engine starts)
+STAGE_ENV = {"70b-nccl": ("70b", {"PAGEKEEPER_TP_ALLREDUCE": "nccl"})}
 OVERLAP_TOKENS = 2048  # a half of 1,024+ rows: compute-bound GEMMs on an H100/H200 (engine/model/overlap.py)
 ENV = {  # NVLink multicast stays off (the device's own rule), output unbuffered
     "NCCL_NVLS_ENABLE": "0",
@@ -48,7 +52,7 @@ ENV = {  # NVLink multicast stays off (the device's own rule), output unbuffered
     "PYTHONUNBUFFERED": "1",
 }
 # The largest time each stage may take on a 4-GPU H100/H200 host (the deadline cuts it shorter when less is left)
-STAGE_LIMIT_S = {"allreduce": 120, "70b": 300, "8b": 200, "correctness": 200, "tests": 300}
+STAGE_LIMIT_S = {"allreduce": 120, "70b": 300, "70b-nccl": 300, "8b": 200, "correctness": 200, "tests": 300}
 SHAPE_HIDDEN = (4096, 8192)  # the 8B and 70B shapes' all-reduce rows
 
 
@@ -67,10 +71,18 @@ class Log:
             self.file.flush()
 
 
-def run_stage(name: str, cmd: list[str], limit_s: float, log: Log, extra_log: IO[str] | None = None) -> dict[str, Any]:
+def run_stage(
+    name: str,
+    cmd: list[str],
+    limit_s: float,
+    log: Log,
+    extra_log: IO[str] | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Run `cmd` in a process group of its own; kill the group past `limit_s`.  Returns rc, seconds, timed_out."""
-    log.line(f"=== stage {name}: {' '.join(cmd)} (at most {limit_s:.0f} s)")
-    env = {**os.environ, **ENV}
+    shown = " ".join(f"{k}={v}" for k, v in (extra_env or {}).items())
+    log.line(f"=== stage {name}: {shown + ' ' if shown else ''}{' '.join(cmd)} (at most {limit_s:.0f} s)")
+    env = {**os.environ, **ENV, **(extra_env or {})}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     started = time.monotonic()
     proc = subprocess.Popen(
@@ -132,6 +144,10 @@ def allreduce_grid(max_num_seqs: int = 256, max_tokens: int = 8192) -> list[int]
 def commands(stage: str, quick: bool, gpus: int, work: Path, sizes: list[int], overlap: int) -> list[str] | None:
     """The stage's command line, or None when this machine has too few GPUs for it (the smoke run: two CPU ranks
     stand for the largest size)."""
+    if stage in STAGE_ENV:
+        base = commands(STAGE_ENV[stage][0], quick, gpus, work, sizes, overlap)
+        own = str(work / f"{STAGE_ENV[stage][0]}.json")
+        return None if base is None else [str(work / f"{stage}.json") if a == own else a for a in base]
     py = [sys.executable, "-m"]
     ar = ["--allreduce-json", str(work / "allreduce.json")]
     if stage == "tests":
@@ -207,6 +223,12 @@ def headline(results: dict[str, Any], quick: bool) -> dict[str, Any]:
         top[f"{key}_bound_fraction_serial_{name}"] = arm["bound_fraction_serial"]
     if run70 and "batch1" in run70:
         top[f"{key}_batch1_ms_per_token"] = run70["batch1"]["ms_per_token"]
+    before = _run_of(results.get("70b-nccl"), big_tp)  # the same engine with every all-reduce on NCCL
+    for arm in before.get("arms", []) if before else []:
+        top[f"{key}_tok_s_{arm['arm']}_nccl_allreduce"] = arm["tok_s"]
+        top[f"{key}_bound_fraction_{arm['arm']}_nccl_allreduce"] = arm["bound_fraction_overlapped"]
+    if before and "batch1" in before:
+        top[f"{key}_batch1_ms_per_token_nccl_allreduce"] = before["batch1"]["ms_per_token"]
     top[f"tp{big_tp}_restart_failed"] = None
     correctness = (results.get("correctness") or {}).get("correctness") or {}
     for dtype, rows in correctness.items():
@@ -269,9 +291,9 @@ def device_run(args: argparse.Namespace) -> int:
 
     def save() -> None:
         summary.update(headline(results, args.quick))
-        for name in ("allreduce", "70b", "8b", "correctness"):
+        for name in ("allreduce", "70b", "70b-nccl", "8b", "correctness"):
             if name in results:
-                summary[{"70b": "run_70b", "8b": "run_8b"}.get(name, name)] = results[name]
+                summary[{"70b": "run_70b", "70b-nccl": "run_70b_nccl", "8b": "run_8b"}.get(name, name)] = results[name]
         final.write_text(json.dumps(summary, indent=2) + "\n")
 
     save()
@@ -299,7 +321,7 @@ def device_run(args: argparse.Namespace) -> int:
             row["log"] = tests_log.name
             summary["gpu_tests"] = row["counts"]
         else:
-            row = run_stage(stage, cmd, limit, log)
+            row = run_stage(stage, cmd, limit, log, extra_env=STAGE_ENV.get(stage, ("", {}))[1])
             found = _read(work / f"{stage}.json")
             if found is not None:
                 results[stage] = found
@@ -359,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, help="where the results and logs go ($OUT on the device)")
     p.add_argument("--quick", action="store_true", help="the CPU smoke run (gloo, embedded model)")
-    p.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
+    p.add_argument("--stages", nargs="+", choices=STAGES, help="default: all (without 70b-nccl with --quick)")
     p.add_argument("--deadline-s", type=float, default=540.0, help="seconds before every stage is done or stopped")
     p.add_argument("--overlap-tokens", type=int, default=OVERLAP_TOKENS, help="the 70B run's overlap arm")
     p.add_argument("--merge", type=Path, metavar="FILE", help="set top-level keys of a finished run's JSON")
@@ -372,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         return merge(args.merge, args.set)
     if args.out is None:
         p.error("--out is required (the folder the results go to)")
+    if args.stages is None:  # on the CPU both 70b stages sum through gloo: the A/B would measure nothing
+        args.stages = [st for st in STAGES if not (args.quick and st in STAGE_ENV)]
     if args.deadline_s <= 0 or args.overlap_tokens < 2:
         p.error("--deadline-s must be > 0 and --overlap-tokens >= 2")
     return device_run(args)

@@ -44,6 +44,7 @@ from engine.memory.budget import KVPlan
 from engine.model.loader import ModelInfo
 from engine.model.overlap import set_overlap_tokens
 from engine.parallel.launch import COLLECTIVE_TIMEOUT, join_group, rank_device
+from engine.parallel.peer_allreduce import checked_mode
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.deferred import DeferredWork
 from engine.runner.model_runner import ModelRunner
@@ -72,6 +73,7 @@ class TensorParallelRunner:
         self._reasons = tempfile.mkdtemp(prefix="pagekeeper-tp-")
         self._wake_r, self._wake_w = os.pipe()
         device = rank_device(config, 0)
+        checked_mode(device)  # a misspelt PAGEKEEPER_TP_ALLREDUCE, or require on the CPU: exit 2 before any spawn
         store = TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
         self._procs: list[subprocess.Popen[bytes]] = []
         self._conns: list[Connection] = []

@@ -11,10 +11,13 @@ outputs while the other's matrix products run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.parallel.peer_allreduce import PeerAllReduce
 
 
 @dataclass
@@ -41,6 +44,8 @@ class TPGroup:
     # all-reduces overlap each other's matrix products (0: never); the model keeps its own copy, which a
     # benchmark may change between steps (engine/distributed/executor.py, set_overlap_tokens)
     overlap_tokens: int = 0
+    # the symmetric-memory sum for tensors that fit its buffer (engine/parallel/peer_allreduce.py; None: NCCL's)
+    peer: PeerAllReduce | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_parallel(self) -> bool:
@@ -50,6 +55,8 @@ class TPGroup:
         """Sum `x` over the ranks, in place (row-parallel outputs, the vocab-parallel embedding)."""
         if self.size == 1:
             return x
+        if self.peer is not None and self.peer.fits(x):
+            return self.peer.sum_(x)
         import torch.distributed as dist
 
         dist.all_reduce(x, group=self.group)

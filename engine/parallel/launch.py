@@ -16,6 +16,7 @@ import torch
 
 from engine.config import ConfigError, EngineConfig, ResolvedConfig
 from engine.parallel.group import TPGroup
+from engine.parallel.peer_allreduce import PeerAllReduce, mode_from_env, set_up_for
 
 # A collective that waits longer than this means a rank is gone or stuck: NCCL/gloo raise, the rank
 # exits and the engine stops with exit 1 (never an engine that hangs).  Generous, because the first
@@ -68,11 +69,28 @@ def join_group(store: Any, rank: int, size: int, device: torch.device, overlap_t
             device_id=device,
             pg_options=_nccl_options(overlap_tokens > 0),
         )
+        peer = _peer_all_reduce(device)
+        return TPGroup(rank, size, None, overlap_tokens, peer)
     else:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback, whatever the hostname resolves to
         torch.set_num_threads(cpu_threads_per_rank(size))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
     return TPGroup(rank, size, None, overlap_tokens)
+
+
+def _peer_all_reduce(device: torch.device) -> PeerAllReduce | None:
+    """The symmetric-memory sum for small all-reduces (engine/parallel/peer_allreduce.py), or None: NCCL for all.
+    Where it does not set up, one warning says why and NCCL does every sum."""
+    import structlog
+
+    mode = mode_from_env()
+    peer, why = set_up_for(None, device, mode)
+    log = structlog.get_logger("pagekeeper.engine")
+    if peer is not None:
+        log.info("tp_allreduce", path="symmetric_memory", max_bytes=peer.max_bytes)
+    elif why is not None:
+        log.warning("tp_allreduce_falls_back_to_nccl", reason=why)
+    return peer
 
 
 def _nccl_options(high_priority: bool) -> Any:

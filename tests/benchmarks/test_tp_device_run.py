@@ -63,6 +63,11 @@ def test_the_top_level_keys_come_from_the_stages_results():
     assert top["float32_greedy_identical_vs_tp1"] == {"tp2": "32/32"}
     assert top["bfloat16_tp1_batch_composition_max_abs_logit_diff"] == 0.25
     assert [r["scaling_efficiency"] for r in top["scaling_8b"]] == [None, 0.9, 0.75]
+    nccl = {"runs": [{"tp": 4, "arms": [_arm("plain", 3500.0, 0.5)], "batch1": {"ms_per_token": 25.0}}]}
+    before = headline({"70b": seventy, "70b-nccl": nccl}, quick=False)  # the same engine, all sums on NCCL
+    assert before["tp4_70b_tok_s_plain_nccl_allreduce"] == 3500.0
+    assert before["tp4_70b_bound_fraction_plain_nccl_allreduce"] == 0.5
+    assert before["tp4_70b_batch1_ms_per_token_nccl_allreduce"] == 25.0 and before["tp4_70b_tok_s"] == 4400.0
     empty = headline({}, quick=False)  # nothing delivered: the keys are there, null
     assert empty["tp4_70b_tok_s"] is None and empty["scaling_efficiency_tp4"] is None
 
@@ -79,6 +84,10 @@ def test_each_stage_runs_what_this_many_gpus_allow(tmp_path):
         two["70b"] is None and " --tp 1 2 " in " ".join(two["8b"]) and " --tp 2 --sizes " in " ".join(two["allreduce"])
     )
     assert commands("8b", False, 1, tmp_path, sizes, 2048) is None
+    nccl = commands("70b-nccl", False, 4, tmp_path, sizes, 2048)  # the 70b command, its own result file
+    assert nccl[nccl.index("--json") + 1] == str(tmp_path / "70b-nccl.json")
+    assert [a for a in nccl if "70b" not in a] == [a for a in four["70b"] if "70b" not in a]
+    assert commands("70b-nccl", False, 2, tmp_path, sizes, 2048) is None
     assert commands("tests", False, 0, tmp_path, sizes, 2048)[-1] == "tests/kernels/test_tensor_parallel_gpu.py"
 
 

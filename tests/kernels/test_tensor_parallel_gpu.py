@@ -2,10 +2,12 @@
 
 Needs at least 2 GPUs (the TP=4 cases 4); skipped elsewhere (the CPU tests in tests/engine/test_tensor_parallel.py
 and tests/engine/test_tp_overlap.py cover the same logic over gloo).  float32 on a small checkpoint, so tokens must
-be identical.  Three ways a step runs, each against one GPU run the same way:
+be identical.  Every sum these steps do fits the symmetric-memory buffer (engine/parallel/peer_allreduce.py), so
+graphs and eager steps sum through it, the overlapped micro-batches through NCCL.  Three ways a step runs, each
+against one GPU run the same way:
 
 - graphs: decode graphs and the piecewise graphs of steps with prompt tokens (all-reduces captured inside);
-- eager: every step launched from Python (NCCL outside any graph);
+- eager: every step launched from Python (the all-reduces outside any graph);
 - overlap: --tensor-parallel-overlap-tokens 64 with graphs on: the first step (30 prompts, 1,365 tokens, above
   the largest piece graph) runs eagerly as two micro-batches whose all-reduces are asynchronous, on NCCL's
   high-priority stream (engine/model/overlap.py), the decodes after it in graphs.
@@ -47,6 +49,10 @@ def _check_graphs(runner, tp: int) -> None:
     print(f"tp={tp}: piece-graph buckets {runner.pieces.buckets}")
 
 
+def _peer(runner):
+    return runner.local.model.tp.peer
+
+
 def _overlapped_steps(runner) -> int:
     return runner.local.model.overlapped_steps
 
@@ -71,6 +77,8 @@ def _run(path, tp: int, variant: str) -> tuple[list, list]:
     if not args.get("enforce_eager"):  # decode graphs, and the piecewise graphs of steps with prompt tokens
         _check_graphs(llm.llm_engine.core.runner, tp)
     assert len(llm.llm_engine.core.memory_plans) == tp
+    if tp > 1:  # PAGEKEEPER_TP_ALLREDUCE=auto: the small sums (all of these steps') on symmetric memory
+        assert _peer(llm.llm_engine.core.runner) is not None, "the symmetric-memory all-reduce did not set up"
     before = _overlapped_steps(llm.llm_engine.core.runner) if extra else 0
     g = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     s = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sampled)]
