@@ -31,9 +31,10 @@ from typing import Any
 
 import torch
 
-from engine.parallel.peer_allreduce import PeerAllReduce
+from engine.parallel.peer_allreduce import MAX_BYTES, PeerAllReduce
 
 ROUNDS = 5
+PEER_DEADLINE_S = 90.0  # the symmetric-memory pass: a hang there must not cost the stage its NCCL table
 INIT_TIMEOUT = timedelta(seconds=120)
 
 
@@ -116,7 +117,10 @@ def _capture(step: Any, ops: int, device: torch.device) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _rank(rank: int, world: int, store_path: str, tps: list[int], sizes: list[int], device_kind: str, out: str) -> None:
+def _rank(
+    rank: int, world: int, store_path: str, tps: list[int], sizes: list[int], device_kind: str, out: str, pass_: str
+) -> None:
+    """One rank of one pass: "nccl" (NCCL's or gloo's times) or "peer" (the symmetric-memory sum's, CUDA only)."""
     import torch.distributed as dist
 
     if device_kind == "cuda":
@@ -137,29 +141,25 @@ def _rank(rank: int, world: int, store_path: str, tps: list[int], sizes: list[in
     for tp in sorted(tps):
         group = None if tp == world else dist.new_group(list(range(tp)))  # every rank takes part in making it
         if rank < tp:
-            peer, why = _peer(group, device, max(sizes)) if device_kind == "cuda" else (None, None)
             rows: dict[str, Any] = {}
-            for nbytes in sizes:
-                row = {k: v for k, v in _measure_size(group, nbytes, device, dtype).items() if k != "ops_per_round"}
-                nccl = min(row.get("graph_s", math.inf), row["eager_s"])
-                row = {"nccl_s": nccl, **row}
-                t = nccl
-                if peer is not None:
+            if pass_ == "peer":
+                peer, why = _peer(group, device, max(sizes))
+                for nbytes in sizes:
+                    if peer is None:
+                        rows[str(nbytes)] = {"peer_error": why}
+                        continue
                     fast = _measure_size(group, nbytes, device, dtype, peer)
-                    row["peer_eager_s"] = fast["eager_s"]
-                    if "graph_s" in fast:
-                        row["peer_graph_s"] = fast["graph_s"]
-                    row["peer_s"] = min(fast.get("graph_s", math.inf), fast["eager_s"])
-                    t = min(t, row["peer_s"])
-                elif why:
-                    row["peer_error"] = why
-                algbw = nbytes / t
-                rows[str(nbytes)] = {
-                    "seconds": t,
-                    "algbw_GBps": round(algbw / 1e9, 2),
-                    "busbw_GBps": round(algbw * 2 * (tp - 1) / tp / 1e9, 2),
-                    **row,
-                }
+                    rows[str(nbytes)] = {
+                        "peer_eager_s": fast["eager_s"],
+                        **({"peer_graph_s": fast["graph_s"]} if "graph_s" in fast else {}),
+                        "peer_s": min(fast.get("graph_s", math.inf), fast["eager_s"]),
+                    }
+                    if rank == 0:
+                        print(f"peer tp={tp} {nbytes} B: {rows[str(nbytes)]['peer_s'] * 1e6:.1f} us", flush=True)
+            else:
+                for nbytes in sizes:
+                    row = {k: v for k, v in _measure_size(group, nbytes, device, dtype).items() if k != "ops_per_round"}
+                    rows[str(nbytes)] = {"nccl_s": min(row.get("graph_s", math.inf), row["eager_s"]), **row}
             results[str(tp)] = rows
         dist.barrier(group=None, device_ids=[rank] if device_kind == "cuda" else None)
     if rank == 0:
@@ -186,24 +186,74 @@ def _peer(group: Any, device: torch.device, max_bytes: int) -> tuple[PeerAllRedu
     return peer, None
 
 
-def measure(tps: list[int] | int, sizes: list[int], device: str = "cuda") -> dict[str, Any]:
-    """{str(tp): {str(size in bytes): {seconds, algbw_GBps, busbw_GBps, eager_s, graph_s}}} for each group size
-    (one int: that group size's table alone, as before)."""
-    import torch.multiprocessing as mp
-
+def measure(
+    tps: list[int] | int, sizes: list[int], device: str = "cuda", peer_deadline_s: float = PEER_DEADLINE_S
+) -> dict[str, Any]:
+    """{str(tp): {str(size in bytes): {seconds, algbw_GBps, busbw_GBps, nccl_s, eager_s, graph_s, peer_s...}}} for
+    each group size (one int: that group size's table alone).  NCCL's pass first; on CUDA then the
+    symmetric-memory sum's, for the sizes up to its engine buffer, in processes of their own that are stopped past
+    `peer_deadline_s` (the file then says so in `peer_error`): a failure there never costs the NCCL table."""
     single = isinstance(tps, int)
     groups = [tps] if isinstance(tps, int) else sorted(set(tps))
+    sizes = sorted(set(sizes))
+    result = _spawn_pass("nccl", groups, sizes, device, None)
+    assert result is not None
+    small = [n for n in sizes if n <= MAX_BYTES]
+    if device == "cuda" and small:
+        try:
+            fast = _spawn_pass("peer", groups, small, device, peer_deadline_s)
+        except Exception as e:  # noqa: BLE001 - the NCCL table stands; the file says why the other is missing
+            fast, why = None, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+        else:
+            why = None if fast is not None else f"stopped after {peer_deadline_s:.0f} s"
+        for tp, rows in result.items():
+            for nbytes, row in rows.items():
+                extra = (fast or {}).get(tp, {}).get(nbytes)
+                if extra is not None:
+                    row.update(extra)
+                elif int(nbytes) <= MAX_BYTES:
+                    row["peer_error"] = why or "not measured"
+    for tp, rows in result.items():
+        for nbytes, row in rows.items():
+            t = min(row["nccl_s"], row.get("peer_s", math.inf))
+            algbw = int(nbytes) / t
+            n = int(tp)
+            rows[nbytes] = {
+                "seconds": t,
+                "algbw_GBps": round(algbw / 1e9, 2),
+                "busbw_GBps": round(algbw * 2 * (n - 1) / n / 1e9, 2),
+                **row,
+            }
+    return result[str(groups[0])] if single else result
+
+
+def _spawn_pass(
+    pass_: str, groups: list[int], sizes: list[int], device: str, deadline_s: float | None
+) -> dict[str, Any] | None:
+    """One pass in max(groups) fresh processes; None when it did not finish within `deadline_s` (killed)."""
+    import torch.multiprocessing as mp
+
     world = max(groups)
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "out.json")
-        mp.start_processes(
+        ctx = mp.start_processes(
             _rank,
-            args=(world, os.path.join(d, "store"), groups, sorted(set(sizes)), device, out),
+            args=(world, os.path.join(d, "store"), groups, sizes, device, out, pass_),
             nprocs=world,
             start_method="spawn",
+            join=False,
         )
-        result: dict[str, Any] = json.loads(Path(out).read_text())
-    return result[str(groups[0])] if single else result
+        assert ctx is not None
+        end = None if deadline_s is None else time.monotonic() + deadline_s
+        while not ctx.join(timeout=5):
+            if end is not None and time.monotonic() > end:
+                for proc in ctx.processes:
+                    proc.kill()
+                for proc in ctx.processes:
+                    proc.join()
+                return None
+        found: dict[str, Any] = json.loads(Path(out).read_text())
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

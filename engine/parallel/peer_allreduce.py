@@ -16,6 +16,7 @@ the overlapped micro-batches' (engine/model/overlap.py: they need NCCL's asynchr
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ MODES = ("auto", "nccl", "require")
 # The buffer, and so the largest sum that takes this path: a step of up to 1,024 rows of the 70B shape's 8,192
 # bf16 columns (the piecewise and decode graphs' sizes); larger steps are eager, compute-bound prefills.
 MAX_BYTES = 16 << 20
+SUMMED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what torch's two-shot kernel is built for
 
 
 def checked_mode(device: torch.device) -> str:
@@ -66,15 +68,23 @@ class PeerAllReduce:
         if not hasattr(torch.ops.symm_mem, "two_shot_all_reduce_"):
             raise RuntimeError("this torch has no symm_mem.two_shot_all_reduce_")
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None and not getattr(symm_mem, "is_symm_mem_enabled_for_group", lambda _: False)(name):
-            enable(name)  # needed by torch 2.6-2.7, a no-op later
+        if enable is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # deprecated (and a no-op) from torch 2.8 on
+                enable(name)  # needed by torch 2.6-2.7
         buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(buffer, name)
         return cls(buffer, name, max_bytes)
 
     def fits(self, x: torch.Tensor) -> bool:
-        """Whether this path sums `x`: on the buffer's device, contiguous, and small enough."""
-        return x.device == self.buffer.device and x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes
+        """Whether this path sums `x`: a dtype torch's kernel sums (not the float64 timings the ranks agree on at
+        start-up), on the buffer's device, contiguous, and small enough."""
+        return (
+            x.dtype in SUMMED_DTYPES
+            and x.device == self.buffer.device
+            and x.is_contiguous()
+            and x.numel() * x.element_size() <= self.max_bytes
+        )
 
     def sum_(self, x: torch.Tensor) -> torch.Tensor:
         """`x` summed over the ranks, in place (as NCCL's all_reduce): copied into the buffer, summed there by

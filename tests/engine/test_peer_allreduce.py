@@ -69,9 +69,13 @@ def test_sums_that_fit_the_buffer_take_the_peer_path_and_the_rest_the_collective
     assert group.all_reduce(large) is large and peer.summed == [1024]
     strided = torch.ones(64, 2)[:, 0]  # not contiguous: the collective
     group.all_reduce(strided)
+    timings = torch.ones(8, dtype=torch.float64)  # a dtype the kernel does not sum (the ranks' start-up timings)
+    group.all_reduce(timings)
     assert peer.summed == [1024]
+    group.all_reduce(torch.ones(8, dtype=torch.bfloat16))
+    assert peer.summed == [1024, 8]
     assert group.start_all_reduce(torch.ones(8)).wait().tolist() == [1.0] * 8  # asynchronous: always the collective
-    assert peer.summed == [1024]
+    assert peer.summed == [1024, 8]
     assert TPGroup(0, 2, None, 0, peer) == TPGroup(0, 2, None, 0, None)  # the path is not part of the group's identity
 
 
