@@ -15,6 +15,7 @@ DIR/run.log:
     70b-nccl      the same with every all-reduce on NCCL (PAGEKEEPER_TP_ALLREDUCE=nccl): the engine before the
                   symmetric-memory sum of small all-reduces (engine/parallel/peer_allreduce.py), in the same run
     8b            Llama-3-8B shape at TP 1, 2, 4: the scaling curve and its bounds
+    8b-nccl       the same with every all-reduce on NCCL
     correctness   float32 greedy tokens and bf16 logits at TP 2 and 4 against TP 1 (Llama-3.2-1B shape)
     tests         pytest tests/kernels/test_tensor_parallel_gpu.py (TP 2 and 4: graphs, eager, overlap)
 
@@ -41,9 +42,12 @@ from pathlib import Path
 from typing import IO, Any
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ("allreduce", "70b", "70b-nccl", "8b", "correctness", "tests")
+STAGES = ("allreduce", "70b", "70b-nccl", "8b", "8b-nccl", "correctness", "tests")
 # Stages that run another stage's command under other environment variables (an A/B across engine starts)
-STAGE_ENV = {"70b-nccl": ("70b", {"PAGEKEEPER_TP_ALLREDUCE": "nccl"})}
+STAGE_ENV = {
+    "70b-nccl": ("70b", {"PAGEKEEPER_TP_ALLREDUCE": "nccl"}),
+    "8b-nccl": ("8b", {"PAGEKEEPER_TP_ALLREDUCE": "nccl"}),
+}
 OVERLAP_TOKENS = 2048  # a half of 1,024+ rows: compute-bound GEMMs on an H100/H200 (engine/model/overlap.py)
 ENV = {  # NVLink multicast stays off (the device's own rule), output unbuffered
     "NCCL_NVLS_ENABLE": "0",
@@ -52,7 +56,15 @@ ENV = {  # NVLink multicast stays off (the device's own rule), output unbuffered
     "PYTHONUNBUFFERED": "1",
 }
 # The largest time each stage may take on a 4-GPU H100/H200 host (the deadline cuts it shorter when less is left)
-STAGE_LIMIT_S = {"allreduce": 120, "70b": 300, "70b-nccl": 300, "8b": 200, "correctness": 200, "tests": 300}
+STAGE_LIMIT_S = {
+    "allreduce": 150,
+    "70b": 300,
+    "70b-nccl": 300,
+    "8b": 200,
+    "8b-nccl": 200,
+    "correctness": 200,
+    "tests": 300,
+}
 SHAPE_HIDDEN = (4096, 8192)  # the 8B and 70B shapes' all-reduce rows
 
 
@@ -223,6 +235,10 @@ def headline(results: dict[str, Any], quick: bool) -> dict[str, Any]:
         top[f"{key}_bound_fraction_serial_{name}"] = arm["bound_fraction_serial"]
     if run70 and "batch1" in run70:
         top[f"{key}_batch1_ms_per_token"] = run70["batch1"]["ms_per_token"]
+    nccl_8b = (results.get("8b-nccl") or {}).get("runs", [])  # the scaling curve with every all-reduce on NCCL
+    if nccl_8b:
+        keys = ("tp", "tok_s", "scaling_efficiency")
+        top["scaling_8b_nccl_allreduce"] = [{k: r.get(k) for k in keys} for r in nccl_8b]
     before = _run_of(results.get("70b-nccl"), big_tp)  # the same engine with every all-reduce on NCCL
     for arm in before.get("arms", []) if before else []:
         top[f"{key}_tok_s_{arm['arm']}_nccl_allreduce"] = arm["tok_s"]
@@ -291,9 +307,9 @@ def device_run(args: argparse.Namespace) -> int:
 
     def save() -> None:
         summary.update(headline(results, args.quick))
-        for name in ("allreduce", "70b", "70b-nccl", "8b", "correctness"):
+        for name in ("allreduce", "70b", "70b-nccl", "8b", "8b-nccl", "correctness"):
             if name in results:
-                summary[{"70b": "run_70b", "70b-nccl": "run_70b_nccl", "8b": "run_8b"}.get(name, name)] = results[name]
+                summary[f"run_{name.replace('-', '_')}" if name[0].isdigit() else name] = results[name]
         final.write_text(json.dumps(summary, indent=2) + "\n")
 
     save()
