@@ -231,6 +231,7 @@ class TensorParallelRunner:
             return
         if local is not None:
             local.release_graphs()
+            local.close()  # rank 0's pinned swap space (the workers' goes with their processes)
         # Every rank leaves the process group at the same time (NCCL's teardown waits for its peers);
         # a peer that is already gone must not hang the exit, so it is waited for only so long.
         leave = threading.Thread(target=_leave_group, daemon=True, name="tp-leave")

@@ -204,7 +204,10 @@ class ModelRunner:
         return self.swap.tensors()
 
     def close(self) -> None:
-        """Nothing to stop on one device (the tensor-parallel runner stops its workers here)."""
+        """Unlock the swap space's pinned memory (an engine closed in a process that goes on, as the offline API's
+        and the tests' do: the next engine's swap space may be mapped at the same addresses); the tensor-parallel
+        runner also stops its workers here."""
+        self.swap.release()
 
     def drop_device_state(self) -> None:
         """Forget the KV cache and the captured graphs (engine/runner/release.py): the process is leaving.  The

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import time
+import weakref
 
 import torch
 
@@ -36,6 +37,9 @@ class HostRegion:
         skip = -self._whole.data_ptr() % HUGE_PAGE
         self._bytes = self._whole[skip : skip + nbytes]
         self._registered: list[int] = []  # addresses given to cudaHostRegister, for cudaHostUnregister
+        # A region dropped without release() (an engine closed in a process that goes on): its pages are unlocked
+        # before the mapping goes, else the next mapping at the same addresses is refused as already registered.
+        weakref.finalize(self, _unregister_all, self._registered)
 
     def pin(self, offset: int, nbytes: int) -> torch.Tensor:
         """The bytes [offset, offset + nbytes), faulted in and page-locked (RuntimeError if the driver refuses)."""
@@ -52,13 +56,20 @@ class HostRegion:
     def release(self, pause_s: float = UNREGISTER_PAUSE_S) -> None:
         """Unlock every pinned piece here, not in the exit's teardown, pausing `pause_s` between pieces; the mapping
         goes when no tensor refers to it."""
-        cudart = torch.cuda.cudart()
-        while self._registered:
-            cudart.cudaHostUnregister(self._registered.pop())
-            if self._registered:
-                time.sleep(pause_s)
+        _unregister_all(self._registered, pause_s)
         del self._bytes, self._whole
         try:
             self._map.close()
         except BufferError:  # a view of it is still alive somewhere: the mapping goes with the last reference
             pass
+
+
+def _unregister_all(registered: list[int], pause_s: float = 0.0) -> None:
+    """cudaHostUnregister every address in `registered` (emptied), pausing `pause_s` between two."""
+    if not registered:
+        return
+    cudart = torch.cuda.cudart()
+    while registered:
+        cudart.cudaHostUnregister(registered.pop())
+        if registered and pause_s:
+            time.sleep(pause_s)

@@ -91,3 +91,25 @@ def test_release_pauses_between_pieces_so_that_other_processes_get_the_driver(cu
         region.pin(i * HUGE_PAGE, 4096)
     region.release()
     assert cudart.registered == {} and pauses == [pinned_host.UNREGISTER_PAUSE_S] * 2  # between, not after
+
+
+def test_a_region_dropped_without_release_is_unlocked_before_its_mapping_goes(cudart):
+    """An engine closed in a process that goes on (the offline API, the GPU tests): the next region may be mapped at
+    the same addresses, and the driver refuses to register pages that are still registered (cudaError 712)."""
+    region = HostRegion(2 * HUGE_PAGE)
+    piece = region.pin(0, HUGE_PAGE)
+    assert len(cudart.registered) == 1
+    del piece, region
+    assert cudart.registered == {}
+
+
+def test_closing_a_runner_unlocks_its_swap_space(cudart):
+    from types import SimpleNamespace
+
+    from engine.runner.model_runner import ModelRunner
+
+    swap = SwapSpace((2, 3, 1000), torch.float16, layers=2, pin=True, background=False)
+    swap.tensors()
+    assert len(cudart.registered) == 2
+    ModelRunner.close(SimpleNamespace(swap=swap))  # what LLM.close() reaches on one device and on TP's rank 0
+    assert cudart.registered == {}
