@@ -49,6 +49,7 @@ class HostRegion:
         piece.fill_(0)  # the pages exist (huge where the kernel can) before the driver locks them
         err = int(torch.cuda.cudart().cudaHostRegister(piece.data_ptr(), nbytes, 0))
         if err != 0:
+            clear_last_cuda_error()
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: cudaError {err}")
         self._registered.append(piece.data_ptr())
         return piece
@@ -73,3 +74,24 @@ def _unregister_all(registered: list[int], pause_s: float = 0.0) -> None:
         cudart.cudaHostUnregister(registered.pop())
         if registered and pause_s:
             time.sleep(pause_s)
+
+
+def clear_last_cuda_error() -> bool:
+    """Read (and so reset) the CUDA runtime's last error on this thread; whether it could.  A refused
+    cudaHostRegister leaves its error there, and torch's check after the next kernel launch raised it (the
+    engine's first step failed with "part or all of the requested memory range is already mapped").  torch's
+    `cudart()` module has no cudaGetLastError, so the runtime library this process loaded is called directly."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line and "/" in line}
+    except OSError:
+        return False
+    for path in sorted(paths):
+        try:
+            ctypes.CDLL(path).cudaGetLastError()
+            return True
+        except (OSError, AttributeError):
+            continue
+    return False

@@ -98,3 +98,31 @@ def test_sequences_swapped_through_the_registered_swap_space_keep_their_tokens(c
     assert core.scheduler.num_preemptions > 0 and core.kv.blocks_swapped_out > 0
     assert all(b.is_pinned() for b in core.runner.cpu_caches)  # registered in place, seen as pinned by torch
     assert got == want
+
+
+@pytest.mark.gpu
+def test_a_refused_registration_leaves_no_error_for_the_next_kernel():
+    """Registering pages twice is refused (cudaErrorHostMemoryAlreadyRegistered); the runtime's last error is read
+    back at once, so torch's check after the next launch does not raise it (an engine's first step did)."""
+    from engine.runner.pinned_host import HUGE_PAGE, HostRegion
+
+    region = HostRegion(HUGE_PAGE)
+    piece = region.pin(0, HUGE_PAGE)
+    with pytest.raises(RuntimeError, match="cudaError 712"):
+        region.pin(0, HUGE_PAGE)
+    assert float((torch.ones(4, device="cuda") + 1).sum()) == 8.0
+    del piece
+    region.release()
+
+
+@pytest.mark.gpu
+def test_engines_made_one_after_another_in_one_process_pin_their_swap_space(checkpoint):
+    """The second engine's swap space may be mapped where the first's was: the first's pages are unlocked on close."""
+    for _ in range(3):
+        llm = LLM(str(checkpoint("llama")), device="cuda", max_model_len=256, gpu_memory_utilization=0.3, swap_space=1)
+        runner = llm.llm_engine.core.runner
+        runner.deferred.run_all()  # the swap space pinned
+        assert not runner.swap._region_refused, "the swap space fell back to torch's pinned allocator"
+        llm.generate(["hello"] * 2, SamplingParams(max_tokens=4), use_tqdm=False)
+        llm.close()
+        del llm, runner
