@@ -34,7 +34,7 @@ import torch
 from engine.parallel.peer_allreduce import MAX_BYTES, PeerAllReduce
 
 ROUNDS = 5
-PEER_DEADLINE_S = 90.0  # the symmetric-memory pass: a hang there must not cost the stage its NCCL table
+PEER_DEADLINE_S = 60.0  # each group size's symmetric-memory pass: a hang there must not cost the NCCL table
 INIT_TIMEOUT = timedelta(seconds=120)
 
 
@@ -191,28 +191,30 @@ def measure(
 ) -> dict[str, Any]:
     """{str(tp): {str(size in bytes): {seconds, algbw_GBps, busbw_GBps, nccl_s, eager_s, graph_s, peer_s...}}} for
     each group size (one int: that group size's table alone).  NCCL's pass first; on CUDA then the
-    symmetric-memory sum's, for the sizes up to its engine buffer, in processes of their own that are stopped past
-    `peer_deadline_s` (the file then says so in `peer_error`): a failure there never costs the NCCL table."""
+    symmetric-memory sum's, for the sizes up to its engine buffer, one group size per spawn of processes of their
+    own, stopped past `peer_deadline_s` (the file then says so in `peer_error`): a failure there never costs the
+    NCCL table."""
     single = isinstance(tps, int)
     groups = [tps] if isinstance(tps, int) else sorted(set(tps))
     sizes = sorted(set(sizes))
     result = _spawn_pass("nccl", groups, sizes, device, None)
     assert result is not None
     small = [n for n in sizes if n <= MAX_BYTES]
-    if device == "cuda" and small:
+    for tp in groups if device == "cuda" and small else []:
+        # one group size per spawn, as the engine has one group per process (engine/parallel/peer_allreduce.py:
+        # a second set-up in a process, after a sub-group's, hung)
         try:
-            fast = _spawn_pass("peer", groups, small, device, peer_deadline_s)
+            fast = _spawn_pass("peer", [tp], small, device, peer_deadline_s)
         except Exception as e:  # noqa: BLE001 - the NCCL table stands; the file says why the other is missing
             fast, why = None, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
         else:
             why = None if fast is not None else f"stopped after {peer_deadline_s:.0f} s"
-        for tp, rows in result.items():
-            for nbytes, row in rows.items():
-                extra = (fast or {}).get(tp, {}).get(nbytes)
-                if extra is not None:
-                    row.update(extra)
-                elif int(nbytes) <= MAX_BYTES:
-                    row["peer_error"] = why or "not measured"
+        for nbytes, row in result[str(tp)].items():
+            extra = (fast or {}).get(str(tp), {}).get(nbytes)
+            if extra is not None:
+                row.update(extra)
+            elif int(nbytes) <= MAX_BYTES:
+                row["peer_error"] = why or "not measured"
     for tp, rows in result.items():
         for nbytes, row in rows.items():
             t = min(row["nccl_s"], row.get("peer_s", math.inf))

@@ -27,6 +27,11 @@ MODES = ("auto", "nccl", "require")
 # The buffer, and so the largest sum that takes this path: a step of up to 1,024 rows of the 70B shape's 8,192
 # bf16 columns (the piecewise and decode graphs' sizes); larger steps are eager, compute-bound prefills.
 MAX_BYTES = 16 << 20
+# Once a process has set up symmetric memory for a group, it does not again: after a first group's set-up (an
+# engine at TP=2, or a sub-group), a second one in the same process (an engine at TP=4 made after it, or the
+# world group) hung in the device runs.  An engine process has one group; a process that makes several engines
+# (the offline API, tests, benchmarks) sums the later ones' through NCCL, and says so.
+_SET_UP_IN_PROCESS = False
 SUMMED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what torch's two-shot kernel is built for
 
 
@@ -110,13 +115,23 @@ class PeerAllReduce:
 
 def set_up_for(group: Any, device: torch.device, mode: str) -> tuple[PeerAllReduce | None, str | None]:
     """The peer path for a CUDA group in `mode`, or (None, why not); `require` raises instead of falling back.
-    The ranks agree through NCCL before the first sum on the buffers, so that a rank whose set-up failed never
-    leaves the others waiting in the kernel's barrier: all use the path or none does."""
+    The ranks agree through NCCL before they start torch's rendezvous and before the first sum on the buffers, so
+    that a rank that cannot (one whose process set up symmetric memory before, or whose set-up failed) never leaves
+    the others waiting in a collective or in the kernel's barrier: all use the path or none does."""
     if mode == "nccl" or device.type != "cuda":
         return None, None
-
-    peer: PeerAllReduce | None = None
+    global _SET_UP_IN_PROCESS
     why: str | None = None
+    if not _all_ranks(not _SET_UP_IN_PROCESS, group, device):  # before any rank starts torch's rendezvous
+        why = (
+            "symmetric memory was already set up once in this process (a second set-up, for a later engine or "
+            "group of the same process, hung on 4 H200s): NCCL sums for this engine"
+        )
+        if mode == "require":
+            raise RuntimeError(f"PAGEKEEPER_TP_ALLREDUCE=require: {why}")
+        return None, why
+    _SET_UP_IN_PROCESS = True
+    peer: PeerAllReduce | None = None
     try:
         peer = PeerAllReduce.set_up(group, device)
     except Exception as e:  # noqa: BLE001 - any failure of an optional fast path falls back, named
@@ -142,3 +157,8 @@ def _all_ranks(ok: bool, group: Any, device: torch.device) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def set_up_in_process() -> bool:
+    """Whether this process has set up symmetric memory (later groups of the process sum through NCCL)."""
+    return _SET_UP_IN_PROCESS

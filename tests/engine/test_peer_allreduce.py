@@ -96,3 +96,30 @@ def test_the_ranks_use_it_only_if_every_rank_set_it_up():
         # fork: nothing to import again in the children, and this process has no group of its own at this point
         mp.start_processes(_agree, args=(os.path.join(d, "store"), cases, out), nprocs=2, start_method="fork")
         assert [open(f"{out}.{r}").read() for r in range(2)] == ["True False False False"] * 2
+
+
+def test_a_process_sets_it_up_once_and_later_groups_sum_through_nccl(monkeypatch):
+    """A second symmetric-memory set-up in one process (a TP=4 engine made after a TP=2 one) hung on GPUs: the
+    ranks agree before the rendezvous, and a process that did it once sums its later groups through NCCL."""
+    from engine.parallel import peer_allreduce
+
+    monkeypatch.setattr(peer_allreduce, "_SET_UP_IN_PROCESS", False)
+    agreed: list[bool] = []
+    monkeypatch.setattr(peer_allreduce, "_all_ranks", lambda ok, group, device: agreed.append(ok) or ok)
+    made: list[_Recording] = []
+
+    def set_up(group, device, max_bytes=peer_allreduce.MAX_BYTES):
+        made.append(_Recording(64))
+        made[-1].check = lambda group, device: None  # the GPU sum, here a stand-in that agrees
+        return made[-1]
+
+    monkeypatch.setattr(PeerAllReduce, "set_up", staticmethod(set_up))
+    cuda = torch.device("cuda", 0)
+    peer, why = set_up_for(None, cuda, "auto")
+    assert peer is made[0] and why is None and peer_allreduce.set_up_in_process()
+    assert agreed == [True, True, True]  # willing, set up, checked
+    peer, why = set_up_for(None, cuda, "auto")
+    assert peer is None and "already set up once in this process" in why and len(made) == 1
+    assert agreed[3:] == [False]  # the ranks agreed not to start the rendezvous
+    with pytest.raises(RuntimeError, match="require: symmetric memory was already set up once"):
+        set_up_for(None, cuda, "require")

@@ -3,6 +3,8 @@ allocator holds no more than the slack, so its successor may stop waiting for it
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -126,3 +128,5 @@ def test_engines_made_one_after_another_in_one_process_pin_their_swap_space(chec
         llm.generate(["hello"] * 2, SamplingParams(max_tokens=4), use_tqdm=False)
         llm.close()
         del llm, runner
+        gc.collect()
+        torch.cuda.empty_cache()  # the next engine's budget must not count this one's memory

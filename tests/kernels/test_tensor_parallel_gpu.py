@@ -3,7 +3,8 @@
 Needs at least 2 GPUs (the TP=4 cases 4); skipped elsewhere (the CPU tests in tests/engine/test_tensor_parallel.py
 and tests/engine/test_tp_overlap.py cover the same logic over gloo).  float32 on a small checkpoint, so tokens must
 be identical.  Every sum these steps do fits the symmetric-memory buffer (engine/parallel/peer_allreduce.py), so
-graphs and eager steps sum through it, the overlapped micro-batches through NCCL.  Three ways a step runs, each
+the first TP engine's graphs sum through it (a process sets it up once; the later engines sum through NCCL), the
+overlapped micro-batches through NCCL.  Three ways a step runs, each
 against one GPU run the same way:
 
 - graphs: decode graphs and the piecewise graphs of steps with prompt tokens (all-reduces captured inside);
@@ -37,6 +38,7 @@ VARIANTS = {
     "overlap": (dict(max_num_seqs=32, max_num_batched_tokens=2048), 5),
 }
 OVERLAP_TOKENS = 64
+TP_ENGINES_MADE: list[int] = []  # the tensor-parallel engines this process made, in order
 
 
 def _check_graphs(runner, tp: int) -> None:
@@ -77,8 +79,12 @@ def _run(path, tp: int, variant: str) -> tuple[list, list]:
     if not args.get("enforce_eager"):  # decode graphs, and the piecewise graphs of steps with prompt tokens
         _check_graphs(llm.llm_engine.core.runner, tp)
     assert len(llm.llm_engine.core.memory_plans) == tp
-    if tp > 1:  # PAGEKEEPER_TP_ALLREDUCE=auto: the small sums (all of these steps') on symmetric memory
-        assert _peer(llm.llm_engine.core.runner) is not None, "the symmetric-memory all-reduce did not set up"
+    if tp > 1:  # PAGEKEEPER_TP_ALLREDUCE=auto: the first TP engine of this process sums on symmetric memory (all
+        # of these steps' sums fit), the later ones through NCCL (one set-up per process: peer_allreduce.py)
+        first = not TP_ENGINES_MADE
+        TP_ENGINES_MADE.append(tp)
+        peer = _peer(llm.llm_engine.core.runner)
+        assert (peer is not None) == first, f"symmetric-memory all-reduce in use: {peer is not None}, first: {first}"
     before = _overlapped_steps(llm.llm_engine.core.runner) if extra else 0
     g = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     s = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sampled)]
