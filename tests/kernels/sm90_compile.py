@@ -53,9 +53,17 @@ def compile_one(name: str, fn, types: dict[str, str], consts: dict, **options) -
         else:
             signature[arg] = types[arg]
     row: dict = {"name": name}
+    # the new decode kernels are compiled as a launch at the 8B's shapes specializes them: pointers and the K, N
+    # arguments divisible by 16 (what makes their loads 16 bytes wide)
+    aligned = ("_ptr", "K", "N", "k_per_split", "packed_n") if "gemv" in name else ()
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, arg in enumerate(fn.arg_names)
+        if arg in types and arg.endswith(aligned) and aligned
+    }
     try:
         kernel = triton.compile(
-            ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+            ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
             target=GPUTarget("cuda", 90, 32),
             options=options,
         )
