@@ -2,6 +2,7 @@
 
     python -m benchmarks.quant_kernels --out DIR [--sweep-budget-s 90]   # one GPU
     python -m benchmarks.quant_kernels --quick --out DIR                 # CPU dry run (Triton's interpreter)
+    python -m benchmarks.quant_kernels --decode --out DIR                # one GPU: M = 1..32, decode arms only
 
 For each projection (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096) and M = 1, 8, 32,
 256, 4096 rows, the device time (CUDA graph replay, L2 flushed: benchmarks/kernels.py's _bench) of:
@@ -13,11 +14,17 @@ For each projection (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 143
 - AWQ: `awq_cuda_core` (M <= 8), `awq_dot` (kernels/w4a16.py's default tile) and `awq_dot_other_order` (its
   operands swapped, M <= 256), `awq_dequantize_cublas`, `awq_legacy`
   (kernels/awq_gemm.py's own dispatch) and `awq_default`;
+- the bandwidth-shaped decode kernels: `fp8_gemv` (kernels/fp8_gemv.py, M <= 16) and `fp8_gemv_two_pass` (its
+  splits summed by a second kernel), `awq_gemv2` (kernels/awq_gemv.py, one row per program, M <= 32);
 
-each with its relative error against the float32 product of the dequantized weight, and the bytes floor (the
-weight read once, plus the activations in and out, at copy bandwidth).  `rule` sums the four projections (one
-decoder layer's linears) per M and names the fastest FP8 and AWQ path, the boundaries kernels/quant_cuda.py
-should use; `layer` gives that sum for bf16, the default paths and the fastest.  With --sweep-budget-s, tile
+each with its relative error against the float32 product of the dequantized weight, the bytes floor (the
+weight read once, plus the activations in and out, at copy bandwidth), and for every timed path its achieved
+`<path>_TBps` (its format's floor bytes over its time; compare `copy_TBps`, measured in the same run).
+--decode times M = 1, 2, 4, 8, 16, 32 and only the paths a decode step can take (bf16, `fp8_scaled_mm`, the W8A16
+CUDA-core kernel, `awq_legacy` (the old GEMV), `awq_dot`, the new kernels and both defaults), in about a minute.
+`rule` sums the four projections (one decoder layer's linears) per M and names the fastest FP8 and AWQ path, the
+boundaries kernels/quant_cuda.py should use; `layer` gives that sum for bf16, the default paths and the fastest.
+With --sweep-budget-s, tile
 sweeps of the W8A16 and AWQ kernels at M = 1 and 16 run until the budget is spent.  Writes
 DIR/quant-kernels-<gpu>-<date>.json after every projection.
 """
@@ -43,12 +50,25 @@ ROWS = (1, 8, 32, 256, 4096)
 QUICK_SHAPES = {"qkv_proj": (256, 192), "down_proj": (384, 128)}
 QUICK_ROWS = (1, 8, 32)
 GROUP = 128
-FP8_PATHS = ("fp8_w8a16_cuda_core", "fp8_w8a16_dot", "fp8_scaled_mm")
+DECODE_ROWS = (1, 2, 4, 8, 16, 32)
+DECODE_PATHS = (
+    "bf16",
+    "fp8_scaled_mm",
+    "fp8_w8a16_cuda_core",
+    "fp8_gemv",
+    "fp8_gemv_two_pass",
+    "fp8_default",
+    "awq_legacy",
+    "awq_dot",
+    "awq_gemv2",
+    "awq_default",
+)
+FP8_PATHS = ("fp8_w8a16_cuda_core", "fp8_w8a16_dot", "fp8_scaled_mm", "fp8_gemv", "fp8_gemv_two_pass")
 # The largest relative error each kind of path may show against the float32 product of its own dequantized
 # weight (W8A8 adds the activations' e4m3 rounding; the rest only round their output): past it, the row records
 # the path as wrong and the run exits 1.
 TOLERANCE = {"fp8_scaled_mm": 0.05, "fp8": 0.01, "awq": 0.005, "": 0.01}
-AWQ_PATHS = ("awq_cuda_core", "awq_dot", "awq_dot_other_order", "awq_dequantize_cublas")
+AWQ_PATHS = ("awq_cuda_core", "awq_dot", "awq_dot_other_order", "awq_dequantize_cublas", "awq_legacy", "awq_gemv2")
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
@@ -77,6 +97,9 @@ def variants(m: int, w: dict[str, torch.Tensor], x: torch.Tensor, x16: torch.Ten
     from kernels import quant_cuda
     from kernels import quant_reference as qr
     from kernels.awq_gemm import awq_gemm
+    from kernels.awq_gemv import awq_gemv
+    from kernels.fp8_gemv import MAX_ROWS as FP8_GEMV_MAX_ROWS
+    from kernels.fp8_gemv import fp8_gemv
     from kernels.w4a16 import w4a16_config, w4a16_linear
 
     wq, ws = w["fp8"], w["fp8_scale"]
@@ -101,6 +124,11 @@ def variants(m: int, w: dict[str, torch.Tensor], x: torch.Tensor, x16: torch.Ten
     if m <= 8:
         out["fp8_w8a16_cuda_core"] = lambda: f8.w8a16_linear(x, wq, ws, use_dot=False)
         out["awq_cuda_core"] = lambda: w4a16_linear(x16, qw, qz, sc, GROUP, use_dot=False)
+    if m <= FP8_GEMV_MAX_ROWS:
+        out["fp8_gemv"] = lambda: fp8_gemv(x, wq, ws)
+        out["fp8_gemv_two_pass"] = lambda: fp8_gemv(x, wq, ws, in_kernel_sum=False)
+    if m <= 32:
+        out["awq_gemv2"] = lambda: awq_gemv(x16, qw, qz, sc, GROUP)
     return out
 
 
@@ -127,12 +155,7 @@ def weights(k: int, n: int, device: torch.device) -> dict[str, torch.Tensor]:
 
 def floors(k: int, n: int, m: int, copy_Bps: float) -> dict[str, float]:
     """ms to read each format's weight once and the activations in and out, at copy bandwidth."""
-    acts16 = 2 * m * (k + n)
-    bytes_by = {
-        "bf16": 2 * k * n + acts16,
-        "fp8": k * n + 4 * n + acts16,
-        "awq": k * n // 2 + (k // GROUP) * n * 2 + (k // GROUP) * n // 2 + acts16,
-    }
+    bytes_by = floor_bytes(k, n, m)
     return {f"{fmt}_floor_ms": round(b / copy_Bps * 1e3, 5) for fmt, b in bytes_by.items()}
 
 
@@ -154,7 +177,28 @@ def _tolerance(name: str, m: int) -> float:
     return TOLERANCE[name.split("_")[0] if name.startswith(("fp8", "awq")) else ""]
 
 
-def measure(shapes: dict[str, tuple[int, int]], rows: tuple[int, ...], device: torch.device, copy_Bps: float, save):
+def floor_bytes(k: int, n: int, m: int) -> dict[str, int]:
+    """Bytes each format's product must move: the weight (and its scales) once, the 16-bit activations in and out."""
+    acts16 = 2 * m * (k + n)
+    return {
+        "bf16": 2 * k * n + acts16,
+        "fp8": k * n + 4 * n + acts16,
+        "awq": k * n // 2 + (k // GROUP) * n * 2 + (k // GROUP) * n // 2 + acts16,
+    }
+
+
+def _format(name: str) -> str:
+    return "bf16" if name in ("bf16", "fp16") else name.split("_")[0]
+
+
+def measure(
+    shapes: dict[str, tuple[int, int]],
+    rows: tuple[int, ...],
+    device: torch.device,
+    copy_Bps: float,
+    save,
+    only: tuple[str, ...] | None = None,
+):
     bench = _timer(device)
     results: list[dict[str, Any]] = []
     for layer, (k, n) in shapes.items():
@@ -165,7 +209,10 @@ def measure(shapes: dict[str, tuple[int, int]], rows: tuple[int, ...], device: t
             x16 = x.half()
             row: dict[str, Any] = {"layer": layer, "K": k, "N": n, "M": m, **floors(k, n, m, copy_Bps)}
             errors: dict[str, str] = {}
+            moved = floor_bytes(k, n, m)
             for name, fn in variants(m, w, x, x16).items():
+                if only is not None and name not in only:
+                    continue
                 try:
                     got = fn()
                     want = _reference(name, w, x, x16)
@@ -176,6 +223,8 @@ def measure(shapes: dict[str, tuple[int, int]], rows: tuple[int, ...], device: t
                         if not err < tol:
                             errors[name] = f"wrong: relative error {err:.3g} against the reference (limit {tol})"
                     row[f"{name}_ms"] = round(bench(fn), 5)
+                    if name != "fp8_quantize_only" and row[f"{name}_ms"] > 0:
+                        row[f"{name}_TBps"] = round(moved[_format(name)] / (row[f"{name}_ms"] * 1e-3) / 1e12, 3)
                 except Exception as e:  # noqa: BLE001 - one path that fails to compile or run: record it, keep going
                     errors[name] = f"{type(e).__name__}: {e}"[:400]
                     traceback.print_exc()
@@ -214,6 +263,12 @@ def rule(results: list[dict[str, Any]], rows: tuple[int, ...], layers: int) -> d
             if key.endswith("_ms") and all(key in r for r in at_m):
                 totals[key.removesuffix("_ms")] = round(sum(r[key] for r in at_m), 5)
         entry: dict[str, Any] = {"layer_ms": totals}
+        # the layer's bytes over the layer's time, per path (the four projections' floors are bytes at copy rate)
+        entry["layer_TBps"] = {
+            p: round(sum(floor_bytes(r["K"], r["N"], m)[_format(p)] for r in at_m) / (t * 1e9), 3)
+            for p, t in totals.items()
+            if not p.endswith("_floor") and p != "fp8_quantize_only" and t > 0
+        }
         for fmt, paths in (("fp8", FP8_PATHS), ("awq", AWQ_PATHS)):
             timed = {p: totals[p] for p in paths if p in totals}
             if timed:
@@ -311,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--quick", action="store_true", help="CPU dry run: small shapes, Triton's interpreter")
     p.add_argument("--sweep-budget-s", type=float, default=0.0, help="seconds of tile sweeps after the table")
+    p.add_argument(
+        "--decode", action="store_true", help="M = 1, 2, 4, 8, 16, 32 and the decode paths only (about a minute)"
+    )
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available() and not args.quick
     if not gpu and not args.quick:
@@ -328,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
 
         name = gpu_slug(torch.cuda.get_device_name())
     shapes, rows = (SHAPES, ROWS) if gpu else (QUICK_SHAPES, QUICK_ROWS)
+    if args.decode:
+        rows = DECODE_ROWS if gpu else (1, 2, 16)
     from kernels import quant_cuda
 
     result: dict[str, Any] = {
@@ -341,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
             "FP8_CUDA_CORE_MAX_ROWS": quant_cuda.FP8_CUDA_CORE_MAX_ROWS,
             "AWQ_CUDA_CORE_MAX_ROWS": quant_cuda.AWQ_CUDA_CORE_MAX_ROWS,
             "AWQ_DENSE_MIN_ROWS": quant_cuda.AWQ_DENSE_MIN_ROWS,
+            "FP8_GEMV_MAX_ROWS": quant_cuda.FP8_GEMV_MAX_ROWS,
+            "AWQ_GEMV2_MAX_ROWS": quant_cuda.AWQ_GEMV2_MAX_ROWS,
         },
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -355,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result["copy_TBps"] = round(copy_bandwidth(device, (2 << 30) if gpu else (64 << 20)) / 1e12, 4)
     copy_Bps = result["copy_TBps"] * 1e12
-    results = measure(shapes, rows, device, copy_Bps, save)
+    results = measure(shapes, rows, device, copy_Bps, save, only=DECODE_PATHS if args.decode else None)
     save(results)
     if args.sweep_budget_s > 0:
         sweep_shapes = {k: SHAPES[k] for k in ("o_proj", "gate_up_proj")} if gpu else dict(list(shapes.items())[:1])

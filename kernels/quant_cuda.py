@@ -21,7 +21,10 @@ The boundaries are the fastest path per row count that the device benchmark meas
 (docs/decisions/quant-paths.md; tests/kernels/test_quant_dispatch.py holds the defaults to the committed table).
 
 PAGEKEEPER_QUANT_KERNELS=legacy (read at import) runs the previous paths instead (torch-op quantization and
-``_scaled_mm`` at every size; kernels/awq_gemm.py), for A/B runs of the device benchmark.
+``_scaled_mm`` at every size; kernels/awq_gemm.py), for A/B runs of the device benchmark.  PAGEKEEPER_QUANT_KERNELS=
+gemv runs the fast set with the bandwidth-shaped decode kernels in front, kernels/fp8_gemv.py up to
+FP8_GEMV_ROWS_WHEN_ON rows and kernels/awq_gemv.py up to AWQ_GEMV2_ROWS_WHEN_ON rows: they are not the default
+until the device benchmark (its `fp8_gemv` and `awq_gemv2` columns) has measured them.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import torch
 from kernels import fp8_linear as f8
 from kernels import quant_reference as qr
 from kernels.awq_gemm import awq_gemm
+from kernels.awq_gemv import awq_gemv
+from kernels.fp8_gemv import fp8_gemv
 from kernels.w4a16 import w4a16_linear
 
 # Row-count boundaries between paths (benchmarks/quant_kernels.py times every path at the 8B's shapes and
@@ -41,8 +46,14 @@ FP8_CUDA_CORE_MAX_ROWS = 1
 AWQ_GEMV_MAX_ROWS = 1
 AWQ_CUDA_CORE_MAX_ROWS = 0
 AWQ_DENSE_MIN_ROWS = 96
+# The decode kernels of kernels/fp8_gemv.py and kernels/awq_gemv.py: off (0 rows) until measured on the device;
+# the "gemv" kernel set turns them on up to these row counts.
+FP8_GEMV_MAX_ROWS = 0
+AWQ_GEMV2_MAX_ROWS = 0
+FP8_GEMV_ROWS_WHEN_ON = 16
+AWQ_GEMV2_ROWS_WHEN_ON = 1
 
-KERNEL_SETS = ("fast", "legacy")
+KERNEL_SETS = ("fast", "legacy", "gemv")
 
 
 def _kernel_set() -> str:
@@ -53,19 +64,26 @@ def _kernel_set() -> str:
 
 
 KERNELS = _kernel_set()
+if KERNELS == "gemv":
+    FP8_GEMV_MAX_ROWS, AWQ_GEMV2_MAX_ROWS = FP8_GEMV_ROWS_WHEN_ON, AWQ_GEMV2_ROWS_WHEN_ON
 
 
 def fp8_path(m: int) -> str:
-    """Which FP8 kernel a product of `m` rows takes: "w8a16-cuda-core", "w8a16-dot" or "scaled-mm"."""
+    """Which FP8 kernel a product of `m` rows takes: "gemv", "w8a16-cuda-core", "w8a16-dot" or "scaled-mm"."""
+    if KERNELS != "legacy" and 0 < m <= FP8_GEMV_MAX_ROWS:
+        return "gemv"
     if KERNELS == "legacy" or m > qr.FP8_W8A16_MAX_ROWS:
         return "scaled-mm"
     return "w8a16-cuda-core" if m <= FP8_CUDA_CORE_MAX_ROWS else "w8a16-dot"
 
 
 def awq_path(m: int) -> str:
-    """Which AWQ kernel a product of `m` rows takes: "gemv", "cuda-core", "dot", "dequantize-cublas" or "legacy"."""
+    """Which AWQ kernel a product of `m` rows takes: "gemv2", "gemv", "cuda-core", "dot", "dequantize-cublas" or
+    "legacy"."""
     if KERNELS == "legacy":
         return "legacy"
+    if 0 < m <= AWQ_GEMV2_MAX_ROWS:
+        return "gemv2"
     if m >= AWQ_DENSE_MIN_ROWS:
         return "dequantize-cublas"
     if m <= AWQ_GEMV_MAX_ROWS:
@@ -123,6 +141,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     path = fp8_path(x2.shape[0])
+    if path == "gemv":
+        return fp8_gemv(x2, weight, weight_scale).reshape(*shape[:-1], weight.shape[0])
     if path != "scaled-mm":
         return f8.w8a16_linear(x2, weight, weight_scale, use_dot=path == "w8a16-dot").reshape(
             *shape[:-1], weight.shape[0]
@@ -140,6 +160,8 @@ def awq_linear(
     """``x @ W`` by the path `awq_path` names for x's row count."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     path = awq_path(m)
+    if path == "gemv2":
+        return awq_gemv(x, qweight, qzeros, scales, group_size)
     if path in ("legacy", "gemv"):  # kernels/awq_gemm.py: its GEMV at a few rows (and its own choice above)
         return awq_gemm(x, qweight, qzeros, scales, group_size)
     if path == "dequantize-cublas":

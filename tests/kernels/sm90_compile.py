@@ -12,11 +12,14 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernels.awq_gemv import _awq_gemv_kernel, awq_gemv_config
+from kernels.fp8_gemv import _fp8_gemv_kernel, fp8_gemv_config
 from kernels.fp8_linear import _quant_rows_kernel, _w8a16_kernel, w8a16_config
 from kernels.splitk import _reduce_kernel
 from kernels.w4a16 import _w4a16_kernel, w4a16_config
@@ -50,9 +53,17 @@ def compile_one(name: str, fn, types: dict[str, str], consts: dict, **options) -
         else:
             signature[arg] = types[arg]
     row: dict = {"name": name}
+    # the new decode kernels are compiled as a launch at the 8B's shapes specializes them: pointers and the K, N
+    # arguments divisible by 16 (what makes their loads 16 bytes wide)
+    aligned = ("_ptr", "K", "N", "k_per_split", "packed_n") if "gemv" in name else ()
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, arg in enumerate(fn.arg_names)
+        if arg in types and arg.endswith(aligned) and aligned
+    }
     try:
         kernel = triton.compile(
-            ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+            ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
             target=GPUTarget("cuda", 90, 32),
             options=options,
         )
@@ -109,6 +120,22 @@ def cases():
             types = dict(x_ptr="*fp16", qweight_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16", out_ptr="*fp16")
             types.update(dict.fromkeys(INTS, I32))
             yield f"w4a16 m={m} group={group} dot={use_dot}", _w4a16_kernel, types, consts, cfg
+    cpu = torch.device("cpu")  # the rule's tiles; SPLITS is set to 2 so that the in-kernel sum is compiled
+    for m in (1, 2, 16):
+        cfg = fp8_gemv_config(m, 4096, 4096, cpu)
+        consts = {key: cfg.pop(key) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT")}
+        cfg.pop("SPLITS")
+        consts.update(SPLITS=2, IN_KERNEL=True, DOT_DTYPE=tl.bfloat16, PER_TENSOR=False, EVEN_K=True)
+        types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32")
+        types.update(ticket_ptr="*i32", **dict.fromkeys(("M", "N", "K", "stride_xm", "stride_om", "k_per_split"), I32))
+        yield f"fp8_gemv bf16 m={m} split in-kernel", _fp8_gemv_kernel, types, consts, cfg
+    cfg = awq_gemv_config(1, 4096, 4096, 128, cpu)
+    cfg.pop("SPLITS")
+    consts = dict(GROUP=128, BLOCK_N=cfg.pop("BLOCK_N"), BLOCK_K=cfg.pop("BLOCK_K"), SPLITS=2, IN_KERNEL=True)
+    types = dict(x_ptr="*fp16", qweight_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16", out_ptr="*fp16")
+    types.update(part_ptr="*fp32", ticket_ptr="*i32")
+    types.update(dict.fromkeys(("M", "N", "K", "stride_xm", "stride_om", "k_per_split", "packed_n"), I32))
+    yield "awq_gemv fp16 m=1 split in-kernel", _awq_gemv_kernel, types, consts, cfg
     yield (
         "split-K sum",
         _reduce_kernel,
