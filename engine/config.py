@@ -1,9 +1,11 @@
-"""Every engine flag, defined once: its default, its validation and its CLI spelling.
+"""Every engine flag, defined once: its default, its type and range, and its CLI spelling.
 
 The offline API (`LLM(**kwargs)`), the server's argument parser and the TOML config file all read
 this one dataclass, so a flag can never mean two things in two places.  Server-only flags (host,
 port, api key) live with the server; everything that changes what the engine computes or how much
-memory it takes lives here.
+memory it takes lives here.  Its checks are the one strict schema of engine/schema.py, built from
+these annotations (`annotated_types` ranges, `Literal` choices) and `check_combinations`: every way
+in (constructor, flags, config file) runs that schema and nothing else.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
-BLOCK_SIZES = (8, 16, 32)
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+# Ranges the schema (engine/schema.py) reads; annotated_types, not pydantic, so that importing the settings stays
+# light in processes that only unpickle them (a core, a tensor-parallel rank).
+from annotated_types import Ge, Interval
+
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings (the seed's `--dtype half`)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's spelling; fp8 means float8_e4m3fn
-QUANTIZATIONS = ("fp8", "awq")
+KV_CACHE_FP8 = "float8_e4m3fn"  # what --kv-cache-dtype fp8 / fp8_e4m3 store (vLLM's spelling; e4m3)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MODEL_NAME = "pagekeeper-default"  # the embedded model's served name, also accepted as --model
 # Engine flags the supervisor sets for one start; no config-file key (engine/server/config_file.py refuses them there).
@@ -49,12 +52,11 @@ class EngineConfig:
         default=None,
         metadata=_flag("Model name reported by the API and in metric labels (default: the model directory's name)."),
     )
-    dtype: str = field(
+    dtype: Literal["auto", "float32", "float16", "bfloat16", "half", "float"] = field(
         default="auto",
         metadata=_flag(
             "Weight and activation dtype; auto follows the checkpoint (float16 for AWQ); half = float16, "
-            "float = float32.",
-            choices=DTYPES + tuple(DTYPE_ALIASES),
+            "float = float32."
         ),
     )
     device: str = field(default="auto", metadata=_flag("cpu, cuda, cuda:N, or auto (cuda when available)."))
@@ -62,7 +64,8 @@ class EngineConfig:
         default="auto",
         metadata=_flag(
             "KV cache storage: auto (the model's dtype) or fp8 / fp8_e4m3 (float8_e4m3fn with one power-of-two "
-            "scale per layer, K/V and KV head, calibrated at start-up: half the bytes per token)."
+            "scale per layer, K/V and KV head, calibrated at start-up: half the bytes per token).",
+            hint="fp8_e5m2 is not supported: e4m3 keeps one more mantissa bit",
         ),
     )
     quantization: Literal["fp8", "awq"] | None = field(
@@ -70,39 +73,43 @@ class EngineConfig:
         metadata=_flag(
             "Weight quantization: fp8 (FP8 weights with per-channel scales, quantized at load from a 16-bit "
             "checkpoint, or an FP8 checkpoint) or awq (an AutoAWQ GEMM int4 checkpoint). Default: what the "
-            "checkpoint's quantization_config says, else none."
+            "checkpoint's quantization_config says, else none.",
+            hint="GPTQ, bitsandbytes and other methods are not supported",
         ),
     )
     seed: int = field(default=0, metadata=_flag("Seed for requests that do not bring their own."))
-    max_model_len: int | None = field(
+    max_model_len: Annotated[int, Ge(1)] | None = field(
         default=None,
         metadata=_flag("Longest prompt + output in tokens (default: the checkpoint's max_position_embeddings)."),
     )
-    block_size: int = field(default=16, metadata=_flag("Tokens per KV block.", choices=BLOCK_SIZES))
-    gpu_memory_utilization: float = field(
+    block_size: Literal[8, 16, 32] = field(default=16, metadata=_flag("Tokens per KV block."))
+    gpu_memory_utilization: Annotated[float, Interval(gt=0, le=1)] = field(
         default=0.9, metadata=_flag("Fraction of GPU memory the engine may use in total (0, 1].")
     )
-    kv_cache_memory_bytes: int | None = field(
+    kv_cache_memory_bytes: Annotated[int, Ge(1)] | None = field(
         default=None,
         metadata=_flag(
             "Exact KV cache size in bytes (per tensor-parallel rank); overrides the profiled budget "
             "(and the CPU default)."
         ),
     )
-    cpu_kv_cache_fraction: float = field(
+    cpu_kv_cache_fraction: Annotated[float, Interval(gt=0, lt=1)] = field(
         default=0.1,
         metadata=_flag("On CPU without --kv-cache-memory-bytes: fraction of available RAM for the KV cache."),
     )
-    swap_space: float = field(default=4.0, metadata=_flag("GiB of pinned CPU memory for swapped-out KV blocks."))
+    swap_space: Annotated[float, Ge(0)] = field(
+        default=4.0, metadata=_flag("GiB of pinned CPU memory for swapped-out KV blocks.")
+    )
     preemption_mode: Literal["swap", "recompute"] | None = field(
         default=None,
         metadata=_flag(
-            "How to preempt when KV blocks run out (default: swap when --swap-space > 0 on CUDA, else recompute).",
-            choices=("swap", "recompute"),
+            "How to preempt when KV blocks run out (default: swap when --swap-space > 0 on CUDA, else recompute)."
         ),
     )
-    max_num_seqs: int = field(default=256, metadata=_flag("Most sequences in one step (the batch size cap)."))
-    max_num_batched_tokens: int | None = field(
+    max_num_seqs: Annotated[int, Ge(1)] = field(
+        default=256, metadata=_flag("Most sequences in one step (the batch size cap).")
+    )
+    max_num_batched_tokens: Annotated[int, Ge(1)] | None = field(
         default=None,
         metadata=_flag(
             f"Most tokens in one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS} with chunked prefill, "
@@ -114,11 +121,10 @@ class EngineConfig:
     )
     enable_prefix_caching: bool = field(default=False, metadata=_flag("Reuse KV blocks of identical prompt prefixes."))
     enforce_eager: bool = field(default=False, metadata=_flag("Never capture CUDA graphs."))
-    load_format: str = field(
+    load_format: Literal["auto", "dummy"] = field(
         default="auto",
         metadata=_flag(
-            "auto reads the checkpoint's safetensors; dummy fills random weights (benchmarks, no download).",
-            choices=("auto", "dummy"),
+            "auto reads the checkpoint's safetensors; dummy fills random weights (benchmarks, no download)."
         ),
     )
     trust_remote_code: bool = field(
@@ -132,7 +138,7 @@ class EngineConfig:
             "or a directory holding the generation_config.json to use."
         ),
     )
-    max_num_on_the_fly_batches: int | None = field(
+    max_num_on_the_fly_batches: Annotated[int, Ge(1)] | None = field(
         default=None,
         metadata=_flag(
             "Steps queued on the device at once: 1 is synchronous; 2 schedules and queues step k+1 "
@@ -141,14 +147,14 @@ class EngineConfig:
             "where the host computes each step itself, so a queued step only delays every token by one step."
         ),
     )
-    tensor_parallel_size: int = field(
+    tensor_parallel_size: Annotated[int, Ge(1)] = field(
         default=1,
         metadata=_flag(
             "Ranks to shard the model over (one process and one GPU each, cuda:0..N-1 of "
             "CUDA_VISIBLE_DEVICES; on CPU, N processes over gloo)."
         ),
     )
-    tensor_parallel_overlap_tokens: int = field(
+    tensor_parallel_overlap_tokens: Annotated[int, Ge(0)] = field(
         default=0,
         metadata=_flag(
             "With --tensor-parallel-size > 1: steps of at least this many tokens run as two micro-batches, each "
@@ -156,7 +162,7 @@ class EngineConfig:
             "so on a GPU only steps above 1,024 tokens split). 0: off."
         ),
     )
-    fragmentation_buffer_factor: float = field(
+    fragmentation_buffer_factor: Annotated[float, Ge(0)] = field(
         default=2.0,
         metadata=_flag("KV budget keeps max(150 MiB, factor x profiled allocator fragmentation) in reserve."),
     )
@@ -168,7 +174,7 @@ class EngineConfig:
             "load the checkpoint as usual."
         ),
     )
-    standby_after: int | None = field(
+    standby_after: Annotated[int, Ge(1)] | None = field(
         default=None,
         metadata=_flag(
             "Get ready (imports, weights from the keeper) but take no more device memory until process PID "
@@ -181,67 +187,38 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
-        self.validate()
+        from engine.schema import check_settings  # pydantic, imported by the processes that build settings only
 
-    def validate(self) -> None:
-        """Reject settings that can never work, naming the flag; called on construction."""
-        if self.block_size not in BLOCK_SIZES:
-            raise ConfigError(f"--block-size must be one of {BLOCK_SIZES}, got {self.block_size}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(
-                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
-                + (
-                    " (fp8_e5m2 is not supported: e4m3 keeps one more mantissa bit)"
-                    if "e5m2" in str(self.kv_cache_dtype)
-                    else ""
-                )
-            )
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ConfigError(
-                f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r} "
-                "(GPTQ, bitsandbytes and other methods are not supported)"
-            )
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not 0.0 < self.cpu_kv_cache_fraction < 1.0:
-            raise ConfigError(f"--cpu-kv-cache-fraction must be in (0, 1), got {self.cpu_kv_cache_fraction}")
-        _positive("--max-num-seqs", self.max_num_seqs)
-        if self.max_num_on_the_fly_batches is not None:
-            _positive("--max-num-on-the-fly-batches", self.max_num_on_the_fly_batches)
-        _positive("--tensor-parallel-size", self.tensor_parallel_size)
-        if self.tensor_parallel_overlap_tokens < 0 or self.tensor_parallel_overlap_tokens == 1:
-            raise ConfigError(
-                f"--tensor-parallel-overlap-tokens must be 0 (off) or >= 2, got {self.tensor_parallel_overlap_tokens}"
-            )
-        if self.tensor_parallel_overlap_tokens and self.tensor_parallel_size == 1:
+        check_settings(self)
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)  # type: ignore[assignment]
+
+    @staticmethod
+    def check_combinations(config: Any) -> None:
+        """What one field's type and range cannot say, in flag terms (a config file's error is told in its keys by
+        engine/server/config_file.py): engine/schema.py runs it after every field has passed."""
+        if config.tensor_parallel_overlap_tokens == 1:
+            raise ConfigError("--tensor-parallel-overlap-tokens must be 0 (off) or >= 2, got 1")
+        if config.tensor_parallel_overlap_tokens and config.tensor_parallel_size == 1:
             raise ConfigError(
                 "--tensor-parallel-overlap-tokens overlaps the all-reduces of tensor-parallel ranks: it needs "
                 "--tensor-parallel-size 2 or more; leave it out with one rank"
             )
-        if self.max_model_len is not None:
-            _positive("--max-model-len", self.max_model_len)
-        if self.max_num_batched_tokens is not None:
-            _positive("--max-num-batched-tokens", self.max_num_batched_tokens)
-        if self.kv_cache_memory_bytes is not None:
-            _positive("--kv-cache-memory-bytes", self.kv_cache_memory_bytes)
-        if self.swap_space < 0:
-            raise ConfigError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
-        if self.fragmentation_buffer_factor < 0:
-            raise ConfigError(f"--fragmentation-buffer-factor must be >= 0, got {self.fragmentation_buffer_factor}")
-        if self.standby_after is not None:
-            _positive("--standby-after", self.standby_after)
-        elif self.standby_spare:
+        if config.standby_spare and config.standby_after is None:
             raise ConfigError("--standby-spare describes a standby: it needs --standby-after PID")
-        if self.preemption_mode not in (None, "swap", "recompute"):
-            raise ConfigError(f"--preemption-mode must be swap or recompute, got {self.preemption_mode!r}")
 
-    def resolve(self, model_max_len: int, sliding_window: int | None = None) -> ResolvedConfig:
-        """These settings with the checkpoint's limits filled in, once, as a frozen value (ConfigError when a
-        limit cannot work with the checkpoint): max_model_len (default: the model's, capped at its sliding window,
-        whose attention is not implemented), max_num_batched_tokens and max_num_seqs."""
+    def resolve(
+        self,
+        model_max_len: int,
+        sliding_window: int | None = None,
+        *,
+        model_dtype: str = "float32",
+        device: str | None = None,
+    ) -> ResolvedConfig:
+        """These settings with the checkpoint's limits and the values derived from them filled in, once, as a frozen
+        value (ConfigError when a limit cannot work with the checkpoint): max_model_len (default: the model's, capped
+        at its sliding window, whose attention is not implemented), max_num_batched_tokens and max_num_seqs; the KV
+        cache's storage dtype (`model_dtype`, the weights' as loaded, unless --kv-cache-dtype fp8), the preemption
+        mode and the swap space in bytes for `device` (default: the one these settings pick)."""
         limit = model_max_len
         if sliding_window is not None and sliding_window < limit:
             # Attention over a window shorter than the context is not implemented: cap the context
@@ -269,8 +246,19 @@ class EngineConfig:
                 f"({max_model_len}) with chunked prefill off, so a long prompt could never be scheduled; "
                 "raise --max-num-batched-tokens, lower --max-model-len, or --enable-chunked-prefill"
             )
-        # Every scheduled sequence takes at least one token of the step's budget.
-        return ResolvedConfig(self, max_model_len, batched, min(self.max_num_seqs, batched))
+        device = device or self.resolved_device()
+        preemption = self.preemption_mode or (
+            "swap" if self.swap_space > 0 and device.startswith("cuda") else "recompute"
+        )
+        return ResolvedConfig(
+            self,
+            max_model_len,
+            batched,
+            min(self.max_num_seqs, batched),  # every scheduled sequence takes at least one token of the step's budget
+            kv_dtype=KV_CACHE_FP8 if self.kv_cache_fp8 else model_dtype,
+            preemption_mode=preemption,
+            swap_space_bytes=int(self.swap_space * 2**30) if preemption == "swap" else 0,
+        )
 
     def pipeline_depth(self, device_type: str) -> int:
         """Steps in flight: --max-num-on-the-fly-batches capped at 2, or by device when left out: on a CPU the overlap
@@ -289,13 +277,9 @@ class EngineConfig:
 
     @property
     def kv_cache_fp8(self) -> bool:
-        """The KV cache is stored in float8_e4m3fn (--kv-cache-dtype fp8 or fp8_e4m3)."""
+        """--kv-cache-dtype asks for FP8 (fp8 or fp8_e4m3), before any checkpoint is known (what hardware it needs,
+        `opsctl doctor`); once it is, the cache's dtype is `ResolvedConfig.kv_dtype`."""
         return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
-
-    def resolved_preemption_mode(self, device: str) -> str:
-        if self.preemption_mode is not None:
-            return self.preemption_mode
-        return "swap" if self.swap_space > 0 and device.startswith("cuda") else "recompute"
 
     def model_path(self) -> str:
         """The checkpoint directory, the embedded default when none was given (or its served name)."""
@@ -336,50 +320,71 @@ class EngineConfig:
         return cls(**kwargs)
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-        """Add one `--flag-name` per field, vLLM-style (booleans also accept --no-flag-name)."""
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            meta = dict(f.metadata)
-            kwargs: dict[str, Any] = {"help": meta.get("help"), "default": f.default, "dest": f.name}
-            if "choices" in meta:
-                kwargs["choices"] = meta["choices"]
-            if f.type in ("bool", bool):
-                kwargs["action"] = argparse.BooleanOptionalAction
-            else:
-                kwargs["type"] = _cli_type(f)
-            parser.add_argument(flag, **kwargs)
+    def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup, defaults: bool = True) -> None:
+        """One `--flag-name` per field, vLLM-style (booleans also accept --no-flag-name)."""
+        add_flags(cls, parser, defaults)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         return cls(**{name: getattr(args, name) for name in cls.field_names() if hasattr(args, name)})
 
 
-def _positive(flag: str, value: int) -> None:
-    if value < 1:
-        raise ConfigError(f"{flag} must be >= 1, got {value}")
+def add_flags(
+    cls: type, parser: argparse.ArgumentParser | argparse._ArgumentGroup, defaults: bool = True, bools: Any = None
+) -> None:
+    """A settings dataclass's fields as flags (`--flag-name`, help from the field's metadata), typed from its
+    annotations.  Nothing is refused here: a value outside a field's choices or range reaches the schema, whose one
+    line names the flag (argparse's own refusal is a usage block).  `defaults=False` leaves a flag not given out of
+    the namespace, so that a caller can tell it from a config file's value.  `bools`: the action of a boolean
+    field (default: `--x` / `--no-x`)."""
+    hints = get_type_hints(cls, include_extras=True)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        meta = dict(f.metadata)
+        kwargs: dict[str, Any] = {
+            "help": meta.get("help"),
+            "default": f.default if defaults else argparse.SUPPRESS,
+            "dest": f.name,
+        }
+        kind, choices = _plain_type(hints[f.name])
+        if kind is bool:
+            kwargs["action"] = bools or argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+            if choices:
+                kwargs["metavar"] = "{" + ",".join(str(c) for c in choices) + "}"
+        if "metavar" in meta:
+            kwargs["metavar"] = meta["metavar"]
+        parser.add_argument(flag, **kwargs)
 
 
-def _cli_type(f: dataclasses.Field) -> Any:
-    text = str(f.type)
-    if "float" in text:
-        return float
-    if "int" in text:
-        return int
-    return str
+def _plain_type(hint: Any) -> tuple[type, tuple[Any, ...]]:
+    """The Python type a flag's text converts to, and the choices of a Literal (int | None -> int)."""
+    while get_origin(hint) is Annotated:
+        hint = get_args(hint)[0]
+    args = [a for a in get_args(hint) if a is not type(None)]
+    if get_origin(hint) is Literal:
+        return type(args[0]), tuple(args)
+    if args:  # X | None
+        return _plain_type(args[0])
+    return (hint if hint in (bool, int, float) else str), ()
 
 
 @dataclass(frozen=True)
 class ResolvedConfig:
     """An engine's settings once its checkpoint is known (`EngineConfig.resolve`): every limit filled in, fixed
     for the engine's life.  It is built once, after the checkpoint's config is read, and everything from there on
-    takes it: no component derives a limit again or checks that one is set.  Every other setting reads through to
-    the EngineConfig it was resolved from (`settings`), which is left as it was given."""
+    takes it: no component derives a limit or a value of its own again (the KV cache's dtype, the preemption mode,
+    the swap space's bytes) or checks that one is set.  Every other setting reads through to the EngineConfig it was
+    resolved from (`settings`), which is left as it was given."""
 
     settings: EngineConfig
     max_model_len: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    kv_dtype: str  # the KV cache's storage dtype, a torch dtype's name: float8_e4m3fn or the model's
+    preemption_mode: Literal["swap", "recompute"]  # --preemption-mode, or the device's default
+    swap_space_bytes: int  # pinned host memory for swapped-out blocks (0: preempted sequences are recomputed)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "settings":  # not yet set while unpickling

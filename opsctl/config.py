@@ -20,15 +20,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from engine.config import ConfigError
+from engine.ops_contract.config_file import write_engine_section
 from engine.schema import validate_section
-from engine.server.config_file import (
-    SECTIONS,
-    SERVER_KEYS,
-    engine_args,
-    engine_env,
-    read_config_file,
-    validate_engine_section,
-)
+from engine.server.config_file import SECTIONS, SERVER_KEYS, read_config_file, validate_engine_section
 from engine.server.settings import Host
 from opsctl.instances import DEFAULT_INSTANCE, INSTANCE_PATTERN, config_path_for, engine_unit_for, runtime_dir_for
 from opsctl.policy import PolicyConfig
@@ -84,28 +78,31 @@ class SupervisorConfig(PolicyConfig):
     def history_len(self) -> int:
         return self.history_size if self.history_size is not None else self.history_needed()
 
-    def validate(self) -> None:
-        """What one key's range cannot say: combinations that would blind a rule or be ignored."""
-        if self.launcher == "systemd" and self.handover == "overlap":
+    @staticmethod
+    def check_combinations(config: Any) -> None:
+        """What one key's range cannot say: combinations that would blind a rule or be ignored (engine/schema.py
+        runs it with the section's schema)."""
+        if config.launcher == "systemd" and config.handover == "overlap":
             raise ConfigError(
                 '[supervisor] handover = "overlap" needs the process launcher: systemd runs one '
                 "engine unit at a time (its socket unit queues connections meanwhile); use "
                 'handover = "auto" or launcher = "process"'
             )
-        if self.launcher == "systemd" and self.keep_weights == "on":
+        if config.launcher == "systemd" and config.keep_weights == "on":
             raise ConfigError(
                 '[supervisor] keep_weights = "on" needs the process launcher: the systemd unit starts the engine '
                 'with fixed flags; use keep_weights = "auto" (off under systemd) or launcher = "process"'
             )
-        if self.spare_engine == "on" and (self.launcher == "systemd" or self.handover == "overlap"):
+        if config.spare_engine == "on" and (config.launcher == "systemd" or config.handover == "overlap"):
             raise ConfigError(
                 '[supervisor] spare_engine = "on" needs the process launcher and one engine at a time '
                 '(handover "auto" on a GPU, or "sequential"): a spare waits for the serving engine to exit'
             )
-        if self.history_size is not None and self.history_size < self.history_needed():
+        needed, kept = SupervisorConfig.history_needed(config), config.history_size
+        if kept is not None and kept < needed:
             raise ConfigError(
-                f"[supervisor] history_size = {self.history_size} keeps {self.history_size * self.poll_interval:.0f} s "
-                f"of polls, shorter than the longest rule window; use at least {self.history_needed()} "
+                f"[supervisor] history_size = {kept} keeps {kept * config.poll_interval:.0f} s "
+                f"of polls, shorter than the longest rule window; use at least {needed} "
                 "(or leave it out: the default covers every window)"
             )
 
@@ -134,11 +131,18 @@ class PagekeeperConfig:
             host = "127.0.0.1"
         return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
-    def engine_args(self) -> list[str]:
-        return engine_args(self.engine)
-
-    def engine_env(self) -> dict[str, str]:
-        return engine_env(self.engine)
+    def engine_command_line(self, section_file: Path) -> list[str]:
+        """How the engines the supervisor starts (and its weights keeper) get the [engine] section: what the file
+        set, as checked here, written to `section_file` and read back with `--config` by the same schema (no flag
+        is built from it: engine/ops_contract/config_file.py); what `opsctl start --model/--port/--host` gave, as
+        those flags.  So an engine's error names each value where the person gave it."""
+        from_file = {
+            k: self.engine[k] for k in self.keys_in_file.get("engine", ()) if k not in self.engine_from_command_line
+        }
+        args = ["--config", str(write_engine_section(section_file, from_file))] if from_file else []
+        for key in self.engine_from_command_line:  # str and int values: the flags as `opsctl start` took them
+            args += ["--" + key.replace("_", "-"), str(self.engine[key])]
+        return args
 
     def as_dict(self) -> dict[str, Any]:
         return {"engine": dict(self.engine), "supervisor": dataclasses.asdict(self.supervisor)}
@@ -164,15 +168,10 @@ def load_config(
     given = tuple(k for k, v in (overrides or {}).get("engine", {}).items() if v is not None)
     given_supervisor = tuple(k for k, v in (overrides or {}).get("supervisor", {}).items() if v is not None)
     engine = validate_engine_section(engine, source)
-    supervisor = validate_section(SupervisorConfig, supervisor, f"{source}: [supervisor]")
-    sup = SupervisorConfig(**supervisor)
-    try:
-        sup.validate()
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+    supervisor = validate_section(SupervisorConfig, supervisor, source, "supervisor")
     return PagekeeperConfig(
         engine=engine,
-        supervisor=sup,
+        supervisor=SupervisorConfig(**supervisor),
         source=source,
         engine_from_command_line=given,
         supervisor_from_command_line=given_supervisor,

@@ -15,6 +15,7 @@ LOCK_NAME = "supervisor.lock"  # flock: one supervisor per runtime dir
 LAST_FAILURE_NAME = "last_failure.json"  # why a supervisor exited before the engine served
 ENGINE_LOG_NAME = "engine.log"  # process launcher only (journald under systemd)
 SUPERVISOR_LOG_NAME = "supervisor.log"
+ENGINE_CONFIG_NAME = "engine.toml"  # the [engine] section the supervisor checked, as its engines read it (--config)
 ENGINE_STATE_NAME = "engine.json"  # the engine that serves (pid, control socket): a successor adopts it
 INSTANCE_FILE_NAME = "instance.json"  # the ports an instance claims (opsctl/instances.py)
 RESTARTS_NAME = "restarts.json"  # the restarts so far: a supervisor that adopts the engine goes on counting

@@ -29,10 +29,10 @@ import structlog
 from engine.config import ConfigError
 from engine.logs import configure_logging
 from engine.ops_contract.secrets import key_from_config
-from engine.server.config_file import in_config_terms
 from opsctl.bytecode import bytecode_plan
 from opsctl.config import PagekeeperConfig, load_config
 from opsctl.constants import (
+    ENGINE_CONFIG_NAME,
     ENGINE_LOG_NAME,
     EXIT_ALREADY_RUNNING,
     INSTANCE_FILE_NAME,
@@ -83,7 +83,7 @@ def keeps_weights(cfg: PagekeeperConfig, gpu: GpuProbe) -> bool:
 
 def engine_bytecode_env(cfg: PagekeeperConfig) -> dict[str, str]:
     """`[supervisor] bytecode_cache` (opsctl/bytecode.py): a bytecode folder where the installation keeps none."""
-    plan = bytecode_plan({**os.environ, **cfg.engine_env()}, cfg.supervisor.bytecode_cache)
+    plan = bytecode_plan(dict(os.environ), cfg.supervisor.bytecode_cache)
     if plan.env:
         log.info("bytecode_cache", folder=plan.env["PYTHONPYCACHEPREFIX"], reason=plan.reason)
     return plan.env
@@ -102,13 +102,15 @@ def build_launcher(cfg: PagekeeperConfig, runtime: Path, gpu: GpuProbe) -> Launc
                 'handover = "auto" or launcher = "process"'
             )
         return SystemdLauncher(cfg.supervisor.engine_unit())
-    env = {**cfg.engine_env(), **engine_bytecode_env(cfg)}
+    env = engine_bytecode_env(cfg)
+    section_file = runtime / ENGINE_CONFIG_NAME
+    command_line = cfg.engine_command_line(section_file)
     keep = keeps_weights(cfg, gpu)
-    keeper = KeeperProcess(cfg.engine_args(), runtime, runtime / ENGINE_LOG_NAME, env) if keep else None
+    keeper = KeeperProcess(command_line, runtime, runtime / ENGINE_LOG_NAME, env) if keep else None
     overlap = handover_overlaps(cfg, gpu)
     spare = cfg.supervisor.spare_engine == "on" or (cfg.supervisor.spare_engine == "auto" and keep and not overlap)
     return ProcessLauncher(
-        cfg.engine_args(),
+        command_line,
         cfg.host,
         cfg.port,
         runtime,
@@ -117,19 +119,14 @@ def build_launcher(cfg: PagekeeperConfig, runtime: Path, gpu: GpuProbe) -> Launc
         env=env,
         keeper=keeper,
         spare=spare,
-        explain=lambda line: engine_error_in_config_terms(line, cfg),
+        explain=lambda line: engine_error_in_config_terms(line, cfg, section_file),
     )
 
 
-def engine_error_in_config_terms(line: str, cfg: PagekeeperConfig) -> str:
-    """The engine names the flags it was given; those from the config's [engine] section are told as what a person
-    edits there: `--model /x: no such directory` as `FILE: [engine] model = "/x": no such directory`.  Those given to
-    `opsctl start` (--model, --port, --host) keep their flag names."""
-    from_file = [k for k in cfg.engine if k not in cfg.engine_from_command_line]  # `opsctl start --model` stays so
-    text = in_config_terms(line, cfg.engine, from_file)
-    if text == line or cfg.source == "built-in defaults":
-        return text
-    return f"{cfg.source}: {text}"
+def engine_error_in_config_terms(line: str, cfg: PagekeeperConfig, section_file: Path) -> str:
+    """The engine names a value the config file gave by its key, after the file it read: the section the supervisor
+    wrote for it, which is the config file the person edits (`cfg.source`) as far as they are concerned."""
+    return line.replace(str(section_file.resolve()), cfg.source)
 
 
 def _admin_key(cfg: PagekeeperConfig) -> str | None:

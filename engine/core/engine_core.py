@@ -71,11 +71,15 @@ class EngineCore:
         freeze_imported_heap()  # a server's imported modules, out of start-up's last collection (engine/gc_heap.py)
         configure_logging()
         started = time.monotonic()
-        self.device = torch.device(config.resolved_device())
+        device = config.resolved_device()
+        self.device = torch.device(device)
         self.model_info: ModelInfo = inspect_model(config)
-        # every limit fixed from here on (engine/config.py: ResolvedConfig)
+        # every limit and derived value fixed from here on (engine/config.py: ResolvedConfig)
         self.config: ResolvedConfig = config.resolve(
-            self.model_info.max_position_embeddings, self.model_info.sliding_window
+            self.model_info.max_position_embeddings,
+            self.model_info.sliding_window,
+            model_dtype=str(self.model_info.dtype).removeprefix("torch."),
+            device=device,
         )
         inspected = time.monotonic()
         self.tokenizer = load_tokenizer(config)

@@ -1,8 +1,10 @@
-"""`python -m engine.keeper --socket PATH [engine flags]`: run the weights keeper (engine/keeper/__init__.py).
+"""`python -m engine.keeper --socket PATH [--config FILE] [engine flags]`: run the weights keeper
+(engine/keeper/__init__.py).
 
-Takes the engine's own flags (server-only flags the supervisor passes along are ignored), so the keeper and the
-engines it serves agree on the checkpoint, dtype, quantization and tensor-parallel split by construction.  A
-checkpoint that cannot be loaded is one line on stderr and exit 2, as for the engine.
+Takes the engine's command line (the [engine] section of `--config`, then the engine's flags; the server's keys
+and flags are the server's), so the keeper and the engines it serves agree on the checkpoint, dtype, quantization
+and tensor-parallel split by construction.  A checkpoint that cannot be loaded is one line on stderr and exit 2,
+as for the engine.
 """
 
 from __future__ import annotations
@@ -15,16 +17,20 @@ from pathlib import Path
 
 from engine.config import ConfigError, EngineConfig
 from engine.logs import configure_logging
+from engine.ops_contract.config_file import read_config_file
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.keeper", description="pagekeeper weights keeper")
     parser.add_argument("--socket", required=True, help="Unix socket to serve the weights on.")
-    EngineConfig.add_cli_args(parser.add_argument_group("engine"))
+    parser.add_argument("--config", default=None, help="The engine's TOML file: its [engine] section's engine keys.")
+    EngineConfig.add_cli_args(parser.add_argument_group("engine"), defaults=False)
     args, _server_flags = parser.parse_known_args(argv)
+    flags = {k: v for k, v in vars(args).items() if k not in ("socket", "config")}
     configure_logging()
     try:
-        config = EngineConfig.from_cli_args(args)
+        section = read_config_file(Path(args.config))["engine"] if args.config else {}
+        config = EngineConfig(**{**{k: v for k, v in section.items() if k in EngineConfig.field_names()}, **flags})
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

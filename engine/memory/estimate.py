@@ -138,13 +138,15 @@ def estimate(config: EngineConfig, gpus: list[tuple[int, int]] | None = None) ->
     from engine.model.loader import inspect_model
 
     info = inspect_model(config)
-    limits = config.resolve(info.max_position_embeddings, info.sliding_window)
+    limits = config.resolve(
+        info.max_position_embeddings, info.sliding_window, model_dtype=str(info.dtype).removeprefix("torch.")
+    )
     gpus = gpus or []
     ranks = []
     source = ""
     model_elem = torch.empty((), dtype=info.dtype).element_size()
-    kv_elem = 1 if config.kv_cache_fp8 else model_elem
-    other_elem = model_elem if config.kv_cache_fp8 else 1
+    kv_elem = torch.empty((), dtype=getattr(torch, limits.kv_dtype)).element_size()
+    other_elem = model_elem if kv_elem != model_elem else 1  # the other --kv-cache-dtype's
     shapes = rank_shapes(config, info)
     for rank, shape in enumerate(shapes):
         weights, per_token = shape.weights, shape.kv_elements_per_token * kv_elem
@@ -188,7 +190,7 @@ def estimate(config: EngineConfig, gpus: list[tuple[int, int]] | None = None) ->
         kv_budget_bytes=first.kv_budget_bytes,
         kv_budget_source=source,
         ranks=ranks,
-        kv_dtype="float8_e4m3fn" if config.kv_cache_fp8 else str(info.dtype).removeprefix("torch."),
+        kv_dtype=limits.kv_dtype,
         kv_bytes_per_token_other=shapes[0].kv_elements_per_token * other_elem,
         quantization=info.quant.describe() if info.quant is not None else "",
     )

@@ -26,7 +26,7 @@ import structlog
 import torch
 from torch import nn
 
-from engine.config import EngineConfig, ResolvedConfig
+from engine.config import ResolvedConfig
 from engine.core.plan import NewSeq, SamplingSpec, SeqStep, StepPlan
 from engine.logs import startup_detail
 from engine.model.interface import CausalLM
@@ -43,9 +43,12 @@ CALIBRATION_LEN = 512
 CALIBRATION_SEED = 20
 
 
-def kv_cache_dtype(config: EngineConfig | ResolvedConfig, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's storage dtype: float8_e4m3fn for --kv-cache-dtype fp8, else the model's."""
-    return FP8 if config.kv_cache_fp8 else model_dtype
+def kv_cache_dtype(config: ResolvedConfig) -> torch.dtype:
+    """The KV cache's storage dtype as torch names it: the one `EngineConfig.resolve` chose (float8_e4m3fn for
+    --kv-cache-dtype fp8, else the model's)."""
+    dtype = getattr(torch, config.kv_dtype)
+    assert isinstance(dtype, torch.dtype), config.kv_dtype
+    return dtype
 
 
 def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:

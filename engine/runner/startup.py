@@ -139,7 +139,7 @@ def start_runner(
     if cuda and "kernels" not in phases.seconds:
         warm_kernels(config, model_info, model, device)
         phases.mark("kernels")
-    kv_dtype = kv_cache_dtype(config, model_info.dtype)
+    kv_dtype = kv_cache_dtype(config)
     if kv_dtype != model_info.dtype:
         calibrate_kv_scales(config, model, int(model_info.hf_config.vocab_size), model_info.dtype, device)
         phases.mark("kv_scales")
@@ -155,7 +155,7 @@ def start_runner(
         config,
         _config_dict(model_info.hf_config),
         str(model_info.dtype).removeprefix("torch."),
-        str(kv_dtype).removeprefix("torch."),
+        config.kv_dtype,
         device,
         tp.rank,
     )
@@ -176,14 +176,14 @@ def start_runner(
         device,
         baseline,
         profile,
-        kv_dtype=str(kv_dtype).removeprefix("torch."),
+        kv_dtype=config.kv_dtype,
         weights_by_dtype=by_dtype,
     )
     kv_plan.weights_bytes = weights  # this rank's shard (also on CPU, where nothing is profiled)
     if agree is not None:
         kv_plan.agreed_blocks = agree(kv_plan)
-    preemption_mode = config.resolved_preemption_mode(device.type)
-    num_cpu_blocks = swap_blocks(config, per_block, device)
+    preemption_mode = config.preemption_mode
+    num_cpu_blocks = swap_blocks(config, per_block)
     if preemption_mode == "swap" and num_cpu_blocks == 0:
         log.warning(
             "swap_space_too_small",
@@ -219,16 +219,15 @@ def start_runner(
     )
 
 
-def swap_blocks(config: ResolvedConfig, per_block: int, device: torch.device) -> int:
+def swap_blocks(config: ResolvedConfig, per_block: int) -> int:
     """The swap space in blocks (0: preempted sequences are recomputed)."""
-    swapping = config.resolved_preemption_mode(device.type) == "swap"
-    return int(config.swap_space * 2**30) // per_block if swapping else 0
+    return config.swap_space_bytes // per_block
 
 
 def start_swap_space(config: ResolvedConfig, model_info: ModelInfo, model: CausalLM, device: torch.device) -> SwapSpace:
     """Begin allocating the swap space now (engine/runner/swap_space.py: why as early as its size is known)."""
-    kv_dtype = kv_cache_dtype(config, model_info.dtype)
-    blocks = swap_blocks(config, kv_bytes_per_block(model, config.block_size, kv_dtype), device)
+    kv_dtype = kv_cache_dtype(config)
+    blocks = swap_blocks(config, kv_bytes_per_block(model, config.block_size, kv_dtype))
     layers = model.num_layers if blocks else 0
     return SwapSpace(kv_cache_shape(model, blocks, config.block_size, device), kv_dtype, layers, device.type == "cuda")
 
@@ -407,7 +406,7 @@ def throwaway_runner(
         device,
         config.seed,
         max_num_seqs=config.max_num_seqs,
-        kv_dtype=kv_cache_dtype(config, model_info.dtype),
+        kv_dtype=kv_cache_dtype(config),
     )
 
 
@@ -514,7 +513,7 @@ def graph_pool_bytes(config: ResolvedConfig, model_info: ModelInfo, model: Causa
         device,
         config.seed,
         max_model_len=config.max_model_len,
-        kv_dtype=kv_cache_dtype(config, model_info.dtype),
+        kv_dtype=kv_cache_dtype(config),
     )
     used = profile_graph_memory(device, partial(_capture_largest_graphs, runner, config.max_num_seqs, max_tokens))
     del runner

@@ -41,6 +41,8 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
@@ -49,7 +51,7 @@ import structlog
 import uvicorn
 
 from engine.chat import load_chat_template
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, add_flags
 from engine.core_share import CoreShare
 from engine.gc_heap import freeze_startup_heap, resume_startup_collections
 from engine.lifecycle import LIFECYCLE, PROCESS_EXIT, Phase
@@ -58,8 +60,7 @@ from engine.model.checkpoint_dir import require_checkpoint_dir, require_tokenize
 from engine.ops_contract.inflight import InflightFile
 from engine.ops_contract.secrets import SECRET_ENV
 from engine.ops_contract.sockets import bind, inherited_socket
-from engine.schema import validate_section
-from engine.server.config_file import engine_args, error_in_file_terms, load_engine_section
+from engine.server.config_file import in_file_terms, load_engine_section, split_section
 from engine.server.control import ControlSocket, admin_handlers
 from engine.server.handover import RESTARTING_MESSAGE, HandoverDrain, HttpTracker
 from engine.server.limits import AcceptErrorsCondensed, BodyLimit, connection_limit, guarded_protocol
@@ -73,202 +74,52 @@ log = structlog.get_logger("pagekeeper.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The server's flags and the engine's, each generated from its settings dataclass (no defaults here: a flag
+    not given is absent, so that a config file's value or the environment's can stand)."""
     parser = argparse.ArgumentParser(prog="python -m engine.server", description="pagekeeper OpenAI-compatible server")
-    s = parser.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="Bind address (default loopback only).")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument(
-        "--api-key",
-        default=os.environ.get("PAGEKEEPER_API_KEY") or None,
-        help="Require 'Authorization: Bearer KEY' on /v1/* and /tokenize (env PAGEKEEPER_API_KEY).",
-    )
-    s.add_argument(
-        "--admin-key",
-        default=os.environ.get("PAGEKEEPER_ADMIN_KEY") or None,
-        help="Key for /drain from non-loopback clients (env PAGEKEEPER_ADMIN_KEY).",
-    )
-    s.add_argument(
-        "--api-key-file",
-        default=None,
-        help="Read the API key from this file (mode 0600): keys on a command line are visible to any local user.",
-    )
-    s.add_argument("--admin-key-file", default=None, help="Read the admin key from this file (mode 0600).")
-    s.add_argument("--disable-log-requests", action="store_true", help="Do not log each HTTP request.")
-    s.add_argument(
-        "--max-waiting",
-        type=int,
-        default=None,
-        help="Most requests waiting to be scheduled; beyond it, 429 with Retry-After.",
-    )
-    s.add_argument(
-        "--health-stall-seconds",
-        type=float,
-        default=30.0,
-        help="/health says 'stalled' when work waits and the step loop has not advanced this long.",
-    )
-    s.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=60.0,
-        help="On SIGTERM, wait this long for in-flight requests before exiting.",
-    )
-    s.add_argument("--enable-debug-hooks", action="store_true", help="Enable /debug/* test hooks (tests only).")
-    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    s.add_argument(
-        "--listen-fd",
-        type=int,
-        default=None,
-        help="Serve on this inherited listening socket instead of binding (opsctl passes one).",
-    )
-    s.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=32 * 2**20,
-        help="Larger request bodies get 413 before they are read (default 32 MiB).",
-    )
-    s.add_argument(
-        "--max-connections",
-        type=int,
-        default=None,
-        help="Open connections at most; beyond it the longest-idle one is closed to make room "
-        "(default: the open-file limit less 100).",
-    )
-    s.add_argument(
-        "--header-timeout",
-        type=float,
-        default=10.0,
-        help="Seconds a connection may take to send a complete request head before it is closed.",
-    )
-    s.add_argument(
-        "--metrics-names",
-        default="both",
-        choices=("vllm", "seed", "both"),
-        help="Names /metrics exports: vllm (vLLM's, vllm:num_requests_waiting, as vLLM dashboards, production-stack "
-        "and KEDA triggers query), seed (the seed's underscore forms, vllm_num_requests_waiting), or both (default).",
-    )
-    s.add_argument(
-        "--chat-template",
-        default=None,
-        help="The chat template (Jinja) to use instead of the model's: a file, or the template itself.",
-    )
-    s.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='Let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser.',
-    )
-    s.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=("hermes", "llama3_json"),
-        help="How the model writes tool calls: hermes (<tool_call> tags: Hermes, Qwen2.5, Qwen3) or llama3_json.",
-    )
-    s.add_argument(
-        "--disable-log-stats",
-        action="store_true",
-        help="Do not log the throughput / queue / KV cache line every 10 s while there is work.",
-    )
-    s.add_argument(
-        "--disable-fastapi-docs",
-        action="store_true",
-        help="Serve no /docs, /redoc or /openapi.json (they need no API key): for a server reachable by others.",
-    )
-    s.add_argument(
-        "--engine-core",
-        default="process",
-        choices=("thread", "process"),
-        help="Where the model runs: in a process of its own (process, the default): when that process dies "
-        "(killed, a fatal device error, a hang), this one starts a new one and resumes every request in flight on "
-        "it, streams included (engine/loop/); or on a thread of this process (thread).",
-    )
-    s.add_argument(
-        "--max-resumes",
-        type=int,
-        default=3,
-        help="--engine-core process: how many times one request is handed to a new engine core before it fails "
-        "with a retryable 503 (default 3).",
-    )
-    s.add_argument(
-        "--resume-timeout",
-        type=float,
-        default=300.0,
-        help="--engine-core process: seconds a request may wait for a new engine core after its own ended before "
-        "it fails with a retryable 503 (default 300).",
-    )
-    s.add_argument(
-        "--uvicorn-log-level",
-        default="warning",
-        choices=("critical", "error", "warning", "info", "debug", "trace"),
-        help="uvicorn's own log level (default warning: requests are logged by pagekeeper itself).",
-    )
-    s.add_argument(
-        "--cpu-reserved-cores",
-        type=int,
-        default=None,
-        help="CPU engine: cores kept for HTTP, tokenizing and detokenizing; the model's threads run on the rest "
-        "(default 1 when the process may use 4 or more cores, else 0: nothing kept).",
-    )
-    s.add_argument(
-        "--control-socket",
-        default=None,
-        help="Serve the supervisor's private control channel on this unix socket (opsctl sets it).",
-    )
-    s.add_argument(
-        "--inflight-file",
-        default=None,
-        help="Publish the count of requests in flight in this file (opsctl sets it, to count what a crash cost).",
-    )
-    s.add_argument(
-        "--share-cores-with",
-        type=int,
-        default=None,
-        metavar="PID",
-        help="Run half the model's CPU threads until process PID (the engine this one replaces) has exited "
-        "(opsctl sets it on an overlapping handover; engine/core_share.py says why).",
-    )
-    s.add_argument(
-        "--config",
-        default=None,
-        help="Take flags from the [engine] section of this pagekeeper TOML file (the file opsctl "
-        "and the systemd unit use); flags given on the command line win.",
-    )
-    EngineConfig.add_cli_args(parser.add_argument_group("engine"))
+    add_flags(ServerConfig, parser.add_argument_group("server"), defaults=False, bools="store_true")
+    EngineConfig.add_cli_args(parser.add_argument_group("engine"), defaults=False)
     return parser
 
 
-def config_file_section(argv: list[str]) -> dict[str, Any]:
-    """The checked [engine] section of `--config FILE` ({} without one)."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--config", default=None)
-    path = pre.parse_known_args(argv)[0].config
-    return load_engine_section(path) if path else {}
+@dataclass(frozen=True)
+class CommandLine:
+    """What `python -m engine.server ARGV` was given: the flags on the command line and the checked [engine]
+    section of its `--config` file (flags over the environment's keys over the file)."""
+
+    flags: dict[str, Any]
+    section: dict[str, Any] = field(default_factory=dict)
+    source: str = ""  # the config file, resolved
+
+    @classmethod
+    def read(cls, argv: list[str]) -> CommandLine:
+        flags = vars(build_parser().parse_args(argv))
+        path = flags.get("config")
+        if not path:
+            return cls(flags)
+        return cls(flags, load_engine_section(path), str(Path(path).resolve()))
+
+    def values(self, environ: Mapping[str, str]) -> dict[str, Any]:
+        """Every setting given, one dict: the file's, then the environment's keys, then the flags."""
+        keys = {key: environ[env] for key, env in SECRET_ENV.items() if environ.get(env)}  # never flags
+        return {**self.section, **keys, **self.flags}
+
+    def in_file_terms(self, message: str) -> str:
+        """An error about a value the file gave (no flag overrode it) names the file's key, after its path."""
+        from_file = [key for key in self.section if key not in self.flags]
+        return in_file_terms(message, self.source, self.section, from_file) if self.section else message
 
 
 def parse_args(argv: list[str] | None) -> tuple[ServerConfig, EngineConfig]:
-    """Flags over the environment over the config file (whose keys are placed before the flags)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    section = config_file_section(argv)
-    args = build_parser().parse_args(engine_args(section) + argv)
-    values = {k: getattr(args, k) for k in ServerConfig.__dataclass_fields__}
-    for key in SECRET_ENV:  # keys never become flags; a file's key applies unless a flag or the environment gave one
-        if values[key] is None and section.get(key):
-            values[key] = section[key]
-    validate_section(ServerConfig, values, "flags", flag_style=True)
-    server = ServerConfig(**values)
-    if server.engine_core == "thread":  # a core in this process is never resumed: its bounds would do nothing
-        defaults = ServerConfig()
-        for key in ("max_resumes", "resume_timeout"):
-            if getattr(server, key) != getattr(defaults, key):
-                flag = "--" + key.replace("_", "-")
-                raise ConfigError(
-                    f"{flag} bounds the resumes of --engine-core process; this server runs --engine-core thread"
-                )
-    if server.enable_auto_tool_choice and server.tool_call_parser is None:
-        raise ConfigError(
-            "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): the format the model "
-            "writes its tool calls in"
-        )
+    """Flags over the environment over the config file, built into the settings once (their schema checks them)."""
+    return settings(CommandLine.read(list(sys.argv[1:] if argv is None else argv)))
+
+
+def settings(command_line: CommandLine) -> tuple[ServerConfig, EngineConfig]:
+    server_values, engine_values = split_section(command_line.values(os.environ))
+    server = ServerConfig(**server_values)
     load_chat_template(server.chat_template)  # a path that is not there fails now, before the model loads
-    engine = EngineConfig.from_cli_args(args)
+    engine = EngineConfig(**engine_values)
     require_checkpoint_dir(Path(engine.model_path()))  # before anything imports torch (resolved_device may)
     require_tokenizer_dir(engine.tokenizer or engine.model_path())
     if server.cpu_reserved_cores and (engine.resolved_device().startswith("cuda") or engine.tensor_parallel_size > 1):
@@ -740,8 +591,10 @@ class DrainOnTermServer(uvicorn.Server):
 def main(argv: list[str] | None = None) -> int:
     pause_startup_collections()  # until the start-up heap is frozen (engine/gc_heap.py)
     argv = list(sys.argv[1:] if argv is None else argv)
+    command_line = CommandLine({})
     try:
-        server_config, engine_config = parse_args(argv)
+        command_line = CommandLine.read(argv)
+        server_config, engine_config = settings(command_line)
         configure_logging(server_config.log_level, force=True)
         inherited = inherited_socket(server_config.listen_fd)
         sock = inherited or bind(server_config.host, server_config.port)
@@ -752,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
             if control is not None:
                 control.close()
     except ConfigError as e:
-        print(f"error: {error_in_file_terms(str(e), argv)}", file=sys.stderr)  # a --config file's keys, not flags
+        print(f"error: {command_line.in_file_terms(str(e))}", file=sys.stderr)  # a --config file's keys, not flags
         return 2
     finally:
         resume_startup_collections()  # a start that failed before the freeze: the collector back on
