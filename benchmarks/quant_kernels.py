@@ -5,7 +5,9 @@
     python -m benchmarks.quant_kernels --decode --out DIR                # one GPU: M = 1..32, decode arms only
 
 For each projection (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096) and M = 1, 8, 32,
-256, 4096 rows, the device time (CUDA graph replay, L2 flushed: benchmarks/kernels.py's _bench) of:
+256, 4096 rows, the device time of one call (on CUDA: one CUDA graph of the same call on several copies of the
+weights, together several times L2, run back to back and divided by their number, as a decode step runs its
+layers: benchmarks/kernels.py's bench_rotating; until 2026-11-28 one call after a 256 MiB L2-flushing write) of:
 
 - `bf16`, `fp16`: F.linear on the 16-bit weight (fp16 is AWQ's activation dtype);
 - FP8 weights: `fp8_scaled_mm` (the Triton per-token quantization + torch._scaled_mm), `fp8_scaled_mm_torch_quant`
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import statistics
 import sys
@@ -153,6 +156,19 @@ def weights(k: int, n: int, device: torch.device) -> dict[str, torch.Tensor]:
     }
 
 
+ROTATE_BYTES = 192 << 20  # the smallest format's copies together: several times an H100's or H200's 50-60 MB L2
+COPIED = ("bf16", "fp16", "fp8", "fp8_scale", "qweight", "qzeros", "scales")  # what the timed kernels read
+
+
+def rotations(k: int, n: int) -> int:
+    """How many copies of a projection's weights the timer rotates through (at least 2)."""
+    return max(2, math.ceil(ROTATE_BYTES / (k * n // 2)))  # the int4 weight is the smallest
+
+
+def _copy_inputs(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: (v.clone() if key in COPIED else v) for key, v in w.items()}
+
+
 def floors(k: int, n: int, m: int, copy_Bps: float) -> dict[str, float]:
     """ms to read each format's weight once and the activations in and out, at copy bandwidth."""
     bytes_by = floor_bytes(k, n, m)
@@ -203,6 +219,9 @@ def measure(
     results: list[dict[str, Any]] = []
     for layer, (k, n) in shapes.items():
         w = weights(k, n, device)
+        # copies of the kernels' inputs, together several times L2, timed back to back (benchmarks/kernels.py's
+        # bench_rotating); the float32 references are not copied
+        copies = [w] + [_copy_inputs(w) for _ in range(rotations(k, n) - 1)] if device.type == "cuda" else [w]
         for m in rows:
             gx = torch.Generator(device=device).manual_seed(m)
             x = torch.randn(m, k, generator=gx, device=device, dtype=torch.float32).bfloat16()
@@ -222,7 +241,13 @@ def measure(
                         tol = _tolerance(name, m)
                         if not err < tol:
                             errors[name] = f"wrong: relative error {err:.3g} against the reference (limit {tol})"
-                    row[f"{name}_ms"] = round(bench(fn), 5)
+                    if len(copies) > 1:
+                        from benchmarks.kernels import bench_rotating
+
+                        fns = [fn] + [variants(m, c, x, x16)[name] for c in copies[1:]]
+                        row[f"{name}_ms"] = round(bench_rotating(fns), 5)
+                    else:
+                        row[f"{name}_ms"] = round(bench(fn), 5)
                     if name != "fp8_quantize_only" and row[f"{name}_ms"] > 0:
                         row[f"{name}_TBps"] = round(moved[_format(name)] / (row[f"{name}_ms"] * 1e-3) / 1e12, 3)
                 except Exception as e:  # noqa: BLE001 - one path that fails to compile or run: record it, keep going
@@ -246,7 +271,7 @@ def measure(
                 + (f"; errors in {sorted(errors)}" if errors else ""),
                 flush=True,
             )
-        del w
+        del w, copies
         save(results)
     return results
 
@@ -396,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.quant_kernels " + " ".join(sys.argv[1:] if argv is None else argv),
         "torch": torch.__version__,
         "group_size": GROUP,
+        "timer": "bench_rotating: one CUDA graph of the call on rotating weight copies (>= 192 MiB of the smallest "
+        "format), median of 30 replays after an L2-clearing read, divided by the copies"
+        if gpu
+        else "CPU: median of 3 calls",
         "rule_in_use": {
             "FP8_W8A16_MAX_ROWS": quant_cuda.qr.FP8_W8A16_MAX_ROWS,
             "FP8_CUDA_CORE_MAX_ROWS": quant_cuda.FP8_CUDA_CORE_MAX_ROWS,
