@@ -264,6 +264,18 @@ def _measure(
         print(json.dumps({"tp": tp, **{k: v for k, v in arm.items() if k != "bounds"}}), flush=True)
     if args.overlap_ab and tp > 1:
         llm.llm_engine.core.runner.set_overlap_tokens(OVERLAP_IDLE)
+    if args.profile and not (torch.cuda.is_available() and not args.quick):
+        result["profile_rank0"] = "skipped: the kernel profile needs CUDA"
+    elif args.profile:
+        from benchmarks.tp_profile import profile_phases
+
+        runner = llm.llm_engine.core.runner
+        overlap = (runner.set_overlap_tokens, args.overlap_ab) if args.overlap_ab and tp > 1 else (None, 0)
+        result["profile_rank0"] = profile_phases(llm, cfg["vocab_size"], SamplingParams, prompts_for, *overlap)
+        if args.overlap_ab and tp > 1:
+            runner.set_overlap_tokens(OVERLAP_IDLE)
+        save()
+        print(json.dumps({"tp": tp, "profile_rank0": result["profile_rank0"]}), flush=True)
     if args.batch1:
         result["batch1"] = batch1(llm, cfg, args.input_len)
         save()
@@ -452,6 +464,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"])
     p.add_argument("--overlap-ab", type=int, default=0, metavar="TOKENS", help="time the overlap off and on (TP > 1)")
     p.add_argument("--batch1", action="store_true", help="also one request alone: ms per output token")
+    p.add_argument("--profile", action="store_true", help="GPU: rank 0's kernels by kind (benchmarks/tp_profile.py)")
     p.add_argument("--allreduce-json", type=Path, help="benchmarks/allreduce.py's output, instead of measuring")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--json", type=Path, help="write the result to this file (default: a dated name under --out)")
@@ -460,8 +473,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--tp takes distinct sizes >= 1")
     if args.overlap_ab < 0 or args.overlap_ab == 1:
         p.error("--overlap-ab takes a threshold of 2 tokens or more")
-    if args.correctness and (args.overlap_ab or args.batch1):
-        p.error("--overlap-ab and --batch1 are throughput options, not --correctness ones")
+    if args.correctness and (args.overlap_ab or args.batch1 or args.profile):
+        p.error("--overlap-ab, --batch1 and --profile are throughput options, not --correctness ones")
     args.shape = args.shape or ("1b" if args.correctness else "8b")
     return args
 

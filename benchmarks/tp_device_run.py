@@ -179,7 +179,7 @@ def commands(stage: str, quick: bool, gpus: int, work: Path, sizes: list[int], o
             "allreduce": py + ["benchmarks.allreduce", "--tp", *sizes_tp[1:], "--sizes", *map(str, sizes)],
             "70b": py
             + ["benchmarks.tensor_parallel", "--shape", "70b", "--tp", "4", "--overlap-ab", str(overlap)]
-            + ["--batch1", "--check-prompts", "0"],
+            + ["--batch1", "--profile", "--check-prompts", "0"],
             "8b": py + ["benchmarks.tensor_parallel", "--shape", "8b", "--tp", *sizes_tp, "--check-prompts", "0"],
             "correctness": py + ["benchmarks.tensor_parallel", "--correctness", "--tp", *sizes_tp],
         }
