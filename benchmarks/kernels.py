@@ -153,6 +153,11 @@ def gpu_slug(name: str) -> str:
     return (m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", name.lower())).lower()
 
 
+def device_slug(gpu: bool) -> str:
+    """The device's name in results files: the GPU's slug (h100, h200) when the run uses it, else cpu."""
+    return gpu_slug(torch.cuda.get_device_name()) if gpu else "cpu"
+
+
 def copy_tbps(nbytes: int = 2 << 30) -> float:
     src = torch.randint(-128, 127, (nbytes,), dtype=torch.int8, device=DEVICE)
     dst = torch.empty_like(src)

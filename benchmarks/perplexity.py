@@ -487,11 +487,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"error: --window {window} does not fit {shape.max_position_embeddings} positions", file=sys.stderr)
         return 2
     prompt_len, gen = args.prompt_len or (64 if gpu else 16), args.gen or (64 if gpu else 8)
-    name = "cpu"
-    if gpu:
-        from benchmarks.kernels import gpu_slug
+    from benchmarks.kernels import device_slug
 
-        name = gpu_slug(torch.cuda.get_device_name())
+    name = device_slug(gpu)
     date = dt.date.today().isoformat()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"perplexity-{name}-{date}.json"

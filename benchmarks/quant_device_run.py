@@ -172,7 +172,7 @@ def summarize(summary: dict[str, Any], out: Path, slug: str, date: str) -> None:
 def device_run(args: argparse.Namespace) -> int:
     import torch
 
-    from benchmarks.kernels import gpu_slug
+    from benchmarks.kernels import device_slug
 
     started = time.monotonic()
     deadline = started + args.deadline_s
@@ -180,7 +180,7 @@ def device_run(args: argparse.Namespace) -> int:
     if not gpu and not args.quick:
         print("error: no CUDA device; use --quick for the CPU dry run", file=sys.stderr)
         return 2
-    slug = gpu_slug(torch.cuda.get_device_name()) if gpu else "cpu"
+    slug = device_slug(gpu)
     date = dt.date.today().isoformat()
     args.out.mkdir(parents=True, exist_ok=True)
     final = args.out / f"quant-device-run-{slug}-{date}.json"

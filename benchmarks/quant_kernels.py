@@ -403,13 +403,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --quick runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     device = torch.device("cuda" if gpu else "cpu")
+    from benchmarks.kernels import device_slug
     from benchmarks.throughput import copy_bandwidth
 
-    name = "cpu"
-    if gpu:
-        from benchmarks.kernels import gpu_slug
-
-        name = gpu_slug(torch.cuda.get_device_name())
+    name = device_slug(gpu)
     shapes, rows = (SHAPES, ROWS) if gpu else (QUICK_SHAPES, QUICK_ROWS)
     if args.decode:
         rows = DECODE_ROWS if gpu else (1, 2, 16)

@@ -162,11 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no CUDA device; use --quick for the CPU dry run", file=sys.stderr)
         return 2
     started = time.monotonic()
-    name = "cpu"
-    if gpu:
-        from benchmarks.kernels import gpu_slug
+    from benchmarks.kernels import device_slug
 
-        name = gpu_slug(torch.cuda.get_device_name())
+    name = device_slug(gpu)
     date = dt.date.today().isoformat()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"quant-serving-{name}-{date}.json"

@@ -453,11 +453,9 @@ def main(argv: list[str] | None = None) -> int:
         base["load_format"] = "dummy"
     else:
         base["kv_cache_memory_bytes"] = 8 << 20
-    name = "cpu"
-    if gpu:
-        from benchmarks.kernels import gpu_slug
+    from benchmarks.kernels import device_slug
 
-        name = gpu_slug(torch.cuda.get_device_name())
+    name = device_slug(gpu)
     result: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name() if gpu else "cpu",
         "date": dt.date.today().isoformat(),

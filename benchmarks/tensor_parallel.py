@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from benchmarks.kernels import gpu_slug
+from benchmarks.kernels import device_slug
 from benchmarks.memory import LLAMA3_8B
 from benchmarks.step_roofline import recorded_steps
 from benchmarks.throughput import _free, _sync, prompts_for
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     args.num_prompts = args.num_prompts or (256 if gpu else 16)
     args.input_len = args.input_len or (512 if gpu else 16)
     args.output_len = args.output_len or (256 if gpu else 16)
-    name = gpu_slug(torch.cuda.get_device_name()) if gpu else "cpu"
+    name = device_slug(gpu)
     gpus = torch.cuda.device_count() if gpu else 0
     date = dt.date.today().isoformat()
     kind = "correctness" if args.correctness else args.shape
