@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 MAX_README_LINES = 200
 CI_TEST_COMMAND = "scripts/setup.sh --test && scripts/lint.sh && python3 -m pytest -n 2 --dist loadfile"
+CI_SOAK_COMMAND = "python3 -m pytest -m soak"  # the ten-minute soak, which the test command leaves out
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")  # [text](target); images too
 CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)  # links inside code are not links
@@ -70,10 +71,14 @@ def test_the_link_check_finds_a_dead_link_and_a_dead_section(tmp_path: Path):
     assert _links(doc) == ["#a-section-here", "missing.md", "#gone"]
 
 
-def test_ci_runs_readmes_test_command():
-    """.ci/run takes the line after the `<!-- test-command -->` marker; it must be the command README shows."""
+def test_ci_runs_readmes_test_command_then_its_soak_command():
+    """.ci/run takes the line after the `<!-- test-command -->` marker, then the one after `<!-- soak-command -->`;
+    they must be the commands README shows, run in that order."""
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
-    extract = re.search(r"^test_cmd=\$\((.*)\)$", ci, re.M)
-    assert extract, ".ci/run no longer extracts README's test command"
-    out = subprocess.run(["bash", "-c", extract.group(1)], cwd=REPO, capture_output=True, text=True, timeout=30)
-    assert out.stdout.strip() == CI_TEST_COMMAND
+    for var, wanted in (("test_cmd", CI_TEST_COMMAND), ("soak_cmd", CI_SOAK_COMMAND)):
+        extract = re.search(rf"^{var}=\$\((.*)\)$", ci, re.M)
+        assert extract, f".ci/run no longer extracts README's {var}"
+        out = subprocess.run(["bash", "-c", extract.group(1)], cwd=REPO, capture_output=True, text=True, timeout=30)
+        assert out.stdout.strip() == wanted
+        assert f'bash -c "${var}"' in ci
+    assert ci.index('bash -c "$test_cmd"') < ci.index('bash -c "$soak_cmd"')

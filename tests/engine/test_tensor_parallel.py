@@ -40,6 +40,25 @@ def models(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def one_rank(models):
+    """one_rank(name) -> the greedy and seeded-sampled tokens of one rank (the same engine for every case of a model:
+    llama+3's was built three times, for TP 2, TP 4 and the overlap)."""
+    made: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in made:
+            path, (prompts, _, cfg) = models(name)
+            one = _engine(path, cfg, 1)
+            try:
+                made[name] = _run(one, prompts)
+            finally:
+                one.close()
+        return made[name]
+
+    return get
+
+
 def _prompts(vocab: int) -> list[list[int]]:
     rng = random.Random(7)
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in LENGTHS]
@@ -124,11 +143,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,tp", CASES, ids=[f"{n}-tp{t}" for n, t in CASES])
-def test_tensor_parallel_matches_one_rank_and_transformers(models, name, tp):
+def test_tensor_parallel_matches_one_rank_and_transformers(models, one_rank, name, tp):
     path, (prompts, expected, cfg) = models(name)
-    one = _engine(path, cfg, 1)
-    greedy_1, sampled_1 = _run(one, prompts)
-    one.close()
+    greedy_1, sampled_1 = one_rank(name)
     llm = _engine(path, cfg, tp)
     try:
         core = llm.llm_engine.core
@@ -144,15 +161,13 @@ def test_tensor_parallel_matches_one_rank_and_transformers(models, name, tp):
     assert preemptions > 0 and hits > 0 and ranks == tp
 
 
-def test_overlapped_micro_batches_match_one_rank_and_switch_on_every_rank(models):
+def test_overlapped_micro_batches_match_one_rank_and_switch_on_every_rank(models, one_rank):
     """--tensor-parallel-overlap-tokens (engine/model/overlap.py) over gloo: started with a threshold no step
     reaches (the plain steps), then switched to 2 tokens on every rank between two generate calls, so that every
     step of two or more tokens (chunks, mixed steps, decodes of several sequences) runs as two micro-batches.  A
     rank that missed the switch would issue other all-reduces than its peer and the step would fail."""
     path, (prompts, expected, cfg) = models("llama+3")
-    one = _engine(path, cfg, 1)
-    greedy_1, sampled_1 = _run(one, prompts)
-    one.close()
+    greedy_1, sampled_1 = one_rank("llama+3")
     llm = _engine(path, cfg, 2, tensor_parallel_overlap_tokens=1 << 20)
     try:
         runner = llm.llm_engine.core.runner

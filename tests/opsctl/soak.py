@@ -2,9 +2,8 @@
 
     python -m tests.opsctl.soak --seconds 600 --root DIR --out DIR/soak.json
 
-Runs in its own process (tests/conftest.py starts it when the session begins, so the ten minutes
-overlap the rest of the suite, whose load only makes the engine's timing less regular), with the
-policy's default thresholds at a 1 s poll.  Besides the supervisor's decisions it scrapes /metrics
+Runs in its own process (tests/opsctl/test_soak.py starts it, in README's soak command, a CI step of its
+own), with the policy's default thresholds at a 1 s poll.  Besides the supervisor's decisions it scrapes /metrics
 every second and counts the samples in which the seed's instant rule (`waiting > 2 x running`) held.
 """
 

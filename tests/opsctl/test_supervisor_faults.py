@@ -73,11 +73,12 @@ class Since:
 def _shared_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     """One supervised engine for the restart tests that need no fresh one: debug hooks on, the backlog rule off (only
     the fault under test acts), overlapping handovers (what "auto" is on the CPU), and room for their restarts in
-    the crash-loop guard (each test's own restarts are checked by reason)."""
+    the crash-loop guard (each test's own restarts are checked by reason), none of which leaves its window while the
+    module runs (a test compares the crash-loop count before and after its fault)."""
     d = deployment(
         tmp_path_factory.mktemp("shared"),
         engine={"enable_debug_hooks": True},
-        supervisor={"backlog_factor": 1000.0, "handover": "overlap", "max_restarts": 20},
+        supervisor={"backlog_factor": 1000.0, "handover": "overlap", "max_restarts": 20, "restart_window": 3600.0},
     )
     try:
         _start(d)
@@ -257,38 +258,6 @@ def test_an_engine_side_config_error_names_the_config_key(deploy, tmp_path, chec
     assert d.log("engine.log").count("--- engine start") == 1  # exit 2: never retried
 
 
-def test_a_killed_engine_is_one_exit_and_an_adopting_supervisor_keeps_the_count(deploy):
-    """kill -9 of the engine is logged as one `engine_exited` (it was two: the restart noted it again), and the
-    restart it caused is still counted after the supervisor dies and a new one adopts the engine (the count went
-    back to 0); `opsctl start` says so in words ("pagekeeper is adopted the engine ..." before)."""
-    d = deploy()
-    st = _start(d)
-    old = st["engine"]["pid"]
-    os.kill(old, signal.SIGKILL)
-    st, _ = d.wait_for(
-        lambda s: s["engine"]["state"] == "serving" and s["engine"]["pid"] not in (None, old), 90, "a new engine"
-    )
-    log = [json.loads(ln) for ln in d.log("supervisor.log").splitlines() if ln.startswith("{")]
-    exits = [e for e in log if e["event"] == "engine_exited"]
-    print(f"engine_exited lines for the kill: {exits}")
-    assert [(e["pid"], e["how"]) for e in exits] == [(old, "killed by SIGKILL")]
-    assert st["restarts"]["total"] == 1 and st["restarts"]["counted_for_crash_loop"] == 1
-    engine, supervisor = st["engine"]["pid"], st["supervisor"]["pid"]
-    os.kill(supervisor, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while psutil.pid_exists(supervisor) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    again = d.opsctl("start")
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert again.stdout.splitlines()[0] == f"pagekeeper adopted the engine serving {MODEL} at {d.url}", again.stdout
-    st, _ = d.wait_for(lambda s: s["engine"]["state"] == "serving", 60, "the adopted engine serving")
-    assert st["engine"]["pid"] == engine and st["supervisor"]["pid"] != supervisor
-    restarts = st["restarts"]
-    print(f"after the adoption: {restarts}")
-    assert restarts["total"] == 1 and restarts["counted_for_crash_loop"] == 1
-    assert [r["reason"] for r in restarts["recent"]] == ["engine_exited"]
-
-
 def test_an_engine_that_keeps_crashing_ends_in_a_reported_crash_loop(deploy, tmp_path):
     # exit 1 (a bug, not a config mistake) is retried until the crash-loop guard gives up
     crasher = tmp_path / "sitecustomize.py"
@@ -373,39 +342,6 @@ def test_dry_run_decides_and_logs_but_never_acts(deploy):
         assert '"dry_run": true' in d.log("supervisor.log") and '"event": "decision"' in d.log("supervisor.log")
     finally:
         os.kill(old, signal.SIGCONT)
-
-
-def test_cli_restart_drain_resume_stop_and_logs(deploy):
-    d = deploy()
-    st = _start(d)
-    old = st["engine"]["pid"]
-    again = d.opsctl("start")
-    assert again.returncode == 0 and "already running" in again.stdout
-    r = d.opsctl("restart", "--drain-timeout", "5")
-    assert r.returncode == 0 and "restarted" in r.stdout
-    st = d.status()
-    assert st["engine"]["pid"] != old and st["restarts"]["recent"][-1]["reason"] == "manual"
-    assert st["restarts"]["counted_for_crash_loop"] == 0  # manual restarts are not crashes
-    drained = json.loads(d.opsctl("drain", "--timeout", "5", "--json").stdout)
-    assert drained["drained"] is True
-    assert httpx.get(d.url + "/health").json() == {"status": "draining"}
-    st = d.opsctl("status")
-    assert st.returncode == 5 and st.stdout.startswith("engine      draining"), st.stdout  # not stale
-    assert d.opsctl("start").returncode == 5
-    r = d.opsctl("resume")
-    assert r.returncode == 0 and "resumed" in r.stdout
-    assert httpx.get(d.url + "/health").json() == {"status": "ok"}
-    st = d.opsctl("status")
-    assert st.returncode == 0 and st.stdout.startswith("engine      serving"), st.stdout
-    assert "None" not in st.stdout and ".0 " not in st.stdout  # integers, nothing unknown printed
-    assert "engine_ready" in d.opsctl("logs", "--supervisor").stdout
-    assert "serving" in d.opsctl("logs").stdout
-    r = d.opsctl("stop")
-    assert r.returncode == 0 and "stopped" in r.stdout
-    assert d.opsctl("status").returncode == 3
-    assert d.opsctl("stop").returncode == 0  # stopping what is stopped is done, like systemctl stop
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(d.url + "/health", timeout=2)
 
 
 def test_garbage_metrics_slow_metrics_and_no_nvml_are_reported_not_fatal(shared):
@@ -686,3 +622,76 @@ def _events(text: str) -> list[dict]:
         except ValueError:
             continue
     return out
+
+
+# The two tests below replace the shared deployment's supervisor (an adoption) and stop and start it again: they run
+# last, and each leaves the deployment serving (checked).
+
+
+def test_a_killed_engine_is_one_exit_and_an_adopting_supervisor_keeps_the_count(shared):
+    """kill -9 of the engine is logged as one `engine_exited` (it was two: the restart noted it again), and the
+    restart it caused is still counted after the supervisor dies and a new one adopts the engine (the count went
+    back to 0); `opsctl start` says so in words ("pagekeeper is adopted the engine ..." before)."""
+    d = shared.d
+    st = d.status()
+    old, counted = st["engine"]["pid"], st["restarts"]["counted_for_crash_loop"]
+    os.kill(old, signal.SIGKILL)
+    st, _ = d.wait_for(
+        lambda s: s["engine"]["state"] == "serving" and s["engine"]["pid"] not in (None, old), 90, "a new engine"
+    )
+    exits = [e for e in _events(shared.log("supervisor.log")) if e.get("event") == "engine_exited"]
+    print(f"engine_exited lines since the test began: {exits}")
+    assert [(e["pid"], e["how"]) for e in exits if e["pid"] == old] == [(old, "killed by SIGKILL")]
+    assert all(e["pid"] != st["engine"]["pid"] for e in exits)
+    assert [r["reason"] for r in shared.restarts(st)] == ["engine_exited"]
+    assert st["restarts"]["counted_for_crash_loop"] == counted + 1
+    engine, supervisor = st["engine"]["pid"], st["supervisor"]["pid"]
+    os.kill(supervisor, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(supervisor) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    again = d.opsctl("start")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.splitlines()[0] == f"pagekeeper adopted the engine serving {MODEL} at {d.url}", again.stdout
+    st, _ = d.wait_for(lambda s: s["engine"]["state"] == "serving", 60, "the adopted engine serving")
+    assert st["engine"]["pid"] == engine and st["supervisor"]["pid"] != supervisor
+    restarts = st["restarts"]
+    print(f"after the adoption: {restarts}")
+    assert restarts["total"] == shared.restarts_at + 1 and restarts["counted_for_crash_loop"] == counted + 1
+    assert [r["reason"] for r in shared.restarts(st)] == ["engine_exited"]
+
+
+def test_cli_restart_drain_resume_stop_and_logs(shared):
+    d = shared.d
+    st = d.status()
+    old, counted = st["engine"]["pid"], st["restarts"]["counted_for_crash_loop"]
+    again = d.opsctl("start")
+    assert again.returncode == 0 and "already running" in again.stdout
+    r = d.opsctl("restart", "--drain-timeout", "5")
+    assert r.returncode == 0 and "restarted" in r.stdout
+    st = d.status()
+    assert st["engine"]["pid"] != old and st["restarts"]["recent"][-1]["reason"] == "manual"
+    assert [x["reason"] for x in shared.restarts(st)] == ["manual"]
+    assert st["restarts"]["counted_for_crash_loop"] == counted  # manual restarts are not crashes
+    drained = json.loads(d.opsctl("drain", "--timeout", "5", "--json").stdout)
+    assert drained["drained"] is True
+    assert httpx.get(d.url + "/health").json() == {"status": "draining"}
+    st = d.opsctl("status")
+    assert st.returncode == 5 and st.stdout.startswith("engine      draining"), st.stdout  # not stale
+    assert d.opsctl("start").returncode == 5
+    r = d.opsctl("resume")
+    assert r.returncode == 0 and "resumed" in r.stdout
+    assert httpx.get(d.url + "/health").json() == {"status": "ok"}
+    st = d.opsctl("status")
+    assert st.returncode == 0 and st.stdout.startswith("engine      serving"), st.stdout
+    assert "None" not in st.stdout and ".0 " not in st.stdout  # integers, nothing unknown printed
+    assert "engine_ready" in d.opsctl("logs", "--supervisor").stdout
+    assert "serving" in d.opsctl("logs").stdout
+    r = d.opsctl("stop")
+    assert r.returncode == 0 and "stopped" in r.stdout
+    assert d.opsctl("status").returncode == 3
+    assert d.opsctl("stop").returncode == 0  # stopping what is stopped is done, like systemctl stop
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(d.url + "/health", timeout=2)
+    _start(d)  # serving again, for whatever runs after
+    assert httpx.get(d.url + "/health", timeout=5).json() == {"status": "ok"}
