@@ -229,6 +229,18 @@ def cpu_flags() -> dict[str, bool]:
     return {name: name in flags for name in FLAGS_OF_INTEREST}
 
 
+def machine_warnings(dtypes: list[str], flags: dict[str, bool]) -> list[str]:
+    """What makes this machine's figures incomparable with another's: bf16 without a native bf16 matmul (no
+    AVX-512 bf16, no AMX) runs torch's fallback, many times slower than fp32, in both engines' linear layers."""
+    out = []
+    if "bfloat16" in dtypes and not (flags.get("avx512_bf16") or flags.get("amx_bf16")):
+        out.append(
+            "bfloat16 on a CPU without avx512_bf16 or amx_bf16: matmuls take a fallback path; "
+            "compare only with runs on the same ISA"
+        )
+    return out
+
+
 def cpu_ranges(cpus: list[int]) -> str:
     """CPU ids as VLLM_CPU_OMP_THREADS_BIND spells them: [0, 1, 2, 5] -> "0-2,5"."""
     runs: list[list[int]] = []
@@ -485,6 +497,8 @@ def main() -> None:
     sizes = args.sizes.split(",") + ([args.serving_size] if args.serving else [])
     models = {s: make_checkpoint(_hidden(s), _layers(s), args.checkpoints) for s in dict.fromkeys(sizes)}
     started = time.monotonic()
+    for warning in machine_warnings(args.dtypes, cpu_flags()):
+        print("warning: " + warning, flush=True)
     result: dict[str, Any] = {
         "what": "pagekeeper vs vLLM CPU (vllm-cpu) at both bindings, same checkpoints, prompts and KV budget",
         "command": "python3 -m benchmarks.peer_vllm_cpu " + " ".join(sys.argv[1:]),
@@ -500,6 +514,7 @@ def main() -> None:
             "vllm": versions(args.vllm_python, ("vllm-cpu", "torch", "transformers")),
         },
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "warnings": machine_warnings(args.dtypes, cpu_flags()),
         "settings": {"in": IN_TOKENS, "out": OUT_TOKENS, "kv_gib": KV_GIB, **ENGINE, "prefix_caching": False},
         "repeats": args.repeats,
         "load1_at_start": os.getloadavg()[0],

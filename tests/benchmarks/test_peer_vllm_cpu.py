@@ -9,6 +9,7 @@ import pytest
 from benchmarks.peer_vllm_cpu import (
     bound_cores,
     cpu_ranges,
+    machine_warnings,
     peer_steadiness,
     spread,
     summarize_offline,
@@ -141,3 +142,11 @@ def test_bound_cores_reads_vllms_binding_log() -> None:
     )
     assert bound_cores(log) == ["[1]"]
     assert bound_cores("nothing here") == []
+
+
+def test_bf16_without_a_native_bf16_matmul_is_warned() -> None:
+    avx2 = {"avx2": True, "avx512_bf16": False, "amx_bf16": False}
+    assert machine_warnings(["bfloat16"], avx2) and "avx512_bf16" in machine_warnings(["bfloat16"], avx2)[0]
+    assert machine_warnings(["float32"], avx2) == []
+    assert machine_warnings(["bfloat16"], {**avx2, "avx512_bf16": True}) == []
+    assert machine_warnings(["bfloat16"], {**avx2, "amx_bf16": True}) == []
