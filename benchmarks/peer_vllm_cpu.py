@@ -231,7 +231,8 @@ def cpu_flags() -> dict[str, bool]:
 
 def machine_warnings(dtypes: list[str], flags: dict[str, bool]) -> list[str]:
     """What makes this machine's figures incomparable with another's: bf16 without a native bf16 matmul (no
-    AVX-512 bf16, no AMX) runs torch's fallback, many times slower than fp32, in both engines' linear layers."""
+    AVX-512 bf16, no AMX) takes a fallback path (torch's is many times slower than its fp32), so the figures say how
+    each engine copes with that ISA, not how it runs on one with bf16 in hardware."""
     out = []
     if "bfloat16" in dtypes and not (flags.get("avx512_bf16") or flags.get("amx_bf16")):
         out.append(
