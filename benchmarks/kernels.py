@@ -58,6 +58,36 @@ _FLUSH: torch.Tensor | None = None
 EAGER_FALLBACKS: list[str] = []  # what could not be graph-captured (timed eagerly instead)
 
 
+def _flush_buffer() -> torch.Tensor:
+    """256 MiB on the device, made once: written or read before a timed replay to empty L2."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 << 20, dtype=torch.int8, device=DEVICE)
+    return _FLUSH
+
+
+def _captured(fns, warmups: int, label: str) -> torch.cuda.CUDAGraph | None:
+    """One CUDA graph of `fns` called in order, after `warmups` rounds on a side stream (as torch.cuda.graphs
+    recommends); None, with the reason in EAGER_FALLBACKS, where they cannot be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            for fn in fns:
+                fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for fn in fns:
+                fn()
+    except Exception as e:  # noqa: BLE001 - the caller times it another way
+        torch.cuda.synchronize()
+        EAGER_FALLBACKS.append(f"{getattr(fns[0], '__qualname__', fns[0])}{label}: {str(e)[:160]}")
+        return None
+    return graph
+
+
 def _bench(fn, reps: int = 100) -> float:
     """Median device time of `fn` replayed from a CUDA graph, with L2 flushed before every replay.
 
@@ -65,29 +95,16 @@ def _bench(fn, reps: int = 100) -> float:
     replay), no host launch cost (the replay is queued while the flush runs).  Falls back to eager
     do_bench if `fn` cannot be captured.
     """
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 << 20, dtype=torch.int8, device=DEVICE)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception as e:  # noqa: BLE001 - not capturable: time it eagerly
-        torch.cuda.synchronize()
-        EAGER_FALLBACKS.append(f"{getattr(fn, '__qualname__', fn)}: {str(e)[:160]}")
+    flush = _flush_buffer()
+    graph = _captured([fn], warmups=3, label="")
+    if graph is None:  # not capturable: time it eagerly
         return _bench_eager(fn)
     for _ in range(5):
         graph.replay()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
-        _FLUSH.zero_()
+        flush.zero_()
         starts[i].record()
         graph.replay()
         ends[i].record()
@@ -105,30 +122,16 @@ def bench_rotating(fns, reps: int = 30) -> float:
     a projection of a few megabytes; here both spread over len(fns) calls.  L2 is emptied before each replay by
     a read (a sum), which leaves no dirty lines.  Falls back to _bench of the first call where the graph cannot
     be captured."""
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 << 20, dtype=torch.int8, device=DEVICE)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for fn in fns:
-                fn()
-    except Exception as e:  # noqa: BLE001 - not capturable: the single-call timer
-        torch.cuda.synchronize()
-        EAGER_FALLBACKS.append(f"{getattr(fns[0], '__qualname__', fns[0])} (rotating): {str(e)[:160]}")
+    flush = _flush_buffer()
+    graph = _captured(fns, warmups=1, label=" (rotating)")
+    if graph is None:  # not capturable: the single-call timer
         return _bench(fns[0])
     graph.replay()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     sink = torch.empty((), dtype=torch.int64, device=DEVICE)
     for i in range(reps):
-        torch.sum(_FLUSH, dtype=torch.int64, out=sink)  # L2 holds the flush buffer, clean
+        torch.sum(flush, dtype=torch.int64, out=sink)  # L2 holds the flush buffer, clean
         starts[i].record()
         graph.replay()
         ends[i].record()
