@@ -123,3 +123,24 @@ def test_a_process_sets_it_up_once_and_later_groups_sum_through_nccl(monkeypatch
     assert agreed[3:] == [False]  # the ranks agreed not to start the rendezvous
     with pytest.raises(RuntimeError, match="require: symmetric memory was already set up once"):
         set_up_for(None, cuda, "require")
+
+
+def test_a_misspelt_mode_stops_a_tensor_parallel_server_with_one_line_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.server.harness import REPO, free_port
+
+    env = {**os.environ, "PAGEKEEPER_TP_ALLREDUCE": "fast", "PAGEKEEPER_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run(
+        [sys.executable, "-m", "engine.server", "--tensor-parallel-size", "2", "--device", "cpu"]
+        + ["--port", str(free_port())],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    line = "error: PAGEKEEPER_TP_ALLREDUCE='fast': expected one of auto, nccl, require"
+    assert r.stderr.strip().splitlines()[-1] == line  # before any rank is spawned
