@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.cache_ops import _cdiv
+from kernels.operands import awq_dims, rows
 
 
 @triton.jit
@@ -322,13 +323,8 @@ def awq_gemm(
     `dense`: dequantize W once and multiply densely (default: from DENSE_MIN_ROWS rows on a GPU); `gemv`:
     one row per program on the CUDA cores (default: up to GEMV_MAX_ROWS rows in 16 bits)."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m, k = x2.shape
-    n = scales.shape[1]
-    if qweight.shape != (k, n // 8) or qzeros.shape != (k // group_size, n // 8):
-        raise ValueError(f"AWQ tensors {tuple(qweight.shape)}/{tuple(qzeros.shape)} do not fit x [*, {k}] -> {n}")
+    x2 = rows(x)
+    m, k, n = awq_dims(x2, qweight, qzeros, scales, group_size)
     fp16_math = x.dtype == torch.float16
     if dense is None:
         dense = m >= DENSE_MIN_ROWS and x.device.type == "cuda" and config is None

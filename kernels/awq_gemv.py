@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.operands import awq_dims, rows
 from kernels.splitk import cdiv, num_sms, reduce_splits, split_geometry, store_or_finish, tickets
 
 MAGIC = tl.constexpr(0x4B000000)  # the bits of 2^23 as float32: a value < 2^23 in its mantissa adds to it exactly
@@ -161,12 +162,9 @@ def awq_gemv(
     x's dtype.  `config` overrides awq_gemv_config (and SPLITS); `in_kernel_sum` False sums the splits with a
     second kernel instead."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m, k = x2.shape
-    n = scales.shape[1]
-    if qweight.shape != (k, n // 8) or qzeros.shape != (k // group_size, n // 8) or k % group_size or n % 8:
+    x2 = rows(x)
+    m, k, n = awq_dims(x2, qweight, qzeros, scales, group_size)
+    if k % group_size or n % 8:
         raise ValueError(f"AWQ tensors {tuple(qweight.shape)}/{tuple(qzeros.shape)} do not fit x [*, {k}] -> {n}")
     cfg = dict(awq_gemv_config(m, n, k, group_size, x2.device), **(config or {}))
     bn, bk, splits = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLITS")

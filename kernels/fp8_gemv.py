@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_linear import dot_dtype
+from kernels.operands import rows
 from kernels.splitk import cdiv, num_sms, reduce_splits, split_geometry, store_or_finish, tickets
 
 MAX_ROWS = 16  # the kernel holds all of x's rows in one tile
@@ -203,9 +204,7 @@ def fp8_gemv(
     ``[..., N]`` in x's dtype.  `config` overrides fp8_gemv_config's tiles (and SPLITS); `in_kernel_sum` False sums
     the splits with a second kernel instead (the A/B of the device benchmark)."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = rows(x)
     m, k = x2.shape
     n = weight.shape[0]
     if weight.shape != (n, k) or weight.stride() != (k, 1) or weight_scale.numel() not in (1, n):

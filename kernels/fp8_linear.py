@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import e4m3_bits
+from kernels.operands import rows
 from kernels.splitk import cdiv, reduce_splits, split_geometry, split_k
 
 FP8 = torch.float8_e4m3fn
@@ -212,9 +213,7 @@ def w8a16_linear(
     weight_scale float32 ``[N]``; ``[..., N]`` in x's dtype.  `use_dot` (default: from 4 rows) picks the
     tensor-core loop; `splits` the K splits (default: about two programs per SM)."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = rows(x)
     m, k = x2.shape
     n = weight.shape[0]
     if weight.shape != (n, k) or weight_scale.shape != (n,):

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.awq_gemm import _unpack
+from kernels.operands import awq_dims, rows
 from kernels.splitk import cdiv, reduce_splits, split_geometry, split_k
 
 
@@ -155,12 +156,9 @@ def w4a16_linear(
     `use_dot` (default: from 2 rows) picks the tensor-core loop over the one-row CUDA-core loop; `splits` the
     K splits (default: about two programs per SM)."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m, k = x2.shape
-    n = scales.shape[1]
-    if qweight.shape != (k, n // 8) or qzeros.shape != (k // group_size, n // 8) or k % group_size:
+    x2 = rows(x)
+    m, k, n = awq_dims(x2, qweight, qzeros, scales, group_size)
+    if k % group_size:
         raise ValueError(f"AWQ tensors {tuple(qweight.shape)}/{tuple(qzeros.shape)} do not fit x [*, {k}] -> {n}")
     if use_dot is None:
         use_dot = m > 1
