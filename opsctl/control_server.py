@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 from opsctl.constants import COMMAND_TIMEOUT_S
 
+CLOSE_GRACE_S = 5.0  # longest wait for replies in flight when the supervisor exits
+
 # submit(command, args, timeout_s) -> reply
 Submit = Callable[[str, dict[str, Any], float], dict[str, Any]]
 
@@ -40,6 +42,35 @@ class _ControlHandler(socketserver.StreamRequestHandler):
 class _ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     submit: Submit  # set by serve_control before the first connection
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.answering = 0  # connections whose reply is not yet written
+        self.answered = threading.Condition()
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self.answered:
+            self.answering += 1
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.answered:
+                self.answering -= 1
+                self.answered.notify_all()
+
+
+def close_control(server: socketserver.BaseServer, grace_s: float = CLOSE_GRACE_S) -> int:
+    """Stop accepting, then give replies being written up to `grace_s` to reach their clients (the stop command's
+    own reply is written by a handler thread after the loop has ended: a process that exits at once cut it off, and
+    `opsctl stop` said the supervisor was not running).  Returns how many connections were still unanswered."""
+    server.shutdown()
+    left = 0
+    if isinstance(server, _ControlServer):
+        with server.answered:
+            server.answered.wait_for(lambda: server.answering == 0, timeout=grace_s)
+            left = server.answering
+    server.server_close()
+    return left
 
 
 def serve_control(submit: Submit, path: Path) -> socketserver.BaseServer:

@@ -155,8 +155,19 @@ class Supervisor:
                 self.poll_once()
             due = next_poll_at(due, self.sup.poll_interval, time.monotonic())
             self._wait_and_serve_commands(due - time.monotonic())
+        self._refuse_queued_commands()
         log.info("supervisor_stopped", exit_code=self.exit_code)
         return self.exit_code
+
+    def _refuse_queued_commands(self) -> None:
+        """Commands that arrived after the stop are answered now, not left to their clients' timeouts."""
+        while True:
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            cmd.reply = {"ok": False, "error": f"the supervisor stopped before it ran {cmd.name}"}
+            cmd.done.set()
 
     def _wait_and_serve_commands(self, seconds: float) -> None:
         """Serve commands until the next poll is due; a starting engine that exits or starts serving meanwhile makes

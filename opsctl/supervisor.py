@@ -41,7 +41,7 @@ from opsctl.constants import (
     PID_NAME,
     SOCKET_NAME,
 )
-from opsctl.control_server import serve_control
+from opsctl.control_server import close_control, serve_control
 from opsctl.daemon import Supervisor
 from opsctl.instances import instance_record, port_clash, running_instances, write_record
 from opsctl.keeper import KeeperProcess
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = supervisor.run()
     finally:
-        control.shutdown()
+        close_control(control)
         for name in (SOCKET_NAME, PID_NAME, INSTANCE_FILE_NAME):
             (runtime / name).unlink(missing_ok=True)
         # A stop command stopped the engine already (unless it runs as a systemd unit of its own); a crash of
