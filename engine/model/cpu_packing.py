@@ -1,25 +1,31 @@
-"""Linear layers on the CPU through oneDNN with weights reordered once, at load, into its blocked layout.
+"""Linear layers on the CPU in bf16 / fp16, at the speed the CPU allows for those types.
 
-`F.linear` on a bf16 CPU tensor goes through oneDNN too, but reorders the weight into oneDNN's blocked (AMX / AVX-512)
-layout on every call: for a decode step's few rows that reorder, a pass over the whole weight, costs as much as the
-product.  Reordering once at load (`torch.ops.mkldnn._reorder_linear_weight`, the packing torch's own CPU inductor uses)
-and calling the packed product (`_linear_pointwise`) is 1.5-2x faster for a decode step's few rows
-(docs/decisions/cpu-packing.md).  The results are bf16 products summed in float32 either way, but not always in the same
-order as the unpacked call, so a near-tie between two tokens of a random-weight model can flip (greedy tokens of a
-512-wide test model first differed at one token in 128).  float32 weights are left to MKL: the reference path's float32
-numbers are what the parity tests compare with transformers.
+Two cases, chosen per weight dtype at load:
+- **Packed** (the CPU has oneDNN's instructions for the type: AVX-512 bf16, AMX): `F.linear` reorders the weight into
+  oneDNN's blocked layout on every call, a pass over the whole weight that costs as much as a decode step's product;
+  the weight is reordered once (`torch.ops.mkldnn._reorder_linear_weight`, as torch's CPU inductor does) and the
+  packed product called (`_linear_pointwise`), 1.5-2x faster (docs/decisions/cpu-packing.md).
+- **Widened** (no such instructions, e.g. AVX2 only): torch's bf16 matmul of more than one row takes an emulated
+  path 5-7x slower than float32; the product runs in float32 over the bf16 weight widened for the call (the same
+  bf16 values, summed in float32 as the native path sums them) and is rounded back.  One row (a decode step of one
+  sequence) keeps the bf16 product, which is a fast matrix-vector loop there (docs/decisions/cpu-packing.md).
 
-A packed weight replaces the layer's parameter (no second copy of the model in memory); the layer's forward is
-replaced by the packed product, with the tensor-parallel all-gather its own forward would do; a row-parallel
-layer of a tensor-parallel model keeps its forward (the sum over the ranks, then the bias) and has its `partial`
-product replaced.
+Either way the products are summed in a different order than the plain call, so a near-tie between two tokens of
+a random-weight model can flip.  float32 weights are left to MKL: the reference path's float32 numbers are what the
+parity tests compare with transformers.
+
+The layer's forward is replaced by the product, with the tensor-parallel all-gather its own forward would do; a
+row-parallel layer of a tensor-parallel model keeps its forward (the sum over the ranks, then the bias) and has its
+`partial` product replaced.  A packed weight replaces the layer's parameter (no second copy of the model in memory).
 """
 
 from __future__ import annotations
 
+import threading
 import types
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.model.layers.linear import MergedLinear, RowLinear, VocabEmbedding
@@ -51,26 +57,89 @@ class _PackedProduct:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def _replace_weight(layer: nn.Module, product: _PackedProduct) -> None:
-    """Drop the plain weight (the packed one holds the same numbers), keeping its shape and dtype readable."""
-    layer.weight = nn.Parameter(product.packed, requires_grad=False)
+class _WidenedProduct:
+    """``x @ W^T (+ bias)`` in float32 over W widened block by block, rounded back to x's dtype; one row in x's own
+    dtype.  Each block of W's rows (about `WIDEN_BLOCK_BYTES` in float32) is widened into a scratch buffer the
+    thread reuses and multiplied while it is in cache: widening all of W for each call allocated and wrote a float32
+    copy of it (for a 32k-vocabulary head, slower than the float32 product itself); block by block the product reads
+    W's bf16 bytes once and runs at or above float32's speed.  W stays the layer's parameter (no copy at load)."""
+
+    packed = None  # the layer keeps its own weight
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight.detach()
+        self.bias = bias
+        self.bias32 = None if bias is None else bias.detach().float()
+        self.block_rows = max(1, WIDEN_BLOCK_BYTES // (4 * self.weight.shape[1]))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= x.shape[-1]:  # one row: the plain product is a fast matrix-vector loop
+            return F.linear(x, self.weight, self.bias)
+        w = self.weight
+        rows_t = x.reshape(-1, x.shape[-1]).float().t()
+        out_t = torch.empty(w.shape[0], rows_t.shape[1])  # (out features, rows): each block's rows are contiguous
+        scratch = _scratch(self.block_rows * w.shape[1]).view(self.block_rows, w.shape[1])
+        for start in range(0, w.shape[0], self.block_rows):
+            stop = min(w.shape[0], start + self.block_rows)
+            block = scratch[: stop - start]
+            block.copy_(w[start:stop])
+            torch.mm(block, rows_t, out=out_t[start:stop])
+        out = out_t.t()
+        if self.bias32 is not None:
+            out = out + self.bias32
+        return out.to(x.dtype, memory_format=torch.contiguous_format).view(*x.shape[:-1], w.shape[0])
+
+
+WIDEN_BLOCK_BYTES = 2 << 20  # a float32 block of W: 1-4 MiB measured fastest (docs/decisions/cpu-packing.md)
+_scratches = threading.local()
+
+
+def _scratch(elements: int) -> torch.Tensor:
+    """This thread's float32 buffer of at least `elements` (one per thread: a step may run on any one thread)."""
+    buf: torch.Tensor | None = getattr(_scratches, "buf", None)
+    if buf is None or buf.numel() < elements:
+        buf = _scratches.buf = torch.empty(max(elements, WIDEN_BLOCK_BYTES // 4))
+    return buf[:elements]
+
+
+Product = _PackedProduct | _WidenedProduct
+
+
+def product_kind(dtype: torch.dtype) -> str | None:
+    """How a CPU linear layer of `dtype` runs here: "packed", "widened" or None (plain: float32, or no oneDNN)."""
+    if packing_available(dtype):
+        return "packed"
+    if dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available():
+        return "widened"
+    return None
+
+
+def _replace_weight(layer: nn.Module, product: Product) -> None:
+    """Drop the plain weight for the packed one (the same numbers), keeping its shape and dtype readable."""
+    if product.packed is not None:
+        layer.weight = nn.Parameter(product.packed, requires_grad=False)
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Pack every linear layer of `model` whose weight dtype oneDNN handles; returns how many were packed.
-    A tied LM head (the embedding's weight) is left alone: the embedding lookup needs the plain rows."""
+    """Give every linear layer of `model` whose weight dtype needs it the faster product (packed or widened);
+    returns how many layers got one.  A tied LM head (the embedding's weight) is never packed: the embedding
+    lookup needs the plain rows (widening keeps them, so a tied head is widened)."""
     count = 0
     tied = {id(m) for m in model.modules() if isinstance(m, VocabEmbedding) and _is_embedding(model, m)}
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or not packing_available(weight.dtype):
+        if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
             continue
+        kind = product_kind(weight.dtype)
+        if kind is None:
+            continue
+        make = _PackedProduct if kind == "packed" else _WidenedProduct
         if isinstance(module, RowLinear):
-            _pack_row(module)
+            _pack_row(module, make)
         elif isinstance(module, MergedLinear):
-            _pack_column(module)
-        elif isinstance(module, VocabEmbedding) and id(module) not in tied:
-            _pack_head(module)
+            _pack_column(module, make)
+        elif isinstance(module, VocabEmbedding) and (kind == "widened" or id(module) not in tied):
+            _pack_head(module, make)
         else:
             continue
         count += 1
@@ -82,25 +151,25 @@ def _is_embedding(model: nn.Module, module: nn.Module) -> bool:
     return any(name.endswith("embed_tokens") for name, m in model.named_modules() if m is module)
 
 
-def _pack_column(layer: MergedLinear) -> None:
-    product = _PackedProduct(layer.weight, layer.bias)
+def _pack_column(layer: MergedLinear, make: type[Product]) -> None:
+    product = make(layer.weight, layer.bias)
     _replace_weight(layer, product)
     layer.forward = product  # type: ignore[assignment]  # nn.Linear.forward names its argument `input`
 
 
-def _pack_row(layer: RowLinear) -> None:
+def _pack_row(layer: RowLinear, make: type[Product]) -> None:
     if not layer.tp.is_parallel:
-        product = _PackedProduct(layer.weight, layer.bias)
+        product = make(layer.weight, layer.bias)
         _replace_weight(layer, product)
         layer.forward = product  # type: ignore[method-assign]
         return
-    partial = _PackedProduct(layer.weight, None)  # the bias is added once, after the sum (RowLinear.forward)
+    partial = make(layer.weight, None)  # the bias is added once, after the sum (RowLinear.forward)
     _replace_weight(layer, partial)
     layer.partial = partial  # type: ignore[method-assign]
 
 
-def _pack_head(head: VocabEmbedding) -> None:
-    product = _PackedProduct(head.weight, None)
+def _pack_head(head: VocabEmbedding, make: type[Product]) -> None:
+    product = make(head.weight, None)
     _replace_weight(head, product)
 
     def logits(self: VocabEmbedding, hidden: torch.Tensor) -> torch.Tensor:

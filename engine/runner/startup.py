@@ -30,7 +30,7 @@ from engine.memory.budget import (
     profile_step,
     set_allocator_defaults,
 )
-from engine.model.cpu_packing import pack_linears
+from engine.model.cpu_packing import pack_linears, product_kind
 from engine.model.interface import CausalLM
 from engine.model.layers.attention import PagedAttention
 from engine.model.loader import ModelInfo, load_model
@@ -147,9 +147,15 @@ def start_runner(
     weights = shared_bytes or sum(p.numel() * p.element_size() for p in model.parameters())
     by_dtype = weights_by_dtype(model)  # before the CPU packing below replaces weights by opaque ones
     if not cuda:
-        packed = pack_linears(model)  # oneDNN's blocked layout, once (engine/model/cpu_packing.py says why)
+        packed = pack_linears(model)  # packed or widened products (engine/model/cpu_packing.py says why)
         if packed:
-            startup_detail(log, "cpu_linears_packed", layers=packed, dtype=str(model_info.dtype).removeprefix("torch."))
+            startup_detail(
+                log,
+                "cpu_linears_packed",
+                layers=packed,
+                dtype=str(model_info.dtype).removeprefix("torch."),
+                product=product_kind(model_info.dtype),
+            )
     profile = None
     probes = ProbeCache(
         config,

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.model.cpu_packing import pack_linears, packing_available
 from engine.model.layers.linear import MergedLinear, RowLinear, VocabEmbedding
 from engine.parallel.group import SINGLE
 
-pytestmark = pytest.mark.skipif(not packing_available(torch.bfloat16), reason="this CPU has no oneDNN bf16")
+needs_onednn_bf16 = pytest.mark.skipif(not packing_available(torch.bfloat16), reason="this CPU has no oneDNN bf16")
 
 
 class _Tiny(torch.nn.Module):
@@ -27,6 +28,7 @@ class _Tiny(torch.nn.Module):
         return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(x)
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("tied", [False, True])
 def test_packed_layers_compute_what_the_plain_ones_did(tied: bool) -> None:
     torch.manual_seed(0)
@@ -46,6 +48,74 @@ def test_packed_layers_compute_what_the_plain_ones_did(tied: bool) -> None:
     assert err <= 2e-2 * plain.abs().max().item()
 
 
+@needs_onednn_bf16
 def test_float32_is_left_to_mkl() -> None:
     model = _Tiny(tied=False)
     assert pack_linears(model) == 0 and not model.qkv.weight.is_mkldnn
+
+
+def test_without_the_instructions_bf16_products_run_widened_to_float32(monkeypatch) -> None:
+    """On a CPU without oneDNN bf16 (AVX2 only), torch's bf16 matmul of many rows is emulated, 5-7x slower than
+    float32: the layers compute in float32 over the same bf16 weights, rounded back to bf16; one row keeps the bf16
+    product.  Forced here so that the test runs on either kind of CPU."""
+    from engine.model import cpu_packing
+
+    monkeypatch.setattr(cpu_packing, "packing_available", lambda dtype: False)
+    torch.manual_seed(0)
+    model = _Tiny(tied=True)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    model = model.to(torch.bfloat16)
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    assert cpu_packing.product_kind(torch.bfloat16) == "widened"
+    assert cpu_packing.product_kind(torch.float32) is None
+    with torch.no_grad():
+        assert pack_linears(model) == 3  # the tied head too: widening keeps the embedding's rows
+        for name, p in model.named_parameters():  # no weight replaced, no copy kept
+            assert p.dtype == torch.bfloat16 and torch.equal(p, weights[name]), name
+        x = torch.randn(10, 64).bfloat16()
+
+        def float32_product(name: str, rows: torch.Tensor) -> torch.Tensor:
+            bias = weights.get(f"{name}.bias")
+            return F.linear(rows.float(), weights[f"{name}.weight"].float(), None if bias is None else bias.float())
+
+        def assert_rounded_float32(got: torch.Tensor, want: torch.Tensor) -> None:
+            # float32 sums (in MKL's order, block by block) rounded to bf16: within one bf16 step of the float32 value
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape
+            torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-6)
+
+        assert_rounded_float32(model.qkv(x), float32_product("qkv", x))
+        assert_rounded_float32(model.o(x), float32_product("o", x))
+        batched = x.view(2, 5, 64)  # leading dimensions are kept
+        assert_rounded_float32(model.qkv(batched), float32_product("qkv", batched))
+        one = x[:1]
+        assert torch.equal(model.qkv(one), F.linear(one, weights["qkv.weight"], weights["qkv.bias"]))
+        ids = torch.randint(0, 300, (10,))
+        hidden = model.embed_tokens(ids)
+        assert torch.equal(hidden, F.embedding(ids, weights["embed_tokens.weight"]))
+        assert_rounded_float32(model.embed_tokens.logits(hidden), float32_product("embed_tokens", hidden))
+
+
+def test_a_widened_product_wider_than_one_block_covers_every_row(monkeypatch) -> None:
+    """The weight is widened block by block into one reused buffer: a weight of several blocks and a last, partial
+    block give the float32 product (rounded) in every output column."""
+    from engine.model import cpu_packing
+
+    monkeypatch.setattr(cpu_packing, "WIDEN_BLOCK_BYTES", 4 * 64 * 7)  # 7 rows of W per block
+    torch.manual_seed(1)
+    w = (torch.randn(30, 64) * 0.1).bfloat16()
+    b = torch.randn(30).bfloat16()
+    x = torch.randn(6, 64).bfloat16()
+    product = cpu_packing._WidenedProduct(w, b)
+    assert product.block_rows == 7
+    want = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(product(x).float(), want, rtol=2**-7, atol=1e-6)
+    assert product(x).is_contiguous()
+
+
+def test_float32_layers_are_never_widened_or_packed(monkeypatch) -> None:
+    from engine.model import cpu_packing
+
+    monkeypatch.setattr(cpu_packing, "packing_available", lambda dtype: False)
+    model = _Tiny(tied=False)
+    assert pack_linears(model) == 0 and "forward" not in vars(model.qkv)

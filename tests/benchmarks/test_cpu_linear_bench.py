@@ -1,0 +1,23 @@
+"""benchmarks/cpu_linear.py: one small run writes its table with every path this CPU has and the CPU's bf16
+instructions."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import cpu_linear
+from engine.model.cpu_packing import product_kind
+
+
+def test_a_small_run_times_each_path_of_each_layer(tmp_path):
+    assert cpu_linear.main(["--sizes", "128x2", "--rows", "1,4", "--min-seconds", "0", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("cpu-linear-*.json")
+    data = json.loads(path.read_text())
+    assert data["cpu"] and isinstance(data["bf16_instructions"], list) and data["threads"] >= 1
+    kind = product_kind(__import__("torch").bfloat16)
+    assert data["bf16_product"] == kind
+    assert [(r["layer"], r["rows"]) for r in data["ms"]] == [
+        (layer, rows) for layer in ("qkv", "o", "gate_up", "down", "lm_head") for rows in (1, 4)
+    ]
+    paths = {"float32", "bf16_plain"} | ({f"bf16_{kind}"} if kind else set())
+    assert all(paths <= set(r) and all(r[p] > 0 for p in paths) for r in data["ms"])
