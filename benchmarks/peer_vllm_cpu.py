@@ -231,12 +231,13 @@ def cpu_flags() -> dict[str, bool]:
 
 def machine_warnings(dtypes: list[str], flags: dict[str, bool]) -> list[str]:
     """What makes this machine's figures incomparable with another's: bf16 without a native bf16 matmul (no
-    AVX-512 bf16, no AMX) takes a fallback path (torch's is many times slower than its fp32), so the figures say how
-    each engine copes with that ISA, not how it runs on one with bf16 in hardware."""
+    AVX-512 bf16, no AMX) takes a fallback path (torch's is many times slower than its fp32; pagekeeper's linears
+    widen to float32 instead, vLLM's take it), so the figures say how each engine copes with that ISA, not how it
+    runs on one with bf16 in hardware."""
     out = []
     if "bfloat16" in dtypes and not (flags.get("avx512_bf16") or flags.get("amx_bf16")):
         out.append(
-            "bfloat16 on a CPU without avx512_bf16 or amx_bf16: matmuls take a fallback path; "
+            "bfloat16 on a CPU without avx512_bf16 or amx_bf16: no bf16 matmul in hardware; "
             "compare only with runs on the same ISA"
         )
     return out
