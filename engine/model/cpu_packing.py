@@ -98,7 +98,10 @@ def _scratch(elements: int) -> torch.Tensor:
     """This thread's float32 buffer of at least `elements` (one per thread: a step may run on any one thread)."""
     buf: torch.Tensor | None = getattr(_scratches, "buf", None)
     if buf is None or buf.numel() < elements:
-        buf = _scratches.buf = torch.empty(max(elements, WIDEN_BLOCK_BYTES // 4))
+        # a normal tensor even when made under inference mode (the engine's steps): an inference tensor cannot be
+        # written outside inference mode, where a product may be called later (a test, a benchmark)
+        with torch.inference_mode(False):
+            buf = _scratches.buf = torch.empty(max(elements, WIDEN_BLOCK_BYTES // 4))
     return buf[:elements]
 
 

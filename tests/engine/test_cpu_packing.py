@@ -119,3 +119,27 @@ def test_float32_layers_are_never_widened_or_packed(monkeypatch) -> None:
     monkeypatch.setattr(cpu_packing, "packing_available", lambda dtype: False)
     model = _Tiny(tied=False)
     assert pack_linears(model) == 0 and "forward" not in vars(model.qkv)
+
+
+def test_the_scratch_made_in_inference_mode_serves_products_outside_it() -> None:
+    """The engine's steps run under inference mode; the thread's scratch made there must still take writes outside
+    it (a benchmark in the same process failed: "Inplace update to inference tensor outside InferenceMode")."""
+    import threading
+
+    from engine.model import cpu_packing
+
+    def run() -> None:
+        product = cpu_packing._WidenedProduct((torch.randn(8, 16) * 0.1).bfloat16(), None)
+        x = torch.randn(3, 16).bfloat16()
+        with torch.inference_mode():
+            inside = product(x)
+        with torch.no_grad():
+            outside = product(x)
+        assert torch.equal(inside, outside)
+        done.append(True)
+
+    done: list[bool] = []
+    worker = threading.Thread(target=run)  # a fresh thread: its scratch is first made under inference mode
+    worker.start()
+    worker.join(60)
+    assert done == [True]
