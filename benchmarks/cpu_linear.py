@@ -1,13 +1,15 @@
 """The CPU linear layers' products by dtype and path, per layer of the peer benchmark's checkpoints.
 
-    python3 -m benchmarks.cpu_linear [--sizes 512x8,1024x16] [--rows 1,8,64,256] [--threads N] [--out DIR]
+    python3 -m benchmarks.cpu_linear [--sizes 512x8,1024x16] [--rows 1,8,64,256] [--threads N] [--block-kib K]
+        [--out DIR]
 
 For each layer of the random Llama checkpoints benchmarks/peer_vllm_cpu.py serves (QKV, output, gate+up, down, the
 32k-vocabulary head) and each number of rows: float32 `F.linear` (MKL), bf16 `F.linear` (torch's own bf16 path),
 and the product engine/model/cpu_packing.py gives bf16 layers on this CPU ("packed" where oneDNN has the
 instructions, "widened" where it has not), median of timed calls in one process.  The CPU's model and its bf16
-instructions are recorded: the paths' order differs between AVX2-only and AVX-512-bf16 CPUs.  Writes
-`<out>/cpu-linear-<date>.json`.
+instructions are recorded: the paths' order differs between AVX2-only and AVX-512-bf16 CPUs.  `--block-kib` sets
+the widened product's block (the engine's WIDEN_BLOCK_BYTES) to compare sizes.  Writes `<out>/cpu-linear-<date>.json`
+(`-<K>kib` added when the block was set).
 """
 
 from __future__ import annotations
@@ -90,10 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,8,64,256", help="rows per product (a decode step's sequences)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     ap.add_argument("--min-seconds", type=float, default=0.2, help="timed calls per cell last at least this long")
+    ap.add_argument(
+        "--block-kib", type=int, default=None, help="the widened product's float32 block of W (default: the engine's)"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.block_kib:
+        cpu_packing.WIDEN_BLOCK_BYTES = args.block_kib << 10
     rows = [int(r) for r in args.rows.split(",")]
     table: list[dict[str, Any]] = []
     with torch.no_grad():
@@ -113,10 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "bf16_product": cpu_packing.product_kind(torch.bfloat16),
+        "widen_block_bytes": cpu_packing.WIDEN_BLOCK_BYTES,
         "ms": table,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"cpu-linear-{result['date']}.json"
+    suffix = f"-{args.block_kib}kib" if args.block_kib else ""
+    path = args.out / f"cpu-linear-{result['date']}{suffix}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
     return 0

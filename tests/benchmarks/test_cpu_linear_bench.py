@@ -21,3 +21,13 @@ def test_a_small_run_times_each_path_of_each_layer(tmp_path):
     ]
     paths = {"float32", "bf16_plain"} | ({f"bf16_{kind}"} if kind else set())
     assert all(paths <= set(r) and all(r[p] > 0 for p in paths) for r in data["ms"])
+
+
+def test_the_block_size_can_be_set_and_is_recorded(tmp_path, monkeypatch):
+    from engine.model import cpu_packing
+
+    monkeypatch.setattr(cpu_packing, "WIDEN_BLOCK_BYTES", cpu_packing.WIDEN_BLOCK_BYTES)  # restored after the run
+    args = ["--sizes", "128x2", "--rows", "4", "--min-seconds", "0", "--block-kib", "64", "--out", str(tmp_path)]
+    assert cpu_linear.main(args) == 0
+    (path,) = tmp_path.glob("cpu-linear-*-64kib.json")
+    assert json.loads(path.read_text())["widen_block_bytes"] == 64 << 10
