@@ -1,7 +1,7 @@
 """Issue 39's device run on one GPU (H100 or H200), in one command, within a deadline.
 
     bash benchmarks/quant_device_run.sh                      # OUT=<folder>: what benchmarks/quant_device_run.sh runs
-    python -m benchmarks.quant_device_run --out DIR [--stages kernels engines tests legacy] [--deadline-s 520]
+    python -m benchmarks.quant_device_run --out DIR [--stages kernels engines tests legacy gemv] [--deadline-s 520]
     python -m benchmarks.quant_device_run --out DIR --stages perplexity serving   # must-shows 2 and 4, one call
     python -m benchmarks.quant_device_run --quick --out DIR  # the same stages on the CPU (interpreter, embedded model)
 
@@ -18,6 +18,9 @@ group killed) when it would pass the deadline, its output streamed to the consol
               reference)  -> DIR/gpu-quant-tests-<gpu>-<date>.log
     legacy    the fp8 and AWQ engines again with PAGEKEEPER_QUANT_KERNELS=legacy (the previous kernels), when
               time is left: the same run's A/B  -> DIR/quantization-<gpu>-<date>-legacy.json
+    gemv      the fp8 and AWQ engines at batch 1 and 8 with PAGEKEEPER_QUANT_KERNELS=gemv (the bandwidth-shaped
+              decode kernels in front): the A/B that decides whether they become the default
+              -> DIR/quantization-<gpu>-<date>-gemv.json
     perplexity  benchmarks/perplexity.py: a small Llama trained for PERPLEXITY_TRAIN_S on the stdlib's sources,
               its held-out perplexity and greedy agreement in bf16 / fp8 weights / fp8 KV / AWQ; its ppl_ratio_*
               keys also go into DIR's quantization-*.json when the engines stage wrote one
@@ -46,13 +49,16 @@ from typing import Any
 from benchmarks.tp_device_run import Log, _commit, pytest_summary, run_stage
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ("kernels", "engines", "tests", "legacy", "perplexity", "serving")
+STAGES = ("kernels", "engines", "tests", "legacy", "gemv", "perplexity", "serving")
+ARMS = {"legacy": ["1"], "gemv": ["1", "8"]}  # the kernel-set A/B stages: the batches each one times
 DEFAULT_STAGES = ("kernels", "engines", "tests", "legacy")
 # The longest each stage may take on one H100 (the deadline cuts it shorter when less is left): the kernel table
 # is ~200 timed products and ~30 compiles, then the sweep; the engines stage is four 8B engines of ~65 s each;
 # perplexity is data and tokenizer (~20 s), training, then four small engines; serving is three 8B starts, each
 # with a completion, doctor and a stop.
-STAGE_LIMIT_S = {"kernels": 170, "engines": 320, "tests": 120, "legacy": 200, "perplexity": 310, "serving": 200}
+STAGE_LIMIT_S = {
+    "kernels": 170, "engines": 320, "tests": 120, "legacy": 200, "gemv": 200, "perplexity": 310, "serving": 200,
+}  # fmt: skip
 PERPLEXITY_TRAIN_S = 120  # of the stage's 310 s (benchmarks/perplexity.py's own default is 150)
 STOP_MARGIN_S = 15  # the serving stage stops its deployments this long before its limit (they outlive a kill)
 QUICK_LIMIT_FACTOR = 4  # the CPU dry run: Triton's interpreter on a shared machine, only the deadline matters
@@ -68,8 +74,8 @@ TEST_FILES = [
 
 
 def engines_file(out: Path) -> Path | None:
-    """The engines stage's results file in `out` (the newest, not the legacy arm's), if there is one."""
-    files = sorted(p for p in out.glob("quantization-*.json") if not p.stem.endswith("-legacy"))
+    """The engines stage's results file in `out` (the newest, not an A/B arm's), if there is one."""
+    files = sorted(p for p in out.glob("quantization-*.json") if not p.stem.endswith(tuple(f"-{a}" for a in ARMS)))
     return files[-1] if files else None
 
 
@@ -103,9 +109,10 @@ def commands(
     configs = (QUICK_ENGINE_CONFIGS if quick else ENGINE_CONFIGS) if stage == "engines" else ["fp8_weights", "awq"]
     batches = ["1", "2"] if quick else ["1", "8", "32"]
     cmd = py + ["benchmarks.quantization", "--skip-kernels", "--out", str(out), "--configs", *configs]
-    cmd += ["--batches", *(batches if stage == "engines" else ["1"])] + (["--quick"] if quick else [])
-    if stage == "legacy":
-        return cmd + ["--tag", "legacy"], {"PAGEKEEPER_QUANT_KERNELS": "legacy"}
+    arm_batches = ["1"] if quick else ARMS.get(stage, ["1"])
+    cmd += ["--batches", *(batches if stage == "engines" else arm_batches)] + (["--quick"] if quick else [])
+    if stage in ARMS:
+        return cmd + ["--tag", stage], {"PAGEKEEPER_QUANT_KERNELS": stage}
     return cmd, {}
 
 
@@ -118,8 +125,8 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 
 def summarize(summary: dict[str, Any], out: Path, slug: str, date: str) -> None:
-    """The issue's keys and the per-engine rows from the engines stage, the kernel stage's rule, the legacy A/B, the
-    perplexity stage's ratios (over the engines file's nulls) and the serving stage's weight ratios."""
+    """The issue's keys and the per-engine rows from the engines stage, the kernel stage's rule, the legacy and gemv
+    A/Bs, the perplexity stage's ratios (over the engines file's nulls) and the serving stage's weight ratios."""
     engines = _read(out / f"quantization-{slug}-{date}.json")
     if engines is not None:
         from benchmarks.quantization import ISSUE39_KEYS
@@ -139,12 +146,13 @@ def summarize(summary: dict[str, Any], out: Path, slug: str, date: str) -> None:
         summary["kernel_errors"] = {
             f"{r['layer']} M={r['M']}": r["errors"] for r in kernels.get("rows", []) if "errors" in r
         }
-    legacy = _read(out / f"quantization-{slug}-{date}-legacy.json")
-    if legacy is not None:
-        summary["legacy"] = {
-            name: {k: row.get(k) for k in ("throughput_tok_s", "batch1", "error") if k in row}
-            for name, row in legacy.get("engines", {}).items()
-        }
+    for arm in ARMS:
+        arm_data = _read(out / f"quantization-{slug}-{date}-{arm}.json")
+        if arm_data is not None:
+            summary[arm] = {
+                name: {k: row.get(k) for k in ("throughput_tok_s", "batch1", "decode", "error") if k in row}
+                for name, row in arm_data.get("engines", {}).items()
+            }
     ppl = _read(out / f"perplexity-{slug}-{date}.json")
     if ppl is not None:
         for key in ("ppl_ratio_fp8", "ppl_ratio_fp8_kv", "ppl_ratio_awq"):

@@ -23,6 +23,10 @@ def test_stage_commands(tmp_path):
     assert cmd[cmd.index("--batches") + 1 :] == ["1", "8", "32"]
     cmd, env = qdr.commands("legacy", tmp_path, quick=False, sweep_s=40)
     assert env == {"PAGEKEEPER_QUANT_KERNELS": "legacy"} and cmd[-2:] == ["--tag", "legacy"]
+    assert cmd[cmd.index("--configs") + 1 : cmd.index("--batches")] == ["fp8_weights", "awq"]
+    cmd, env = qdr.commands("gemv", tmp_path, quick=False, sweep_s=40)
+    assert env == {"PAGEKEEPER_QUANT_KERNELS": "gemv"} and cmd[-2:] == ["--tag", "gemv"]
+    assert cmd[cmd.index("--batches") + 1 : cmd.index("--tag")] == ["1", "8"]
     cmd, env = qdr.commands("kernels", tmp_path, quick=True, sweep_s=5)
     assert "benchmarks.quant_kernels" in cmd and "--quick" in cmd and env == {"TRITON_INTERPRET": "1"}
     cmd, _ = qdr.commands("tests", tmp_path, quick=False, sweep_s=0)
@@ -38,6 +42,7 @@ def test_the_perplexity_and_serving_stages_commands(tmp_path):
     assert qdr.PERPLEXITY_TRAIN_S < qdr.STAGE_LIMIT_S["perplexity"] - 120  # data, checkpoints, four engines
     (tmp_path / "quantization-h100-2026-01-01.json").write_text("{}")
     (tmp_path / "quantization-h100-2026-01-01-legacy.json").write_text("{}")
+    (tmp_path / "quantization-h100-2026-01-01-gemv.json").write_text("{}")
     cmd, _ = qdr.commands("perplexity", tmp_path, quick=True, sweep_s=40)
     assert cmd[cmd.index("--merge") + 1] == str(tmp_path / "quantization-h100-2026-01-01.json") and "--quick" in cmd
     cmd, env = qdr.commands("serving", tmp_path, quick=False, sweep_s=40, limit_s=150)
