@@ -131,7 +131,8 @@ def bench_rotating(fns, reps: int = 30) -> float:
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     sink = torch.empty((), dtype=torch.int64, device=DEVICE)
     for i in range(reps):
-        torch.sum(flush, dtype=torch.int64, out=sink)  # L2 holds the flush buffer, clean
+        torch.sum(flush.view(-1), dim=0, dtype=torch.int64, out=sink)  # L2 holds the flush buffer, clean (torch 2.11
+        # has no out= without dim)
         starts[i].record()
         graph.replay()
         ends[i].record()

@@ -108,7 +108,7 @@ class EngineCore:
         self.pipeline_depth = config.pipeline_depth(self.device.type)
         self.step = self._step_pipelined if self.pipeline_depth == 2 else self._step_in_turn
         self._in_flight: _Launched | None = None  # queued on the device, tokens not yet read
-        self._last_deferred = 0.0
+        self._last_deferred = float("-inf")  # never: monotonic time starts near 0 at boot, not long ago
         self._deferred_start: float | None = None  # when deferred units may run under load (DEFERRED_AFTER_LOAD_S)
         # a server logs its first steps once (what the requests that waited through a restart waited for next)
         self.first_steps = FirstSteps(FIRST_STEPS_LOGGED if defer_startup_work else 0)

@@ -67,7 +67,7 @@ def test_the_core_runs_units_when_idle_between_steps_and_kv_writers_only_when_no
     assert [x[0] for x in log] == ["graphs"]
     assert _outputs(engine, "a-") == reference  # the deferred work changes no token
     assert [x[0] for x in log] == ["graphs"], "a unit ran under load before the engine had served its first steps"
-    core._deferred_start, core._last_deferred = None, 0.0  # a new start under load, the last unit long ago
+    core._deferred_start, core._last_deferred = None, float("-inf")  # a new start under load, no unit yet
     monkeypatch.setattr(engine_core, "DEFERRED_AFTER_LOAD_S", 0.0)
     monkeypatch.setattr(engine_core, "DEFERRED_GAP_S", 3600.0)  # under load: at most one unit per hour
     assert _outputs(engine, "g-") == reference
