@@ -22,9 +22,8 @@ The boundaries are the fastest path per row count that the device benchmark meas
 
 PAGEKEEPER_QUANT_KERNELS=legacy (read at import) runs the previous paths instead (torch-op quantization and
 ``_scaled_mm`` at every size; kernels/awq_gemm.py), for A/B runs of the device benchmark.  PAGEKEEPER_QUANT_KERNELS=
-gemv runs the fast set with the bandwidth-shaped decode kernels in front, kernels/fp8_gemv.py up to
-FP8_GEMV_ROWS_WHEN_ON rows and kernels/awq_gemv.py up to AWQ_GEMV2_ROWS_WHEN_ON rows: they are not the default
-until the device benchmark (its `fp8_gemv` and `awq_gemv2` columns) has measured them.
+gemv runs the fast set with the bandwidth-shaped decode kernels in front up to FP8_GEMV_ROWS_WHEN_ON and
+AWQ_GEMV2_ROWS_WHEN_ON rows (the fast set uses them only where the device table measured them fastest).
 """
 
 from __future__ import annotations
@@ -46,12 +45,13 @@ FP8_CUDA_CORE_MAX_ROWS = 1
 AWQ_GEMV_MAX_ROWS = 1
 AWQ_CUDA_CORE_MAX_ROWS = 0
 AWQ_DENSE_MIN_ROWS = 96
-# The decode kernels of kernels/fp8_gemv.py and kernels/awq_gemv.py: off (0 rows) until measured on the device;
-# the "gemv" kernel set turns them on up to these row counts.
-FP8_GEMV_MAX_ROWS = 0
-AWQ_GEMV2_MAX_ROWS = 0
+# The decode kernels of kernels/fp8_gemv.py and kernels/awq_gemv.py, at the row counts where the device's decode
+# table measured them fastest (docs/decisions/quant-paths.md); the "gemv" kernel set turns them on up to the
+# kernels' own limits, for A/B runs.
+FP8_GEMV_MAX_ROWS = 1
+AWQ_GEMV2_MAX_ROWS = 2
 FP8_GEMV_ROWS_WHEN_ON = 16
-AWQ_GEMV2_ROWS_WHEN_ON = 1
+AWQ_GEMV2_ROWS_WHEN_ON = 2
 
 KERNEL_SETS = ("fast", "legacy", "gemv")
 

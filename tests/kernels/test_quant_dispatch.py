@@ -21,6 +21,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def test_fp8_rule_by_rows(monkeypatch):
     monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
+    monkeypatch.setattr(quant_cuda, "FP8_GEMV_MAX_ROWS", 0)  # the decode GEMV's own test: test_quant_gemv
     monkeypatch.setattr(qr, "FP8_W8A16_MAX_ROWS", 16)
     monkeypatch.setattr(quant_cuda, "FP8_CUDA_CORE_MAX_ROWS", 2)
     assert [quant_cuda.fp8_path(m) for m in (1, 2, 3, 16, 17, 4096)] == [
@@ -37,6 +38,7 @@ def test_fp8_rule_by_rows(monkeypatch):
 
 def test_awq_rule_by_rows(monkeypatch):
     monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
+    monkeypatch.setattr(quant_cuda, "AWQ_GEMV2_MAX_ROWS", 0)  # the decode GEMV's own test: test_quant_gemv
     monkeypatch.setattr(quant_cuda, "AWQ_GEMV_MAX_ROWS", 1)
     monkeypatch.setattr(quant_cuda, "AWQ_CUDA_CORE_MAX_ROWS", 2)
     monkeypatch.setattr(quant_cuda, "AWQ_DENSE_MIN_ROWS", 512)
@@ -55,11 +57,13 @@ def test_awq_rule_by_rows(monkeypatch):
 
 # the path names of kernels/quant_cuda.py and the columns of benchmarks/quant_kernels.py's table that time them
 FP8_COLUMNS = {
+    "gemv": "fp8_gemv_ms",
     "scaled-mm": "fp8_scaled_mm_ms",
     "w8a16-cuda-core": "fp8_w8a16_cuda_core_ms",
     "w8a16-dot": "fp8_w8a16_dot_ms",
 }
 AWQ_COLUMNS = {
+    "gemv2": "awq_gemv2_ms",
     "gemv": "awq_legacy_ms",
     "cuda-core": "awq_cuda_core_ms",
     "dot": "awq_dot_ms",
@@ -68,13 +72,17 @@ AWQ_COLUMNS = {
 
 
 def test_the_default_rule_takes_the_fastest_path_the_device_run_measured(monkeypatch):
-    """At each row count the H100 table timed, the default boundaries pick a path within 5 % of the fastest
-    for the 8B's four projections together (a path the table did not time at that M cannot be picked)."""
+    """At each row count the device tables timed, the default boundaries pick a path within 5 % of the fastest
+    for the 8B's four projections together (a path the table did not time at that M cannot be picked): the decode
+    row counts from the H200 decode table (it times the decode GEMVs), the others from the H100 table."""
     import json
     from pathlib import Path
 
-    table = Path(__file__).resolve().parents[2] / "benchmarks/results/quant-kernels-h100-2026-11-27.json"
-    rows = json.loads(table.read_text())["rows"]
+    results = Path(__file__).resolve().parents[2] / "benchmarks/results"
+    decode = json.loads((results / "quant-kernels-h200-2026-11-28-decode.json").read_text())["rows"]
+    decode_ms = {r["M"] for r in decode}
+    full = json.loads((results / "quant-kernels-h100-2026-11-27.json").read_text())["rows"]
+    rows = decode + [r for r in full if r["M"] not in decode_ms]
     monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
     for m in sorted({r["M"] for r in rows}):
         at_m = [r for r in rows if r["M"] == m]
@@ -97,6 +105,7 @@ def test_fp8_linear_every_path_matches_the_reference(monkeypatch, kernels):
     quantization + _scaled_mm: the reference's per-token arithmetic).  The legacy set quantizes every product."""
     monkeypatch.setattr(quant_cuda, "KERNELS", kernels)
     monkeypatch.setattr(qr, "FP8_W8A16_MAX_ROWS", 4)
+    monkeypatch.setattr(quant_cuda, "FP8_GEMV_MAX_ROWS", 0)  # the W8A16 kernels at 1 row (the GEMV: test_quant_gemv)
     wq, ws = _fp8_weight(48, 64)
     exact = wq.double() * ws.double()[:, None]
     for m in (1, 3, 9):

@@ -112,14 +112,14 @@ def test_awq_gemv_every_nibble_lands_in_its_column():
 
 
 def test_the_gemv_kernel_set_routes_decode_rows_to_the_new_kernels(monkeypatch):
-    """Off by default (the committed table has not timed them); the "gemv" set's limits put them in front."""
-    assert quant_cuda.FP8_GEMV_MAX_ROWS == 0 and quant_cuda.AWQ_GEMV2_MAX_ROWS == 0
+    """By default where the H200 decode table measured them fastest (FP8 at 1 row, AWQ at 1 and 2: test_quant_dispatch
+    holds the defaults to the table); the "gemv" set's limits put them in front up to the kernels' own limits."""
     monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
-    monkeypatch.setattr(quant_cuda, "FP8_GEMV_MAX_ROWS", 16)
-    monkeypatch.setattr(quant_cuda, "AWQ_GEMV2_MAX_ROWS", 1)
+    assert [quant_cuda.fp8_path(m) for m in (1, 2)] == ["gemv", "scaled-mm"]
+    assert [quant_cuda.awq_path(m) for m in (1, 2, 3)] == ["gemv2", "gemv2", "dot"]
+    monkeypatch.setattr(quant_cuda, "FP8_GEMV_MAX_ROWS", quant_cuda.FP8_GEMV_ROWS_WHEN_ON)
     assert [quant_cuda.fp8_path(m) for m in (1, 16)] == ["gemv", "gemv"]
     assert quant_cuda.fp8_path(17) == "scaled-mm"
-    assert quant_cuda.awq_path(1) == "gemv2" and quant_cuda.awq_path(2) != "gemv2"
     wq, ws = qr.quantize_rows(torch.randn(24, 64, generator=torch.Generator().manual_seed(1)))
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     got = quant_cuda.fp8_linear(x.to(DEVICE), wq.to(DEVICE), ws.to(DEVICE))
