@@ -1,6 +1,6 @@
 """Where a command's CPU goes, by kind of process: engines, supervisors, opsctl calls, pytest workers, compilers.
 
-    python -m benchmarks.suite_cpu [--out benchmarks/results] [--interval 0.5] -- python3 -m pytest -n 2 --dist loadfile
+    python -m benchmarks.suite_cpu [--out benchmarks/results] [--interval 0.5] -- python3 -m pytest -n 3 --dist loadfile
 
 Why: the test suite is CPU-bound on the 2-core build machine (the cores were 94 % busy in
 `suite-cpu-2026-11-27.json`), so its length follows the CPU its processes use, and most of them are not the pytest

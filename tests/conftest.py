@@ -115,7 +115,7 @@ def _order(item: pytest.Item, slow_modules: set[object]) -> tuple[bool, int]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules that hold slow tests come first, the longest-waiting directories first of all; each module's
     tests stay together, so its module-scoped servers start once.  That order holds for a serial run.  Under README's
-    `-n 2 --dist loadfile`, pytest-xdist hands out whole files sorted by their number of tests instead.  Keeping
+    `-n 3 --dist loadfile`, pytest-xdist hands out whole files sorted by their number of tests instead.  Keeping
     this order there (`--no-loadscope-reorder`) gained nothing on the 2-core build machine: 21:53-21:56 against
     20:33-24:05 with xdist's order, and the chaos and exit-code tests, started together, slowed each other
     (2026-11-26, cpu-suite-xdist-2026-11-26.txt)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 MAX_README_LINES = 200
-CI_TEST_COMMAND = "scripts/setup.sh --test && scripts/lint.sh && python3 -m pytest -n 2 --dist loadfile"
+CI_TEST_COMMAND = "scripts/setup.sh --test && scripts/lint.sh && python3 -m pytest -n 3 --dist loadfile"
 CI_SOAK_COMMAND = "python3 -m pytest -m soak"  # the ten-minute soak, which the test command leaves out
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")  # [text](target); images too
