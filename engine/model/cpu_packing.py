@@ -5,7 +5,8 @@ Two cases, chosen per weight dtype at load:
   oneDNN's blocked layout on every call, a pass over the whole weight that costs as much as a decode step's product;
   the weight is reordered once (`torch.ops.mkldnn._reorder_linear_weight`, as torch's CPU inductor does) and the
   packed product called (`_linear_pointwise`), 1.5-2x faster (docs/decisions/cpu-packing.md).
-- **Widened** (no such instructions, e.g. AVX2 only): torch's bf16 matmul of more than one row takes an emulated
+- **Widened** (no such instructions: AVX2, or AVX-512 without its bf16 extension): torch's bf16 matmul of more
+  than one row takes an emulated
   path 5-7x slower than float32; the product runs in float32 over the bf16 weight widened for the call (the same
   bf16 values, summed in float32 as the native path sums them) and is rounded back.  One row (a decode step of one
   sequence) keeps the bf16 product, which is a fast matrix-vector loop there (docs/decisions/cpu-packing.md).
@@ -34,13 +35,23 @@ PACKED_DTYPES = (torch.bfloat16, torch.float16)
 _ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; any number of rows works
 
 
+def native_bf16() -> bool:
+    """The CPU multiplies bf16 in hardware (AVX-512 bf16 or AMX).  oneDNN's own check also says yes on AVX-512
+    without them, where its packed bf16 product is emulated: 3-4x slower than float32 from 8 rows up on such an
+    Intel Xeon (docs/decisions/cpu-packing.md).  Where this torch cannot tell, oneDNN's check stands."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if any(check is None for check in checks):
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return any(bool(check()) for check in checks if check is not None)
+
+
 def packing_available(dtype: torch.dtype) -> bool:
     """oneDNN is built in and this CPU has the instructions for `dtype` (else its emulation is slower than MKL)."""
     if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
         return False
     try:
         if dtype == torch.bfloat16:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and native_bf16()
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     except (AttributeError, RuntimeError):
         return False

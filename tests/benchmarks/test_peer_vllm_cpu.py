@@ -150,3 +150,26 @@ def test_bf16_without_a_native_bf16_matmul_is_warned() -> None:
     assert machine_warnings(["float32"], avx2) == []
     assert machine_warnings(["bfloat16"], {**avx2, "avx512_bf16": True}) == []
     assert machine_warnings(["bfloat16"], {**avx2, "amx_bf16": True}) == []
+
+
+def test_the_bf16_product_can_be_forced_for_an_ab_and_only_for_pagekeeper(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    import torch
+
+    from benchmarks.peer_vllm_cpu import force_bf16_product
+    from engine.model import cpu_packing
+
+    monkeypatch.setattr(cpu_packing, "native_bf16", cpu_packing.native_bf16)  # restored after the test
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        force_bf16_product("packed")
+        assert cpu_packing.product_kind(torch.bfloat16) == "packed"
+    force_bf16_product("widened")
+    assert cpu_packing.product_kind(torch.bfloat16) == "widened"
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.peer_vllm_cpu", "--worker", "vllm", "--bf16-product", "packed"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and "--bf16-product is pagekeeper's" in r.stderr

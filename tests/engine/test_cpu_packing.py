@@ -7,11 +7,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.cpu_packing import pack_linears, packing_available
+from engine.model.cpu_packing import pack_linears
 from engine.model.layers.linear import MergedLinear, RowLinear, VocabEmbedding
 from engine.parallel.group import SINGLE
 
-needs_onednn_bf16 = pytest.mark.skipif(not packing_available(torch.bfloat16), reason="this CPU has no oneDNN bf16")
+# oneDNN's packed bf16 product runs wherever oneDNN says bf16 is supported (emulated without the instructions); the
+# engine takes it only where the CPU has them (cpu_packing.native_bf16), so the packed tests force that choice.
+needs_onednn_bf16 = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="this CPU has no oneDNN bf16",
+)
+
+
+@pytest.fixture
+def packs_bf16(monkeypatch):
+    from engine.model import cpu_packing
+
+    monkeypatch.setattr(cpu_packing, "native_bf16", lambda: True)
 
 
 class _Tiny(torch.nn.Module):
@@ -30,7 +42,7 @@ class _Tiny(torch.nn.Module):
 
 @needs_onednn_bf16
 @pytest.mark.parametrize("tied", [False, True])
-def test_packed_layers_compute_what_the_plain_ones_did(tied: bool) -> None:
+def test_packed_layers_compute_what_the_plain_ones_did(tied: bool, packs_bf16) -> None:
     torch.manual_seed(0)
     model = _Tiny(tied)
     for p in model.parameters():
@@ -49,9 +61,24 @@ def test_packed_layers_compute_what_the_plain_ones_did(tied: bool) -> None:
 
 
 @needs_onednn_bf16
-def test_float32_is_left_to_mkl() -> None:
+def test_float32_is_left_to_mkl(packs_bf16) -> None:
     model = _Tiny(tied=False)
     assert pack_linears(model) == 0 and not model.qkv.weight.is_mkldnn
+
+
+def test_bf16_is_packed_only_where_the_cpu_multiplies_bf16_itself(monkeypatch) -> None:
+    """oneDNN says bf16 is supported on any AVX-512 CPU, but without AVX-512 bf16 or AMX its packed product is
+    emulated (3-4x slower than float32 from 8 rows up on an Intel Xeon without them): widened there instead."""
+    from engine.model import cpu_packing
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    for avx512_bf16, amx, want in ((False, False, "widened"), (True, False, "packed"), (False, True, "packed")):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        if torch.backends.mkldnn.is_available():
+            assert cpu_packing.product_kind(torch.bfloat16) == want
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")  # a torch that cannot tell: oneDNN's check stands
+    assert cpu_packing.native_bf16() is True
 
 
 def test_without_the_instructions_bf16_products_run_widened_to_float32(monkeypatch) -> None:
