@@ -6,9 +6,9 @@ Two cases, chosen per weight dtype at load:
   the weight is reordered once (`torch.ops.mkldnn._reorder_linear_weight`, as torch's CPU inductor does) and the
   packed product called (`_linear_pointwise`), 1.5-2x faster (docs/decisions/cpu-packing.md).
 - **Widened** (no such instructions: AVX2, or AVX-512 without its bf16 extension): torch's bf16 matmul of more
-  than one row takes an emulated
-  path 5-7x slower than float32; the product runs in float32 over the bf16 weight widened for the call (the same
-  bf16 values, summed in float32 as the native path sums them) and is rounded back.  One row (a decode step of one
+  than one row takes an emulated path 5-7x slower than float32, and so does oneDNN's packed one; the product runs
+  in float32 over the bf16 weight widened for the call (the same bf16 values, summed in float32 as the native path
+  sums them) and is rounded back.  One row (a decode step of one
   sequence) keeps the bf16 product, which is a fast matrix-vector loop there (docs/decisions/cpu-packing.md).
 
 Either way the products are summed in a different order than the plain call, so a near-tie between two tokens of
