@@ -131,20 +131,30 @@ def _awq_gemv_kernel(
     )
 
 
-def awq_gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> dict:
-    """Tiles and K splits by a rule (no autotuner: a first call compiles one kernel):
+def awq_gemv_config(m: int, n: int, k: int, group_size: int, device: torch.device, config: dict | None = None) -> dict:
+    """Tiles and K splits by a rule (no autotuner: a first call compiles one kernel), updated by `config`:
 
     - one warp a program, so that a step's sum over K never crosses warps (shuffles only, no shared memory);
-    - 256 columns are 128 bytes of packed words per K row; 32 rows of them per step are 4 KiB, eight 16-byte
-      loads per thread (fewer rows at a small group, which BLOCK_K must divide), double-buffered;
-    - K is split into whole groups until the programs make about sixteen warps per SM.
+    - 128 columns (one row) or 256 (more) are 64 or 128 bytes of packed words per K row; 64 or 32 rows of them
+      per step are 4 KiB, eight 16-byte loads per thread (fewer rows at a small group, which BLOCK_K must
+      divide), double-buffered;
+    - K is split into whole groups until the programs make about PER_SM (32) programs per SM (unless `config`
+      sets SPLITS).
     """
-    block_k = min(32, group_size)
-    cfg = dict(BLOCK_N=256, BLOCK_K=block_k, num_warps=1)
-    tiles = cdiv(n, cfg["BLOCK_N"]) * max(m, 1)
-    target = 16 * num_sms(device)
-    groups = k // group_size
-    cfg["SPLITS"] = 1 if tiles >= target else max(1, min(cdiv(target, tiles), groups))
+    # benchmarks/gemv_sweep.py on one H200 (gemv-sweep-h200-2026-11-28.json, the 8B's four projections): one row
+    # 0.0931 ms with 128 columns x 64 K rows at 32 programs per SM (256 x 32 at 16, the tiles before: 0.0992); two
+    # rows 0.1447 with 256 x 32 at 32 per SM (at 8: 0.1606)
+    if m <= 1:
+        cfg = dict(BLOCK_N=128, BLOCK_K=min(64, group_size), num_warps=1, PER_SM=32)
+    else:
+        cfg = dict(BLOCK_N=256, BLOCK_K=min(32, group_size), num_warps=1, PER_SM=32)
+    cfg.update(config or {})
+    per_sm = cfg.pop("PER_SM")
+    if "SPLITS" not in cfg:
+        tiles = cdiv(n, cfg["BLOCK_N"]) * max(m, 1)
+        target = per_sm * num_sms(device)
+        groups = k // group_size
+        cfg["SPLITS"] = 1 if tiles >= target else max(1, min(cdiv(target, tiles), groups))
     return cfg
 
 
@@ -166,7 +176,7 @@ def awq_gemv(
     m, k, n = awq_dims(x2, qweight, qzeros, scales, group_size)
     if k % group_size or n % 8:
         raise ValueError(f"AWQ tensors {tuple(qweight.shape)}/{tuple(qzeros.shape)} do not fit x [*, {k}] -> {n}")
-    cfg = dict(awq_gemv_config(m, n, k, group_size, x2.device), **(config or {}))
+    cfg = awq_gemv_config(m, n, k, group_size, x2.device, config)
     bn, bk, splits = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLITS")
     if group_size % bk or bn % 8:
         raise ValueError(f"BLOCK_K {bk} must divide the group {group_size}, BLOCK_N {bn} be a multiple of 8")

@@ -19,7 +19,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels.awq_gemv import _awq_gemv_kernel, awq_gemv_config
-from kernels.fp8_gemv import _fp8_gemv_kernel, fp8_gemv_config
+from kernels.fp8_gemv import CONFIGS as FP8_GEMV_CONFIGS
+from kernels.fp8_gemv import _fp8_gemv_dot_kernel, _fp8_gemv_kernel, fp8_gemv_config
 from kernels.fp8_linear import _quant_rows_kernel, _w8a16_kernel, w8a16_config
 from kernels.splitk import _reduce_kernel
 from kernels.w4a16 import _w4a16_kernel, w4a16_config
@@ -121,14 +122,18 @@ def cases():
             types.update(dict.fromkeys(INTS, I32))
             yield f"w4a16 m={m} group={group} dot={use_dot}", _w4a16_kernel, types, consts, cfg
     cpu = torch.device("cpu")  # the rule's tiles; SPLITS is set to 2 so that the in-kernel sum is compiled
-    for m in (1, 2, 16):
-        cfg = fp8_gemv_config(m, 4096, 4096, cpu)
-        consts = {key: cfg.pop(key) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "USE_DOT")}
+    for rows_up_to, _ in FP8_GEMV_CONFIGS:
+        cfg = fp8_gemv_config(rows_up_to, 4096, 4096, cpu)
+        kind = cfg.pop("KIND")
+        consts = {key: cfg.pop(key) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
         cfg.pop("SPLITS")
-        consts.update(SPLITS=2, IN_KERNEL=True, DOT_DTYPE=tl.bfloat16, PER_TENSOR=False, EVEN_K=True)
+        consts.update(SPLITS=2, IN_KERNEL=True, PER_TENSOR=False, EVEN_K=True)
+        if kind == "dot":
+            consts["DOT_DTYPE"] = tl.bfloat16
         types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32")
         types.update(ticket_ptr="*i32", **dict.fromkeys(("M", "N", "K", "stride_xm", "stride_om", "k_per_split"), I32))
-        yield f"fp8_gemv bf16 m={m} split in-kernel", _fp8_gemv_kernel, types, consts, cfg
+        fn = _fp8_gemv_dot_kernel if kind == "dot" else _fp8_gemv_kernel
+        yield f"fp8_gemv bf16 m<={rows_up_to} {kind} split in-kernel", fn, types, consts, cfg
     cfg = awq_gemv_config(1, 4096, 4096, 128, cpu)
     cfg.pop("SPLITS")
     consts = dict(GROUP=128, BLOCK_N=cfg.pop("BLOCK_N"), BLOCK_K=cfg.pop("BLOCK_K"), SPLITS=2, IN_KERNEL=True)

@@ -79,7 +79,7 @@ def test_the_default_rule_takes_the_fastest_path_the_device_run_measured(monkeyp
     from pathlib import Path
 
     results = Path(__file__).resolve().parents[2] / "benchmarks/results"
-    decode = json.loads((results / "quant-kernels-h200-2026-11-28-decode.json").read_text())["rows"]
+    decode = json.loads((results / "quant-kernels-h200-2026-11-28b-decode.json").read_text())["rows"]
     decode_ms = {r["M"] for r in decode}
     full = json.loads((results / "quant-kernels-h100-2026-11-27.json").read_text())["rows"]
     rows = decode + [r for r in full if r["M"] not in decode_ms]
@@ -131,6 +131,7 @@ def test_fp8_linear_per_tensor_fallback(monkeypatch):
     """Where row-wise scaling is refused, unit scales and both row-wise scales applied to a float32 product."""
     monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
     monkeypatch.setattr(qr, "FP8_W8A16_MAX_ROWS", 0)
+    monkeypatch.setattr(quant_cuda, "FP8_GEMV_MAX_ROWS", 0)  # the 5 rows take _scaled_mm, not the decode GEMV
     wq, ws = _fp8_weight(32, 64)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     want = quant_cuda.fp8_linear(x, wq, ws)

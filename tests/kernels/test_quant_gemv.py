@@ -31,20 +31,29 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_gemv_equals_the_reference(dtype):
-    """N = 40 leaves half a 16-row tile, K = 272 a remainder of a 64-byte step (in the last split)."""
+    """N = 40 leaves half a 16-row tile, K = 272 a remainder of a 64-byte step (in the last split); both kernels,
+    rows that fill their tile and rows that do not."""
     n, k = 40, 272
     g = torch.Generator().manual_seed(3)
     wq, ws = qr.quantize_rows(torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n)[:, None])
     wq, ws = wq.to(DEVICE), ws.to(DEVICE)
     exact = wq.double() * ws.double()[:, None]
-    for m in (1, 3, 16):  # the CUDA-core loop, the dot with padded rows, a full 16-row dot
+    # the CUDA-core kernel at 1, 2 and 3 rows (its fourth accumulator on a clamped row) and 4; the dot kernel with
+    # padded rows (3 and 5 of 16) and a full tile
+    cases = [(m, "cuda-core", m if m < 3 else 4) for m in (1, 2, 3, 4)]
+    cases += [(3, "dot", 16), (5, "dot", 16), (16, "dot", 16)]
+    for m, kind, block_m in cases:
         x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
         want = x.double() @ exact.t()
         for splits, in_kernel in ((1, True), (3, True), (3, False)) if m == 1 else ((3, True),):
-            got = fp8_gemv(x, wq, ws, config=dict(BLOCK_N=16, BLOCK_K=64, SPLITS=splits), in_kernel_sum=in_kernel)
+            cfg = dict(KIND=kind, BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=64, SPLITS=splits)
+            got = fp8_gemv(x, wq, ws, config=cfg, in_kernel_sum=in_kernel)
             err = _rel(got, want)
-            print(f"fp8_gemv {str(dtype)[6:]} m={m} splits={splits} in-kernel={in_kernel}: {err:.2e}")
+            print(f"fp8_gemv {str(dtype)[6:]} m={m} {kind} splits={splits} in-kernel={in_kernel}: {err:.2e}")
             assert got.shape == (m, n) and got.dtype == dtype and err < TOL[dtype]
+    for m in (1, 2, 3, 8, 16):  # the default tiles (CONFIGS) at each row count
+        x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+        assert _rel(fp8_gemv(x, wq, ws), x.double() @ exact.t()) < TOL[dtype]
     # the in-kernel sum leaves every counter at zero for the next call (and for a replayed CUDA graph)
     assert int(splitk.tickets(torch.device(DEVICE), 1).count_nonzero()) == 0
 
@@ -65,6 +74,8 @@ def test_fp8_gemv_refuses_what_it_cannot_compute():
     wq, ws = qr.quantize_rows(torch.randn(8, 32))
     with pytest.raises(ValueError, match="at most 16 rows"):
         fp8_gemv(torch.randn(17, 32).to(DEVICE), wq.to(DEVICE), ws.to(DEVICE))
+    with pytest.raises(ValueError, match="does not fit the 5 rows"):
+        fp8_gemv(torch.randn(5, 32).to(DEVICE), wq.to(DEVICE), ws.to(DEVICE), config=dict(KIND="cuda-core", BLOCK_M=8))
     with pytest.raises(ValueError, match="do not fit"):
         fp8_gemv(torch.randn(1, 16).to(DEVICE), wq.to(DEVICE), ws.to(DEVICE))
 
@@ -112,10 +123,11 @@ def test_awq_gemv_every_nibble_lands_in_its_column():
 
 
 def test_the_gemv_kernel_set_routes_decode_rows_to_the_new_kernels(monkeypatch):
-    """By default where the H200 decode table measured them fastest (FP8 at 1 row, AWQ at 1 and 2: test_quant_dispatch
-    holds the defaults to the table); the "gemv" set's limits put them in front up to the kernels' own limits."""
+    """By default where the H200 decode table measured them fastest (FP8 at 1-16 rows, AWQ at 1 and 2:
+    test_quant_dispatch holds the defaults to the table); the "gemv" set's limits put them in front up to the
+    kernels' own limits."""
     monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
-    assert [quant_cuda.fp8_path(m) for m in (1, 2)] == ["gemv", "scaled-mm"]
+    assert [quant_cuda.fp8_path(m) for m in (1, 2, 16, 17)] == ["gemv", "gemv", "gemv", "scaled-mm"]
     assert [quant_cuda.awq_path(m) for m in (1, 2, 3)] == ["gemv2", "gemv2", "dot"]
     monkeypatch.setattr(quant_cuda, "FP8_GEMV_MAX_ROWS", quant_cuda.FP8_GEMV_ROWS_WHEN_ON)
     assert [quant_cuda.fp8_path(m) for m in (1, 16)] == ["gemv", "gemv"]
@@ -123,7 +135,7 @@ def test_the_gemv_kernel_set_routes_decode_rows_to_the_new_kernels(monkeypatch):
     wq, ws = qr.quantize_rows(torch.randn(24, 64, generator=torch.Generator().manual_seed(1)))
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     got = quant_cuda.fp8_linear(x.to(DEVICE), wq.to(DEVICE), ws.to(DEVICE))
-    assert _rel(got, x.double() @ (wq.double() * ws.double()[:, None]).t()) < TOL[torch.bfloat16]
+    assert _rel(got.cpu(), x.double() @ (wq.double() * ws.double()[:, None]).t()) < TOL[torch.bfloat16]
     qweight, qzeros, scales = _awq(128, 32, 128, torch.float16, seed=9)
     x16 = torch.randn(1, 128, generator=torch.Generator().manual_seed(3)).half().to(DEVICE)
     got = quant_cuda.awq_linear(x16, qweight, qzeros, scales, 128)
