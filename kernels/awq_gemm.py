@@ -196,15 +196,33 @@ def _awq_dequant_kernel(
 DENSE_MIN_ROWS = 48  # H100: at 64 rows dequantize + cuBLAS won on all four shapes, at 16 none
 
 
+def dequant_config(group_size: int) -> dict:
+    """_awq_dequant_kernel's tile (BLOCK_K divides the group size): 32 x 256, the fastest of 7 tiles on all four of
+    the 8B's projections on one H200 (benchmarks/quant_profile.py --micro --sweeps, quant-profile-h200-2026-11-28.json:
+    0.167 ms per layer against 32 x 128's 0.176)."""
+    return dict(BLOCK_K=min(group_size, 32), BLOCK_N=256, num_warps=4)
+
+
 def awq_dequantize(
-    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype,
+    config: dict | None = None,
 ) -> torch.Tensor:
-    """The weight ``[K, N]`` in `dtype`, unpacked by one Triton kernel."""
+    """The weight ``[K, N]`` in `dtype`, unpacked by one Triton kernel (`config`: its tile, default
+    dequant_config's)."""
     k, packed_n = qweight.shape
     n = packed_n * 8
     out = torch.empty((k, n), dtype=dtype, device=qweight.device)
-    block_k = min(group_size, 32)
-    _awq_dequant_kernel[(_cdiv(k, block_k), _cdiv(n, 128))](
+    cfg = dict(dequant_config(group_size), **(config or {}))
+    block_k, block_n = cfg.pop("BLOCK_K"), cfg.pop("BLOCK_N")
+    if group_size % block_k or block_n % 8:
+        raise ValueError(
+            f"BLOCK_K {block_k} must divide the AWQ group size {group_size}, BLOCK_N {block_n} be a multiple of 8"
+        )
+    _awq_dequant_kernel[(_cdiv(k, block_k), _cdiv(n, block_n))](
         qweight,
         qzeros,
         scales,
@@ -212,9 +230,9 @@ def awq_dequantize(
         n,
         GROUP=group_size,
         BLOCK_K=block_k,
-        BLOCK_N=128,
+        BLOCK_N=block_n,
         FP16_MATH=dtype == torch.float16,
-        num_warps=4,
+        **cfg,
     )
     return out
 

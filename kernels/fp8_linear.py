@@ -67,10 +67,83 @@ def _quant_rows_kernel(
             tl.store(q_row + k0 + offs, bits, mask=mask)
 
 
-def quantize_per_token(x: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit(do_not_specialize=["M", "K", "stride_xm"])
+def _quant_tile_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_xm,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    NATIVE: tl.constexpr,
+):
+    """ROWS rows per program, the same arithmetic as _quant_rows_kernel.  Not ONE_PASS: the rows are read in
+    chunks of BLOCK twice (the absmax, then the cast; the second read comes from L2), so no row is held whole."""
+    rows_ = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows_ < M
+    x_rows = x_ptr + rows_.to(tl.int64)[:, None] * stride_xm
+    q_rows = q_ptr + rows_.to(tl.int64)[:, None] * K
+    offs = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        mask = row_mask[:, None] & (offs < K)[None, :]
+        x = tl.load(x_rows + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), 1)
+    else:
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            mask = row_mask[:, None] & (k0 + offs < K)[None, :]
+            acc = tl.maximum(acc, tl.abs(tl.load(x_rows + k0 + offs[None, :], mask=mask, other=0.0).to(tl.float32)))
+        amax = tl.max(acc, 1)
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), FP8_MAX)
+    tl.store(s_ptr + rows_, scale, mask=row_mask)
+    if ONE_PASS:
+        y = tl.math.div_rn(x, scale[:, None])
+        if NATIVE:
+            bits = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            bits = e4m3_bits(y)
+        tl.store(q_rows + offs[None, :], bits, mask=mask)
+    else:
+        for k0 in range(0, K, BLOCK):
+            mask = row_mask[:, None] & (k0 + offs < K)[None, :]
+            x = tl.load(x_rows + k0 + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = tl.math.div_rn(x, scale[:, None])
+            if NATIVE:
+                bits = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            else:
+                bits = e4m3_bits(y)
+            tl.store(q_rows + k0 + offs[None, :], bits, mask=mask)
+
+
+# "tile" (_quant_tile_kernel with quant_config's tiles) or "row" (_quant_rows_kernel: one row per program, the
+# whole row held; the kernel before 2026-11-28d), read at each call (benchmarks/quant_profile.py's baseline arm).
+QUANT_KERNEL = "tile"
+
+
+def quant_config(m: int, k: int) -> dict:
+    """_quant_tile_kernel's tiles by shape, from benchmarks/quant_profile.py --micro --sweeps on one H200
+    (quant-profile-h200-2026-11-28.json, 12 tiles at K = 4096 and 14336, M = 256 and 8192): a row up to 4,096
+    wide in one pass with 8 warps (0.045 ms at 8192 x 4096, the row kernel's 0.046); a 14,336-wide row in two
+    passes over 2,048-element chunks, two rows per program, from 1,024 rows (0.177 ms at 8192 rows, the row
+    kernel's 0.278), and held whole with 16 warps below (the row kernel's tile: 0.014 ms at 256 rows)."""
+    width = triton.next_power_of_2(max(k, 16))
+    if width <= 4096:
+        return dict(ROWS=1, BLOCK=width, num_warps=8 if width >= 2048 else 4)
+    if m < 1024 and width <= _ONE_PASS_MAX:
+        return dict(ROWS=1, BLOCK=width, num_warps=16)
+    return dict(ROWS=2, BLOCK=2048, num_warps=8)
+
+
+def quantize_per_token(
+    x: torch.Tensor, block: int | None = None, config: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x ``[M, K]`` as e4m3 row by row, float32 scales ``[M, 1]``): kernels/quant_reference.py's
-    quantize_per_token in one kernel.  `block`: the chunk of a row held at once (default: the whole row up to
-    16,384 elements)."""
+    quantize_per_token in one kernel.  `block`: the row kernel's chunk (default: the whole row up to 16,384
+    elements; given, the row kernel runs); `config`: the tile kernel's ROWS / BLOCK / num_warps (default:
+    quant_config's)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_per_token takes a 2-D tensor, not {tuple(x.shape)}")
     if x.stride(-1) != 1:
@@ -78,7 +151,10 @@ def quantize_per_token(x: torch.Tensor, block: int | None = None) -> tuple[torch
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8, device=x.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m and k:
+    if not (m and k):
+        return q, s
+    native = x.device.type == "cuda"
+    if block is not None or (config is None and QUANT_KERNEL == "row"):
         if block is None:
             block = triton.next_power_of_2(min(k, _ONE_PASS_MAX))
         _quant_rows_kernel[(m,)](
@@ -89,9 +165,15 @@ def quantize_per_token(x: torch.Tensor, block: int | None = None) -> tuple[torch
             x.stride(0),
             BLOCK=block,
             ONE_PASS=block >= k,
-            NATIVE=x.device.type == "cuda",
+            NATIVE=native,
             num_warps=min(16, max(4, block // 1024)),
         )
+        return q, s
+    cfg = dict(quant_config(m, k), **(config or {}))
+    rows_, blk = cfg.pop("ROWS"), cfg.pop("BLOCK")
+    _quant_tile_kernel[(triton.cdiv(m, rows_),)](
+        x, q.view(torch.uint8), s, m, k, x.stride(0), ROWS=rows_, BLOCK=blk, ONE_PASS=blk >= k, NATIVE=native, **cfg
+    )
     return q, s
 
 

@@ -93,6 +93,12 @@ def awq_path(m: int) -> str:
 
 # -- FP8 -----------------------------------------------------------------------------------------------
 
+# FP8 products whose K is at most this use _scaled_mm's fast accumulation (the tensor cores' own accumulator, not
+# promoted to float32 every few K steps): faster at K = 4096 on one H200 and no slower in error on random data
+# (benchmarks/quant_profile.py --micro; docs/decisions/quant-paths.md), slower at K = 14336 (down_proj), where
+# the longer sum would also lose more.  0 turns it off (quant_profile's baseline arm).
+FP8_FAST_ACCUM_MAX_K = 4096
+
 _ROWWISE: dict[tuple[torch.device, torch.dtype], torch.dtype | None] = {}
 _ONE: dict[torch.device, torch.Tensor] = {}
 
@@ -123,13 +129,16 @@ def scaled_mm(
     """``(xq x xs) @ (weight x weight_scale)^T`` in `dtype` on the FP8 tensor cores: xq e4m3 ``[M, K]`` with
     xs ``[M, 1]``, weight e4m3 ``[N, K]`` row-major (so ``weight.t()`` is the column-major operand)."""
     out = _rowwise_out_dtype(xq.device, dtype)
+    fast = xq.shape[1] <= FP8_FAST_ACCUM_MAX_K
     if out is not None:
-        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=out)
+        y = torch._scaled_mm(
+            xq, weight.t(), scale_a=xs, scale_b=weight_scale.view(1, -1), out_dtype=out, use_fast_accum=fast
+        )
     else:  # per-tensor (unit) scales, both row-wise scales applied to the float32 product
         one = _ONE.get(xq.device)
         if one is None:
             one = _ONE[xq.device] = torch.ones((), device=xq.device, dtype=torch.float32)
-        y = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        y = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=fast)
         y = y * xs * weight_scale.view(1, -1)
     if isinstance(y, tuple):  # torch < 2.5 returned (out, amax)
         y = y[0]

@@ -23,8 +23,11 @@ def test_quantize_per_token_equals_the_reference_bytes(dtype, k):
     sizes = torch.tensor([1e-3, 1.0, 10.0, 300.0, 0.0])[:, None]
     x = (torch.randn(5, k, generator=g) * sizes).to(dtype).to(DEVICE)
     want_q, want_s = qr.quantize_per_token(x)
-    for block in (None, 32):  # the whole row in registers, or two passes over 32-element chunks
-        q, s = quantize_per_token(x, block=block)
+    # the row kernel: the whole row in registers, or two passes over 32-element chunks; the tile kernel: its
+    # default, 2 and 4 rows per program (the last program's rows past the end masked), in one or two passes
+    tiles = [dict(ROWS=1, BLOCK=32), dict(ROWS=2, BLOCK=512), dict(ROWS=4, BLOCK=64)]
+    for block, config in [(None, None), (32, None)] + [(None, c) for c in tiles]:
+        q, s = quantize_per_token(x, block=block, config=config)
         assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 1) and s.dtype == torch.float32
         assert torch.equal(s, want_s)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))

@@ -160,3 +160,40 @@ def test_kernel_set_is_checked_at_import():
     env = {**os.environ, "PAGEKEEPER_QUANT_KERNELS": "fastest"}
     proc = subprocess.run([sys.executable, "-c", "import kernels.quant_cuda"], env=env, capture_output=True, text=True)
     assert proc.returncode != 0 and "PAGEKEEPER_QUANT_KERNELS='fastest'" in proc.stderr
+
+
+def test_fast_accumulation_only_up_to_its_k(monkeypatch):
+    """_scaled_mm accumulates in the tensor cores' own precision only where K <= FP8_FAST_ACCUM_MAX_K (4096: the
+    8B's qkv, o and gate_up; down_proj's 14,336 keeps the float32 promotion), in the row-wise and fallback calls."""
+    calls: list[bool] = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("use_fast_accum", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    for k, rowwise in ((64, True), (64, False), (96, True)):
+        monkeypatch.setattr(quant_cuda, "FP8_FAST_ACCUM_MAX_K", 64)
+        wq, ws = _fp8_weight(16, k)
+        xq, xs = qr.quantize_per_token(torch.randn(5, k, generator=torch.Generator().manual_seed(k)).to(DEVICE))
+        if not rowwise:
+            monkeypatch.setitem(quant_cuda._ROWWISE, (xq.device, torch.float32), None)
+        calls.clear()
+        got = quant_cuda.scaled_mm(xq, xs, wq, ws, torch.float32)
+        want = (xq.double() * xs.double()) @ (wq.double() * ws.double()[:, None]).t()
+        torch.testing.assert_close(got.double(), want, rtol=1e-3, atol=1e-3)
+        assert calls[-1] is (k <= 64)
+
+
+def test_quant_tiles_by_shape():
+    """kernels/fp8_linear.py's tile table (quant-profile-h200-2026-11-28.json): one pass up to 4,096 wide; a
+    14,336-wide row held whole below 1,024 rows and read in two passes of 2,048 from there."""
+    from kernels.fp8_linear import quant_config
+
+    assert quant_config(256, 4096) == dict(ROWS=1, BLOCK=4096, num_warps=8)
+    assert quant_config(8192, 4096) == dict(ROWS=1, BLOCK=4096, num_warps=8)
+    assert quant_config(8, 100) == dict(ROWS=1, BLOCK=128, num_warps=4)
+    assert quant_config(256, 14336) == dict(ROWS=1, BLOCK=16384, num_warps=16)
+    assert quant_config(8192, 14336) == dict(ROWS=2, BLOCK=2048, num_warps=8)
+    assert quant_config(16, 40000) == dict(ROWS=2, BLOCK=2048, num_warps=8)
