@@ -228,7 +228,10 @@ def _w8a16_kernel(
                 xt = tl.load(x_rows[None, :] + offs_k[:, None], mask=mask_m[None, :], other=0.0)
             else:
                 xt = tl.load(x_rows[None, :] + offs_k[:, None], mask=mask_m[None, :] & mask_k[:, None], other=0.0)
-            acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc)
+            if DOT_DTYPE == tl.float32:  # float32 activations: a float32 product, not TF32's (tl.dot's default)
+                acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc)
         elif BLOCK_M == 1:
             if EVEN_K:  # a program per row: the row exists
                 x = tl.load(x_rows + offs_k)
@@ -265,7 +268,9 @@ def _w8a16_kernel(
 def dot_dtype(dtype: torch.dtype, device: torch.device) -> tl.dtype:
     """The tensor-core operand type for activations of `dtype`.  Triton's CPU interpreter gets bfloat16 dots
     wrong (errors of 1e10 on N(0, 1) data, triton 3.9), so there a bfloat16 product is checked in float32
-    (e4m3 and bfloat16 values are exact in both)."""
+    (e4m3 and bfloat16 values are exact in both).  A float32 dot is IEEE float32 in _w8a16_kernel: on a GPU
+    tl.dot's default for float32 operands is TF32 (10-bit mantissas: a relative error near 2e-4 where float32's is
+    1e-7), which the interpreter never applies."""
     if dtype == torch.float16:
         return tl.float16
     if dtype == torch.bfloat16 and device.type == "cuda":
