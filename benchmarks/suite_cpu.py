@@ -12,7 +12,9 @@ every process there counts.  A process that lives less than one interval is miss
 CPU times over the run) is the whole, so `sampled_cpu_s / host_busy_cpu_s` says how much was seen.
 
 The JSON result goes to `<out>/suite-cpu-<YYYY-MM-DD>.json` with the command, its exit status and wall seconds;
-the last line printed is the same JSON.
+the last line printed is the same JSON.  `by_test_file` sums the same CPU seconds by the test file that started
+each process (its PYTEST_CURRENT_TEST): which files' deployments cost the most; `by_test_top` the TOP_TESTS tests
+whose processes used the most.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ _KINDS = (  # (kind, any of these in the command line), first match wins; paths 
     ("pytest worker", ("exec(eval(sys.stdin.readline()))",)),
     ("pytest", ("-m pytest ",)),
 )
+TOP_TESTS = 60  # tests listed by what their processes used (by_test_top)
 _COMPILERS = {"cc1plus", "cc1", "collect2", "ld", "as", "c++", "g++", "gcc", "cc", "ninja"}
 
 
@@ -63,6 +66,17 @@ def kind_of(cmdline: str) -> str:
     return exe
 
 
+def _test_of(proc: psutil.Process) -> str:
+    """The test that started `proc`: pytest sets PYTEST_CURRENT_TEST in its worker's environment for
+    each test's setup, call and teardown, and every process a test starts (servers, their cores, supervisors)
+    inherits it.  "" when none (the pytest processes themselves, anything else on the host)."""
+    try:
+        current = proc.environ().get("PYTEST_CURRENT_TEST", "")
+    except psutil.Error:
+        return ""
+    return current.rsplit(" (", 1)[0]  # "tests/x.py::test_y[case] (call)": the test, whichever of its phases
+
+
 def _host_busy_seconds() -> float:
     times = psutil.cpu_times()
     return sum(times) - times.idle - getattr(times, "iowait", 0.0)
@@ -75,6 +89,7 @@ class Sampler:
         self.before: dict[tuple[int, float], float] = {}
         self.last: dict[tuple[int, float], float] = {}
         self.kinds: dict[tuple[int, float], str] = {}
+        self.tests: dict[tuple[int, float], str] = {}
 
     def _scan(self) -> dict[tuple[int, float], float]:
         seen = {}
@@ -88,6 +103,8 @@ class Sampler:
             # process seen between the two was counted as its parent; an exited one (a zombie) reads none
             if info["cmdline"] or key not in self.kinds:
                 self.kinds[key] = kind_of(" ".join(info["cmdline"] or []))
+            if key not in self.tests:
+                self.tests[key] = _test_of(proc)
         return seen
 
     def start(self) -> None:
@@ -106,6 +123,19 @@ class Sampler:
                 cpu[self.kinds[key]] += used
                 count[self.kinds[key]] += 1
         return cpu, count
+
+    def by_test(self, file_only: bool, top: int | None = None) -> dict[str, dict[str, float]]:
+        """CPU seconds and processes by the test (or its file) that started them, most first; pytest workers' own
+        work is not here (`--durations` says that)."""
+        cpu: Counter[str] = Counter()
+        count: Counter[str] = Counter()
+        for key, seconds in self.last.items():
+            used, test = seconds - self.before.get(key, 0.0), self.tests.get(key, "")
+            if used > 0 and test:
+                name = test.split("::", 1)[0] if file_only else test
+                cpu[name] += used
+                count[name] += 1
+        return {k: {"cpu_s": round(v, 1), "processes": count[k]} for k, v in cpu.most_common(top)}
 
     def by_kind(self) -> dict[str, dict[str, float]]:
         cpu, count = self.used_by_kind()
@@ -139,6 +169,8 @@ def run(command: list[str], interval: float) -> dict[str, Any]:
         "by_kind": {
             k: {**v, "share_of_sampled": round(v["cpu_s"] / sampled, 3) if sampled else 0.0} for k, v in kinds.items()
         },
+        "by_test_file": sampler.by_test(file_only=True),
+        "by_test_top": sampler.by_test(file_only=False, top=TOP_TESTS),
     }
 
 

@@ -83,6 +83,11 @@ def test_a_daemonized_grandchild_is_counted(tmp_path: Path) -> None:
     # by_kind rounds to 0.1 s; the burners' CPU after their report (the write, the sleep, the exit) is a few ms
     assert abs(burners["cpu_s"] - reported) <= 0.1, (burners, reported)
     assert result["exit_status"] == 0 and 0 < result["sampled_cpu_s"] <= result["host_busy_cpu_s"] * 1.05
+    # both burners inherited this test's PYTEST_CURRENT_TEST (through a double fork): counted under this file
+    this_file = result["by_test_file"]["tests/benchmarks/test_suite_cpu.py"]
+    assert this_file["processes"] >= 3 and this_file["cpu_s"] >= burners["cpu_s"], result["by_test_file"]
+    this_test = result["by_test_top"]["tests/benchmarks/test_suite_cpu.py::test_a_daemonized_grandchild_is_counted"]
+    assert this_test == this_file, result["by_test_top"]
 
 
 def test_a_failing_command_fails_and_no_command_is_a_usage_error(tmp_path: Path) -> None:
