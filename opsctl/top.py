@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from opsctl import control
 from opsctl.exporter import read_gpu_metrics
-from opsctl.probes import EngineScrape, GpuReading, scrape_engine_metrics
+from opsctl.probes import SCRAPE_PARAMS, EngineScrape, GpuReading, scrape_engine_metrics
 from opsctl.state import EngineState
 from opsctl.status import Status, no_gpu_line
 
@@ -221,7 +221,7 @@ class Watcher:
             sample.error = f"engine {st.engine.state}"
             return sample
         try:
-            text = self.client.get(st.engine.url.rstrip("/") + "/metrics").text
+            text = self.client.get(st.engine.url.rstrip("/") + "/metrics", params=SCRAPE_PARAMS).text
             sample.at = time.monotonic()
             sample.engine = scrape_engine_metrics(text)
         except httpx.HTTPError as e:

@@ -42,7 +42,8 @@ async def metrics(http: Request) -> Response:
     # requests piling up behind it are exactly what an operator needs to see.
     if state.async_engine.health() == "stalled":
         state.metrics.set_live_waiting(state.async_engine.queue_depth())
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    # `name[]=<sample name>` (repeatable) keeps only those series, as Prometheus' own client libraries do
+    return Response(state.metrics.render(http.query_params.getlist("name[]")), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/version")

@@ -33,7 +33,7 @@ from typing import Literal
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, RestrictedRegistry
 from prometheus_client.utils import floatToGoString
 
 from engine.stats import TPOT_BUCKETS, EngineSnapshot
@@ -146,13 +146,50 @@ class _Named(Collector):
         self.inner, self.prefixes = inner, prefixes
 
     def collect(self) -> Iterator[Metric]:
-        families = list(self.inner.collect())
+        return self.collect_only(None)
+
+    def collect_only(self, names: frozenset[str] | None) -> Iterator[Metric]:
+        """collect(), or only the samples named in `names` (exposed names, suffixes included), every other family
+        skipped before its samples are renamed."""
+        families = list(self.inner.collect() if names is None else self._inner_only(names).collect())
         for prefix in self.prefixes:
             for f in families:
                 for base in (f.name, *ALIASES.get(f.name, ())):
-                    renamed = Metric(prefix + base, f.documentation, f.type, f.unit)
-                    renamed.samples = [s._replace(name=prefix + base + s.name[len(f.name) :]) for s in f.samples]
-                    yield renamed
+                    name = prefix + base
+                    if names is not None and not any(n.startswith(name) for n in names):
+                        continue
+                    renamed = Metric(name, f.documentation, f.type, f.unit)
+                    renamed.samples = [s._replace(name=name + s.name[len(f.name) :]) for s in f.samples]
+                    if names is not None:
+                        renamed.samples = [s for s in renamed.samples if s.name in names]
+                    if renamed.samples or names is None:
+                        yield renamed
+
+    def _inner_only(self, names: frozenset[str]) -> RestrictedRegistry:
+        """The inner registry restricted to the samples behind `names`: prefixes off, aliases back to their names."""
+        inner: set[str] = set()
+        for name in names:
+            for prefix in self.prefixes:
+                if name.startswith(prefix):
+                    base = name[len(prefix) :]
+                    inner.add(base)
+                    inner.update(
+                        family + base[len(alias) :]
+                        for family, aliases in ALIASES.items()
+                        for alias in aliases
+                        if base.startswith(alias)
+                    )
+        return self.inner.restricted_registry(inner)
+
+
+class _Only:
+    """What generate_latest reads for a `name[]` scrape: the named samples of one _Named."""
+
+    def __init__(self, named: _Named, names: frozenset[str]) -> None:
+        self.named, self.names = named, names
+
+    def collect(self) -> Iterator[Metric]:
+        return self.named.collect_only(self.names)
 
 
 class EngineMetrics:
@@ -171,7 +208,8 @@ class EngineMetrics:
         self.names = names
         inner = CollectorRegistry(auto_describe=True)  # base names; never exposed as such
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_Named(inner, PREFIXES[names]))
+        self._named = _Named(inner, PREFIXES[names])
+        self.registry.register(self._named)
         r, m = inner, ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -364,5 +402,9 @@ class EngineMetrics:
     def set_draining(self, draining: bool) -> None:
         self.draining.labels(self.model_name).set(1 if draining else 0)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, names: Sequence[str] = ()) -> bytes:
+        """The exposition text; with `names` (sample names, as Prometheus clients' `name[]` query parameters give
+        them), only those series: a supervisor polling a handful of gauges does not pay for every histogram."""
+        if not names:
+            return generate_latest(self.registry)
+        return generate_latest(_Only(self._named, frozenset(names)))

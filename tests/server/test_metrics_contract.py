@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.server.metrics import ALIASES, EngineMetrics
 from engine.stats import EngineSnapshot
-from opsctl.probes import parse_engine_metrics
+from opsctl.probes import SCRAPE_PARAMS, parse_engine_metrics, scrape_engine_metrics
 from tests.server.harness import REPO
 
 VLLM = [  # vLLM's own metric names, current release, that pagekeeper measures
@@ -164,6 +164,11 @@ def test_every_contract_metric_is_exported_and_values_move(launch):
     assert not differ, differ
     print(f"inter-token gaps: {after['vllm:inter_token_latency_seconds_count']:.0f}, prompt tokens {prompt_tokens:.0f}")
 
+    # what the supervisor and `opsctl top` ask for (`name[]`): the same figures from a fraction of the page
+    whole = httpx.get(server.url + "/metrics", timeout=10).text
+    asked = httpx.get(server.url + "/metrics", params=SCRAPE_PARAMS, timeout=10).text
+    assert scrape_engine_metrics(asked) == scrape_engine_metrics(whole) and len(asked) < len(whole) / 3
+
     httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 10**5}, timeout=10)
     assert scrape(server.url)["vllm:request_failure_total{reason=invalid}"] == 1
 
@@ -217,3 +222,27 @@ def test_the_supervisor_parses_only_the_series_it_reads(monkeypatch):
     assert opsctl.probes.scrape_engine_metrics(text + 'vllm:not_read_here{model_name="m"} {{{\n') == read
     with pytest.raises(ValueError):  # a series it reads, malformed, is still the engine's metrics unparseable
         opsctl.probes.parse_engine_metrics(text + 'vllm:num_requests_running{model_name="m"} {{{\n')
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    samples = (s for family in text_string_to_metric_families(text) for s in family.samples)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in samples}
+
+
+@pytest.mark.parametrize("setting", ["vllm", "seed", "both"])
+def test_named_series_render_alone_and_all_names_render_the_whole_page(setting):
+    """`name[]` (render's `names`): every sample name asked for gives the whole page back sample for sample; the
+    supervisor's names give the figures it reads from the whole page; an older vLLM name (an alias) and a name
+    nobody exports give that series alone and nothing."""
+    metrics = EngineMetrics("m", {"block_size": "16"}, 0, names=setting, max_model_len=2048)
+    metrics.update(EngineSnapshot(running=3, waiting=5, gpu_cache_usage=0.5, steps=7, preemptions=2))
+    metrics.request_finished("stop", 1.0, 1.1, 1.2, 2.0, 12, [5])
+    whole = metrics.render().decode()
+    everything = _samples(whole)
+    assert _samples(metrics.render(sorted({name for name, _ in everything})).decode()) == everything
+    asked = metrics.render(SCRAPE_PARAMS["name[]"]).decode()
+    assert scrape_engine_metrics(asked) == scrape_engine_metrics(whole) and len(asked) < len(whole) / 3
+    prefix = "vllm:" if setting != "seed" else "vllm_"
+    alias = _samples(metrics.render([prefix + "gpu_cache_usage_perc", prefix + "no_such_series"]).decode())
+    assert alias == {(prefix + "gpu_cache_usage_perc", (("model_name", "m"),)): 0.5}
+    assert metrics.render(["vllm:no_such_series"]) == b""
