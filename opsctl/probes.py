@@ -61,7 +61,9 @@ _HISTOGRAM_NAMES = {name for names in HISTOGRAMS.values() for name in names}
 _SCRAPED_NAMES = _WANTED_NAMES | _HISTOGRAM_NAMES
 # Asked of the engine's /metrics: only these series (`name[]`, as Prometheus' client libraries filter).  All of an
 # engine's series took 10 ms of its front's CPU per scrape (76 KB), every poll (docs/decisions/metrics-scrape.md);
-# an engine that ignores the parameter answers everything, which _wanted_lines filters here as before.
+# an engine that ignores the parameter answers everything, which _wanted_lines filters here as before.  The
+# supervisor's poll reads no histogram (POLL_PARAMS); `opsctl top` reads two (SCRAPE_PARAMS).
+POLL_PARAMS = {"name[]": sorted(_WANTED_NAMES)}
 SCRAPE_PARAMS = {"name[]": sorted(_SCRAPED_NAMES)}
 
 
@@ -96,7 +98,7 @@ class EngineProbe:
             reading.metrics_error = f"engine {health}"
             return reading
         try:
-            text = self.client.get(self.url + "/metrics", params=SCRAPE_PARAMS).text
+            text = self.client.get(self.url + "/metrics", params=POLL_PARAMS).text
             reading.metrics, reading.model_name = parse_engine_metrics(text)
         except httpx.TimeoutException:
             reading.metrics_error = "metrics endpoint timed out"

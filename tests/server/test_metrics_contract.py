@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.server.metrics import ALIASES, EngineMetrics
 from engine.stats import EngineSnapshot
-from opsctl.probes import SCRAPE_PARAMS, parse_engine_metrics, scrape_engine_metrics
+from opsctl.probes import POLL_PARAMS, SCRAPE_PARAMS, parse_engine_metrics, scrape_engine_metrics
 from tests.server.harness import REPO
 
 VLLM = [  # vLLM's own metric names, current release, that pagekeeper measures
@@ -242,6 +242,8 @@ def test_named_series_render_alone_and_all_names_render_the_whole_page(setting):
     assert _samples(metrics.render(sorted({name for name, _ in everything})).decode()) == everything
     asked = metrics.render(SCRAPE_PARAMS["name[]"]).decode()
     assert scrape_engine_metrics(asked) == scrape_engine_metrics(whole) and len(asked) < len(whole) / 3
+    polled = metrics.render(POLL_PARAMS["name[]"]).decode()  # the supervisor's poll: the values, no histogram
+    assert parse_engine_metrics(polled) == parse_engine_metrics(whole) and len(polled) < len(asked) / 1.5
     prefix = "vllm:" if setting != "seed" else "vllm_"
     alias = _samples(metrics.render([prefix + "gpu_cache_usage_perc", prefix + "no_such_series"]).decode())
     assert alias == {(prefix + "gpu_cache_usage_perc", (("model_name", "m"),)): 0.5}
