@@ -4,9 +4,12 @@ The same functions as kernels/quant_reference.py (which is the oracle for all of
 
 FP8 weights (e4m3 ``[N, K]``, one float32 scale per output channel):
 
-- up to FP8_W8A16_MAX_ROWS rows (decode; the boundary lives in kernels/quant_reference.py, whose CPU product
-  follows the same rule): kernels/fp8_linear.py's W8A16 product, which reads the weight once and leaves the
-  activations in 16 bits (CUDA-core loop up to FP8_CUDA_CORE_MAX_ROWS, else tensor cores);
+- up to FP8_GEMV_MAX_ROWS rows (decode): kernels/fp8_gemv.py, which reads the weight once and leaves the
+  activations in 16 bits (`fp8_keeps_activations`; the CPU path quantizes them at every row count, as the
+  checkpoint's dynamic recipe says: kernels/quant_reference.py);
+- up to FP8_W8A16_MAX_ROWS rows (the boundary lives in kernels/quant_reference.py; 0 by default): kernels/
+  fp8_linear.py's W8A16 product, the same product by older tiles (CUDA-core loop up to FP8_CUDA_CORE_MAX_ROWS,
+  else tensor cores);
 - above: the activations quantized per token by one Triton kernel, then ``torch._scaled_mm`` on the FP8
   tensor cores with row-wise scales on both sides (the activation's per row, the weight's per column) applied
   in the GEMM's epilogue.  Row-wise scaling is probed once per device and output dtype: where this torch or
@@ -75,6 +78,13 @@ def fp8_path(m: int) -> str:
     if KERNELS == "legacy" or m > qr.FP8_W8A16_MAX_ROWS:
         return "scaled-mm"
     return "w8a16-cuda-core" if m <= FP8_CUDA_CORE_MAX_ROWS else "w8a16-dot"
+
+
+def fp8_keeps_activations(m: int) -> bool:
+    """Whether the path of a product of `m` rows leaves the activations in 16 bits (the decode kernels) rather than
+    quantizing them per token: the reference product its output is checked against (quant_reference.fp8_linear's
+    `keep_activations`)."""
+    return fp8_path(m) != "scaled-mm"
 
 
 def awq_path(m: int) -> str:

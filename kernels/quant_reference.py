@@ -16,8 +16,11 @@ FP8 weights: ``weight`` float8_e4m3fn ``[out, in]`` and ``weight_scale`` float32
 (per output channel).  A product of up to FP8_W8A16_MAX_ROWS rows (a decode step) keeps its activations in
 their own dtype, ``y = x @ (wq * sw)^T``, as the GPU's W8A16 kernel computes it; a larger one quantizes them per
 token (row), as ``torch._scaled_mm`` with row-wise scales computes on the GPU: ``y = (xq * sx) @ (wq * sw)^T``.
-Both accumulate in float32.  The boundary is the GPU's (kernels/quant_cuda.py reads it from here), so the CPU
-path and the GPU compute the same product at every row count.
+Both accumulate in float32.  The CPU path quantizes the activations at every row count, as a checkpoint's
+dynamic per-token recipe (compressed-tensors' FP8_DYNAMIC) says; the GPU's decode kernel (kernels/fp8_gemv.py)
+keeps them in 16 bits at up to kernels/quant_cuda.py's FP8_GEMV_MAX_ROWS rows, a more precise product that reads
+the weight once (vLLM's W8A16 path does the same on GPUs without FP8), so its oracle there is the unquantized
+product (`keep_activations`).
 """
 
 from __future__ import annotations
@@ -88,13 +91,18 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.squeeze(-1)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, keep_activations: bool | None = None
+) -> torch.Tensor:
     """``x @ W^T`` (no bias) with W = weight x weight_scale, in float32; x quantized per token when it has
-    more than FP8_W8A16_MAX_ROWS rows."""
+    more than FP8_W8A16_MAX_ROWS rows, or as `keep_activations` says (the oracle of a GPU path that decides
+    otherwise: kernels/quant_cuda.py's fp8_keeps_activations)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     w = weight.float() * weight_scale.float()[:, None]
-    if x2.shape[0] <= FP8_W8A16_MAX_ROWS:
+    if keep_activations is None:
+        keep_activations = x2.shape[0] <= FP8_W8A16_MAX_ROWS
+    if keep_activations:
         y = F.linear(x2.float(), w)
     else:
         xq, xs = quantize_per_token(x2)

@@ -127,6 +127,27 @@ def test_fp8_linear_every_path_matches_the_reference(monkeypatch, kernels):
             assert err < 5e-3  # only the output's bf16 rounding
 
 
+@pytest.mark.parametrize("kernels", ["fast", "gemv", "legacy"])
+def test_each_default_path_matches_the_reference_of_its_own_activations(monkeypatch, kernels):
+    """What the GPU test of the default rule checks (tests/kernels/test_awq_gemm.py), here under the interpreter:
+    at every row count the default path matches quant_reference.fp8_linear with the activations kept where the
+    path keeps them (the decode GEMV) and quantized where it quantizes them, and not the other product."""
+    monkeypatch.setattr(quant_cuda, "KERNELS", kernels)
+    if kernels == "gemv":
+        monkeypatch.setattr(quant_cuda, "FP8_GEMV_MAX_ROWS", quant_cuda.FP8_GEMV_ROWS_WHEN_ON)
+    wq, ws = _fp8_weight(48, 64)
+    for m in (1, 2, 17):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m)).bfloat16().to(DEVICE)
+        keep = quant_cuda.fp8_keeps_activations(m)
+        assert keep == (kernels != "legacy" and m <= quant_cuda.FP8_GEMV_MAX_ROWS), (kernels, m)
+        got = quant_cuda.fp8_linear(x, wq, ws).double()
+        own, other = (qr.fp8_linear(x, wq, ws, keep_activations=k).double() for k in (keep, not keep))
+        err, err_other = (float((got - w).norm() / w.norm()) for w in (own, other))
+        path = quant_cuda.fp8_path(m)
+        print(f"fp8 {kernels} m={m} ({path}): rel err {err:.2e}, against the other product {err_other:.2e}")
+        assert err < 1e-2 and err_other > 2 * err  # the GPU test's bound; bf16 outputs either way
+
+
 def test_fp8_linear_per_tensor_fallback(monkeypatch):
     """Where row-wise scaling is refused, unit scales and both row-wise scales applied to a float32 product."""
     monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
