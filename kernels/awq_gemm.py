@@ -197,9 +197,9 @@ DENSE_MIN_ROWS = 48  # H100: at 64 rows dequantize + cuBLAS won on all four shap
 
 
 def dequant_config(group_size: int) -> dict:
-    """_awq_dequant_kernel's tile (BLOCK_K divides the group size): 32 x 256, the fastest of 7 tiles on all four of
-    the 8B's projections on one H200 (benchmarks/quant_profile.py --micro --sweeps, quant-profile-h200-2026-11-28.json:
-    0.167 ms per layer against 32 x 128's 0.176)."""
+    """_awq_dequant_kernel's tile (BLOCK_K divides the group size): 32 x 256, the fastest of the tiles
+    benchmarks/quant_profile.py --micro --sweeps tried on all four of the 8B's projections on an H200
+    (docs/decisions/quant-paths.md)."""
     return dict(BLOCK_K=min(group_size, 32), BLOCK_N=256, num_warps=4)
 
 

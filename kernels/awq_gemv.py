@@ -141,9 +141,8 @@ def awq_gemv_config(m: int, n: int, k: int, group_size: int, device: torch.devic
     - K is split into whole groups until the programs make about PER_SM (32) programs per SM (unless `config`
       sets SPLITS).
     """
-    # benchmarks/gemv_sweep.py on one H200 (gemv-sweep-h200-2026-11-28.json, the 8B's four projections): one row
-    # 0.0931 ms with 128 columns x 64 K rows at 32 programs per SM (256 x 32 at 16, the tiles before: 0.0992); two
-    # rows 0.1447 with 256 x 32 at 32 per SM (at 8: 0.1606)
+    # the fastest of benchmarks/gemv_sweep.py's tiles on an H200 at the 8B's projections, per row count
+    # (docs/decisions/quant-paths.md, "The decode GEMVs swept and re-shaped")
     if m <= 1:
         cfg = dict(BLOCK_N=128, BLOCK_K=min(64, group_size), num_warps=1, PER_SM=32)
     else:

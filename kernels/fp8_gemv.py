@@ -8,14 +8,14 @@ kernels are shaped for bytes in flight, not for arithmetic.  Two kernels, by row
   contiguous bytes, 16 bytes per thread per load (one 128-bit load), and the next step's tile is loaded before this
   step's arithmetic (a register double buffer: Triton pipelines only loads that feed a dot).  The tile is converted
   to float32 once and multiplied into one accumulator per row of x (``acc0`` .. ``acc3``, each thread summing its
-  own 16 products; the row sums across threads once at the end): before 2026-11-28c the rows shared one 3-D
+  own 16 products; the row sums across threads once at the end): when the rows shared one 3-D
   product ``[rows, BLOCK_N, BLOCK_K]`` whose reshape Triton laid out through shared memory, which made two rows
   four times slower than one (0.348 against 0.087 ms per 8B layer on an H200);
 - `_fp8_gemv_dot_kernel`, on the tensor cores, for more rows: the rows padded to ``BLOCK_M`` (16) as the
   narrow side of the product and the weight tile as the wide one ("swap AB"), the tiles loaded by Triton's software
   pipeline (``num_stages`` deep, in shared memory) and converted to x's 16-bit type on the way to the MMA, which is
-  exact for e4m3.  Before 2026-11-28c this path kept the register double buffer of the CUDA-core loop, which
-  left Triton no pipeline to build: 0.140 ms per 8B layer at 3-16 rows, slower than bf16's 0.117;
+  exact for e4m3.  With the register double buffer of the CUDA-core loop this path left Triton no pipeline to
+  build, and was slower than bf16 at 3-16 rows (docs/decisions/quant-paths.md has both measurements);
 
 and in both:
 
@@ -47,11 +47,10 @@ MAX_ROWS = 16  # the dot kernel holds all of x's rows in one tile of 16 (a 32-ro
 VEC = tl.constexpr(16)  # e4m3 bytes per 128-bit load: one thread's run of K
 CUDA_CORE_MAX_ROWS = 4  # the CUDA-core kernel's accumulators, one per row
 
-# Tiles by row count: (rows up to, config), the fastest of benchmarks/gemv_sweep.py's trials on one H200
-# (benchmarks/results/gemv-sweep-h200-2026-11-28.json; ms for the 8B's four projections together, bf16 0.123 and
-# FP8 _scaled_mm 0.134-0.140 in the same run): 1 row 0.0795 (the tiles before: 0.0888), 2 rows 0.0954 (0.100), 3-16
-# rows the dot at 0.121-0.123 (the CUDA-core kernel at 4 rows: 0.142 at best).  KIND "cuda-core" or "dot"; WAVES
-# programs per SM that the K splits aim for; MIN_STEPS the fewest K steps a split keeps.
+# Tiles by row count: (rows up to, config), the fastest of benchmarks/gemv_sweep.py's trials on an H200 at the 8B's
+# projections (docs/decisions/quant-paths.md, "The decode GEMVs swept and re-shaped": the dot from 3 rows, where the
+# CUDA-core kernel lost).  KIND "cuda-core" or "dot"; WAVES programs per SM that the K splits aim for; MIN_STEPS the
+# fewest K steps a split keeps.
 CONFIGS: tuple[tuple[int, dict], ...] = (
     (1, dict(KIND="cuda-core", BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1, WAVES=2, MIN_STEPS=4)),
     (2, dict(KIND="cuda-core", BLOCK_M=2, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=1, WAVES=2, MIN_STEPS=4)),

@@ -119,16 +119,15 @@ def _quant_tile_kernel(
 
 
 # "tile" (_quant_tile_kernel with quant_config's tiles) or "row" (_quant_rows_kernel: one row per program, the
-# whole row held; the kernel before 2026-11-28d), read at each call (benchmarks/quant_profile.py's baseline arm).
+# whole row held; the earlier kernel), read at each call (benchmarks/quant_profile.py's baseline arm).
 QUANT_KERNEL = "tile"
 
 
 def quant_config(m: int, k: int) -> dict:
-    """_quant_tile_kernel's tiles by shape, from benchmarks/quant_profile.py --micro --sweeps on one H200
-    (quant-profile-h200-2026-11-28.json, 12 tiles at K = 4096 and 14336, M = 256 and 8192): a row up to 4,096
-    wide in one pass with 8 warps (0.045 ms at 8192 x 4096, the row kernel's 0.046); a 14,336-wide row in two
-    passes over 2,048-element chunks, two rows per program, from 1,024 rows (0.177 ms at 8192 rows, the row
-    kernel's 0.278), and held whole with 16 warps below (the row kernel's tile: 0.014 ms at 256 rows)."""
+    """_quant_tile_kernel's tiles by shape, the fastest of benchmarks/quant_profile.py --micro --sweeps on an H200
+    at K = 4096 and 14336, M = 256 and 8192 (docs/decisions/quant-paths.md): a row up to 4,096 wide in one pass with
+    8 warps; a 14,336-wide row in two passes over 2,048-element chunks, two rows per program, from 1,024 rows, and
+    held whole with 16 warps below."""
     width = triton.next_power_of_2(max(k, 16))
     if width <= 4096:
         return dict(ROWS=1, BLOCK=width, num_warps=8 if width >= 2048 else 4)

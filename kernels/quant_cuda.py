@@ -49,8 +49,8 @@ AWQ_GEMV_MAX_ROWS = 1
 AWQ_CUDA_CORE_MAX_ROWS = 0
 AWQ_DENSE_MIN_ROWS = 96
 # The decode kernels of kernels/fp8_gemv.py and kernels/awq_gemv.py, at the row counts where the device's decode
-# table measured them fastest (docs/decisions/quant-paths.md: fp8_gemv at 1-16 rows, _scaled_mm from 32 in
-# quant-kernels-h200-2026-11-28b-decode.json); the "gemv" kernel set turns them on up to the kernels' own limits.
+# table measured them fastest (docs/decisions/quant-paths.md: fp8_gemv at 1-16 rows, _scaled_mm from 32); the
+# "gemv" kernel set turns them on up to the kernels' own limits.
 FP8_GEMV_MAX_ROWS = 16
 AWQ_GEMV2_MAX_ROWS = 2
 FP8_GEMV_ROWS_WHEN_ON = 16
