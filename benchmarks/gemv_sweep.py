@@ -30,7 +30,6 @@ import argparse
 import datetime as dt
 import json
 import math
-import os
 import sys
 import time
 import traceback
@@ -316,15 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="CPU dry run: tiny shapes, Triton's interpreter")
     p.add_argument("--budget-s", type=float, default=330.0)
     args = p.parse_args(argv)
-    gpu = torch.cuda.is_available() and not args.quick
-    if not gpu and not args.quick:
-        print("error: no CUDA device; use --quick for the CPU dry run", file=sys.stderr)
+    from benchmarks.kernels import device_slug, interpreted_or_cuda
+
+    device = interpreted_or_cuda(args.quick)
+    if device is None:
         return 2
-    if args.quick and os.environ.get("TRITON_INTERPRET") != "1":
-        print("error: --quick runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
-        return 2
-    device = torch.device("cuda" if gpu else "cpu")
-    from benchmarks.kernels import device_slug
+    gpu = device.type == "cuda"
     from benchmarks.throughput import copy_bandwidth
 
     budget = Budget(args.budget_s)

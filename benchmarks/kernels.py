@@ -157,6 +157,20 @@ def gpu_slug(name: str) -> str:
     return (m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", name.lower())).lower()
 
 
+def interpreted_or_cuda(quick: bool) -> torch.device | None:
+    """The device a Triton kernel benchmark times on: CUDA, or with `quick` the CPU under Triton's interpreter; None
+    (after one error line) when neither is possible, for the caller's exit 2."""
+    import os
+
+    if not quick and not torch.cuda.is_available():
+        print("error: no CUDA device; use --quick for the CPU dry run", file=sys.stderr)
+        return None
+    if quick and os.environ.get("TRITON_INTERPRET") != "1":
+        print("error: --quick runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
+        return None
+    return torch.device("cpu" if quick else "cuda")
+
+
 def device_slug(gpu: bool) -> str:
     """The device's name in results files: the GPU's slug (h100, h200) when the run uses it, else cpu."""
     return gpu_slug(torch.cuda.get_device_name()) if gpu else "cpu"

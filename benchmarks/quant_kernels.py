@@ -37,7 +37,6 @@ import argparse
 import datetime as dt
 import json
 import math
-import os
 import sys
 import time
 import traceback
@@ -405,15 +404,12 @@ def main(argv: list[str] | None = None) -> int:
         "--decode", action="store_true", help="M = 1, 2, 4, 8, 16, 32 and the decode paths only (about a minute)"
     )
     args = p.parse_args(argv)
-    gpu = torch.cuda.is_available() and not args.quick
-    if not gpu and not args.quick:
-        print("error: no CUDA device; use --quick for the CPU dry run", file=sys.stderr)
+    from benchmarks.kernels import device_slug, interpreted_or_cuda
+
+    device = interpreted_or_cuda(args.quick)
+    if device is None:
         return 2
-    if args.quick and os.environ.get("TRITON_INTERPRET") != "1":
-        print("error: --quick runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
-        return 2
-    device = torch.device("cuda" if gpu else "cpu")
-    from benchmarks.kernels import device_slug
+    gpu = device.type == "cuda"
     from benchmarks.throughput import copy_bandwidth
 
     name = device_slug(gpu)

@@ -21,3 +21,18 @@ def test_copies_hold_their_own_inputs_and_share_the_references():
     c = _copy_inputs(w)
     assert all(c[key].data_ptr() != w[key].data_ptr() and torch.equal(c[key], w[key]) for key in COPIED)
     assert c["fp8_dense"] is w["fp8_dense"] and c["awq_dense"] is w["awq_dense"]
+
+
+def test_kernel_benchmarks_refuse_a_run_they_cannot_time(monkeypatch, capsys):
+    """benchmarks/quant_kernels.py and gemv_sweep.py: CUDA, or the CPU dry run under Triton's interpreter; anything
+    else is one error line and exit 2 (`interpreted_or_cuda` returns None)."""
+    from benchmarks.kernels import interpreted_or_cuda
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert interpreted_or_cuda(False) is None and "no CUDA device" in capsys.readouterr().err
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert interpreted_or_cuda(True) is None and "TRITON_INTERPRET=1" in capsys.readouterr().err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert interpreted_or_cuda(True) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert interpreted_or_cuda(False) == torch.device("cuda") and interpreted_or_cuda(True) == torch.device("cpu")
