@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from benchmarks.quantization import CONFIGS, RESULTS, awq_model_dir
+from benchmarks.step_kernels import classify
 
 # (kind, substrings of the lower-cased kernel name): the first match wins, so the quantization kernels come
 # before "gemm" (the AWQ Triton kernels' names hold it) and the GEMMs before "copy".
@@ -61,11 +62,7 @@ KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def kind_of(name: str) -> str:
-    low = name.lower()
-    for kind, needles in KINDS:
-        if any(n in low for n in needles):
-            return kind
-    return "other"
+    return classify(name, KINDS)
 
 
 def summarise(events: Iterable[tuple[str, float]], span_ms: float, top: int = 30) -> dict[str, Any]:

@@ -36,12 +36,18 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def category(kernel: str) -> str:
+def classify(kernel: str, table: Iterable[tuple[str, tuple[str, ...]]]) -> str:
+    """The first (name, needles) entry of `table` one of whose needles is in the kernel's name (lower case), else
+    "other"."""
     name = kernel.lower()
-    for cat, needles in CATEGORIES:
+    for kind, needles in table:
         if any(n in name for n in needles):
-            return cat
+            return kind
     return "other"
+
+
+def category(kernel: str) -> str:
+    return classify(kernel, CATEGORIES)
 
 
 def step_breakdown(kernels: Iterable[tuple[str, float]], span_ms: float) -> dict[str, float]:
