@@ -1,12 +1,18 @@
 """Can the decode step's bf16 projection GEMMs run faster than F.linear's cuBLAS? (GPU)
 
-    python -m benchmarks.gemm_probe [--ms 256,320,...] [--reps 10] [--rounds 7] [--quick] [--skip-triton]
-                                    [--variants default,triton,...] [--tag WORD] [--out DIR]
+    python -m benchmarks.gemm_probe [--shape 8b|70b-tp4] [--ms 256,320,...] [--reps 10] [--rounds 7] [--quick]
+                                    [--skip-triton] [--variants default,triton,...] [--tag WORD] [--note TEXT]
+                                    [--out DIR]
 
 Why: a 256-sequence decode step of Llama-3-8B spends ~7 ms in its 32 layers x 4 projections (qkv 4096->6144,
 o 4096->4096, gate_up 4096->28672, down 14336->4096), about 72% of the ridge bound max(FLOPs / matmul rate,
 weight bytes / copy bandwidth).  This asks whether another way of running the very same products closes part of
-that gap, at the decode M (256) and at the padded mixed-step buckets (320..1024):
+that gap, at the decode M (256) and at the padded mixed-step buckets (320..1024).
+
+`--shape 70b-tp4` asks the same of one rank of Llama-3.1-70B at tensor parallel 4 (80 layers; qkv 8192->2560,
+o 2048->8192, gate_up 8192->14336, down 7168->8192), the products each of the four GPUs runs, at decode M (256)
+and at a prefill chunk (M up to 8192); issue 36's 0.80-of-bound target is judged against it
+(docs/decisions/tp-bound-target.md).  The variants:
 
 - `default`: F.linear(x, W), W [N, K] as nn.Linear stores it (torch's choice of cuBLAS library and kernel);
 - `cublas` / `cublaslt`: the same with torch.backends.cuda.preferred_blas_library set (restored afterwards);
@@ -16,25 +22,26 @@ that gap, at the decode M (256) and at the padded mixed-step buckets (320..1024)
 - `triton`: this file's own Triton matmul (pointer loads or TMA descriptor loads, optional split-K with an fp32
   workspace and a reduce kernel), tuned per (M, N, K) over tile shape, warps, stages and split-K, each candidate
   checked against F.linear;
-- `triton_o_down`, `cublaslt_down`: fixed mixes (Triton for the N=4096 products o and down; cuBLASLt for down),
+- `triton_o_down`, `cublaslt_down`: fixed mixes (Triton for the N=hidden products o and down; cuBLASLt for down),
   the rest as default;
 - `best_per_projection`: per projection the fastest of the above at that M, captured together as one step and
   timed interleaved with the default (`default_paired`).
 
-`--variants a,b,...` times a subset (default always), `--tag WORD` names its JSON apart.
+`--variants a,b,...` times a subset (default always), `--tag WORD` names its JSON apart, `--note TEXT` is kept in
+its `notes` (the commit measured, say, where the device's checkout cannot tell).
 
-Each variant's step (32 layers x 4 projections, 4 distinct weight sets cycled so the weights exceed the L2, as in
-benchmarks.overlap_probe) is captured once in a CUDA graph, as the engine replays decode steps, and so is each
-projection alone (32 calls).  The graphs of one M are then timed in --rounds interleaved rounds, the order rotated
-each round (a first run that timed variants one after the other saw the same kernels differ by up to 4% between
-moments); per round the median of --reps back-to-back replays between CUDA events, and the reported ms is the
+Each variant's step (the shape's layers x 4 projections, 4 distinct weight sets cycled so the weights exceed the
+L2, as in benchmarks.overlap_probe) is captured once in a CUDA graph, as the engine replays decode steps, and so is
+each projection alone (one call per layer).  The graphs of one M are then timed in --rounds interleaved rounds, the
+order rotated each round (a first run that timed variants one after the other saw the same kernels differ by up to
+4% between moments); per round the median of --reps back-to-back replays between CUDA events, and the reported ms is the
 median over rounds.  `cublas` and (when it tuned to "Default") `tunableop` run the very kernels of `default` where
 cuBLAS is torch's default library: their spread (`same_kernel_spread_pct`) is the noise to judge gains against.
 `default_eager` (one eager measurement) ties back to the overlap probe's convention.  Reported per variant and M:
 ms, TFLOP/s and the fraction of the ridge bound (bound_ms / ms), with the matmul rate and copy bandwidth measured in
 the same run by benchmarks.throughput.
 
-JSON: `<out>/gemm-probe-<gpu>[-<tag>]-<date>.json`.
+JSON: `<out>/gemm-probe-<gpu>[-<shape>][-<tag>]-<date>.json` (no shape word for 8b).
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -63,12 +70,35 @@ try:  # the CPU-only CI may lack Triton; the probe itself needs a GPU anyway
 except ImportError:  # pragma: no cover
     triton = None
 
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4096, 14336, 32, 8, 128, 32
-PROJECTIONS = {  # name: (K, N)
-    "qkv": (HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM),
-    "o": (HIDDEN, HIDDEN),
-    "gate_up": (HIDDEN, 2 * INTER),
-    "down": (INTER, HIDDEN),
+
+class Shape(NamedTuple):
+    layers: int
+    projections: dict[str, tuple[int, int]]  # name: (K, N) of one rank's weight, stored [N, K] as nn.Linear
+
+    @property
+    def weight_bytes(self) -> int:
+        """One rank's bf16 projection weights over all layers."""
+        return self.layers * sum(2 * k * n for k, n in self.projections.values())
+
+
+def llama_shape(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, layers: int, tp: int = 1) -> Shape:
+    """A Llama layer's four projections as one of `tp` tensor-parallel ranks holds them: qkv and gate_up split by
+    output columns, o and down by input rows (heads, KV heads and the intermediate size divide by tp)."""
+    assert heads % tp == 0 and kv_heads % tp == 0 and inter % tp == 0
+    return Shape(
+        layers,
+        {
+            "qkv": (hidden, (heads + 2 * kv_heads) * head_dim // tp),
+            "o": (heads * head_dim // tp, hidden),
+            "gate_up": (hidden, 2 * inter // tp),
+            "down": (inter // tp, hidden),
+        },
+    )
+
+
+SHAPES = {  # --shape: Llama-3-8B on one GPU, Llama-3.1-70B per rank at tensor parallel 4
+    "8b": llama_shape(4096, 14336, 32, 8, 128, 32),
+    "70b-tp4": llama_shape(8192, 28672, 64, 8, 128, 80, tp=4),
 }
 WEIGHT_SETS = 4
 DEFAULT_MS = (256, 320, 512, 768, 1024, 128)
@@ -360,6 +390,7 @@ class Variant:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=list(SHAPES), default="8b", help="whose projections and layer count")
     p.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)), help="token counts M, comma-separated")
     p.add_argument("--reps", type=int, default=10, help="timed graph replays per measurement (at least 10)")
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds; each variant's ms is their median")
@@ -367,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-triton", action="store_true")
     p.add_argument("--variants", default=",".join(VARIANTS), help="which variants to time (default always is)")
     p.add_argument("--tag", default="", help="a word added to the JSON's name, for a run of a subset")
+    p.add_argument("--note", default="", help="free text kept in the JSON's notes")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     try:
@@ -390,16 +422,17 @@ def main(argv: list[str] | None = None) -> int:
     use_triton = triton is not None and not args.skip_triton and bool({"triton", "triton_o_down"} & set(chosen))
 
     t_start = time.perf_counter()
+    projs, layers = SHAPES[args.shape].projections, SHAPES[args.shape].layers
     dev, dt_ = torch.device("cuda"), torch.bfloat16
     matmul = matmul_rate(dev, 8192, dt_)
     copy = copy_bandwidth(dev, 2 << 30)
     torch.manual_seed(0)
     weights = [
-        {name: torch.randn(n, k, device=dev, dtype=dt_) * 0.02 for name, (k, n) in PROJECTIONS.items()}
+        {name: torch.randn(n, k, device=dev, dtype=dt_) * 0.02 for name, (k, n) in projs.items()}
         for _ in range(WEIGHT_SETS)
     ]
     transposed = [{name: w.t().contiguous() for name, w in ws.items()} for ws in weights]
-    wbytes = LAYERS * sum(2 * k * n for k, n in PROJECTIONS.values())
+    wbytes = SHAPES[args.shape].weight_bytes
 
     t = torch.cuda.tunable
     tunable_api = {
@@ -454,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return op
 
-    xs = {k: torch.randn(max(ms_list), k, device=dev, dtype=dt_) for k in (HIDDEN, INTER)}
+    xs = {k: torch.randn(max(ms_list), k, device=dev, dtype=dt_) for k in dict.fromkeys(k for k, _ in projs.values())}
 
     # TunableOp: tune every shape once, eagerly, before anything is captured
     tunable_info: dict[str, Any] = dict(api=tunable_api, enabled=tunable_ok)
@@ -469,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         t.set_max_tuning_iterations(30)
         t0 = time.perf_counter()
         for m in ms_list:
-            for name, (k, _) in PROJECTIONS.items():
+            for name, (k, _) in projs.items():
                 F.linear(xs[k][:m], weights[0][name])
         torch.cuda.synchronize()
         t.tuning_enable(False)
@@ -492,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         per_shape: list[dict[str, Any]] = []
         t0 = time.perf_counter()
         for m in ms_list:
-            for name, (k, _) in PROJECTIONS.items():
+            for name, (k, _) in projs.items():
                 x, w = xs[k][:m], weights[0][name]
                 ref = F.linear(x, w)
                 cublas_us = do_bench(lambda: F.linear(x, w), warmup=5, rep=25, return_mode="median") * 1e3
@@ -541,17 +574,17 @@ def main(argv: list[str] | None = None) -> int:
 
     def step(m: int, pick: dict[str, Variant]) -> Callable[[], None]:
         def run() -> None:
-            for layer in range(LAYERS):
-                for name, (k, _) in PROJECTIONS.items():
+            for layer in range(layers):
+                for name, (k, _) in projs.items():
                     pick[name](name, xs[k][:m], layer % WEIGHT_SETS)
 
         return run
 
     def one_projection(m: int, name: str, v: Variant) -> Callable[[], None]:
-        k = PROJECTIONS[name][0]
+        k = projs[name][0]
 
         def run() -> None:
-            for layer in range(LAYERS):
+            for layer in range(layers):
                 v(name, xs[k][:m], layer % WEIGHT_SETS)
 
         return run
@@ -563,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     controls = ["default"] + (["cublas"] if "Cublas" in blas_default and "cublas" in chosen else [])
     controls += ["tunableop"] if tunable_ok and not tunable_info.get("picked_other_than_default") else []
     for m in ms_list:
-        flops = LAYERS * sum(2 * m * k * n for k, n in PROJECTIONS.values())
+        flops = layers * sum(2 * m * k * n for k, n in projs.values())
         bound = max(flops / matmul, wbytes / copy) * 1e3
         keys = [f"{v}@{m}" if f"{v}@{m}" in variants else v for v in chosen]
         keys = [key for key in keys if key in variants]
@@ -587,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
             print({key: v for key, v in row.items() if key != "rounds_ms"})
             return row
 
-        eager = eager_ms(step(m, dict.fromkeys(PROJECTIONS, default)), args.reps)
+        eager = eager_ms(step(m, dict.fromkeys(projs, default)), args.reps)
         record("default_eager", [eager], note="eager launches, one measurement")
         graphs: dict[str, torch.cuda.CUDAGraph] = {}
         errs: dict[str, dict[str, float]] = {}
@@ -595,18 +628,18 @@ def main(argv: list[str] | None = None) -> int:
             v = variants[key]
             try:
                 errs[v.name] = {}
-                for name, (k, _) in PROJECTIONS.items():
+                for name, (k, _) in projs.items():
                     ref = F.linear(xs[k][:m], weights[1][name])
                     got = v(name, xs[k][:m], 1)
                     if got.shape != ref.shape:  # a split variant returns its first part
                         ref = ref[:, : got.shape[1]]
                     errs[v.name][name] = round(close_enough(got, ref)[1], 5)
-                graphs[f"{v.name}/step"] = capture(step(m, dict.fromkeys(PROJECTIONS, v)))
-                for name in PROJECTIONS:
+                graphs[f"{v.name}/step"] = capture(step(m, dict.fromkeys(projs, v)))
+                for name in projs:
                     graphs[f"{v.name}/{name}"] = capture(one_projection(m, name, v))
             except Exception as e:  # noqa: BLE001 - one variant failing leaves the others' numbers
                 torch.cuda.synchronize()
-                for name in ["step", *PROJECTIONS]:
+                for name in ["step", *projs]:
                     graphs.pop(f"{v.name}/{name}", None)
                 rows.append(dict(m=m, variant=v.name, error=f"{type(e).__name__}: {str(e)[:300]}"))
                 print(rows[-1])
@@ -614,16 +647,16 @@ def main(argv: list[str] | None = None) -> int:
         graphs.clear()
         labels = [variants[key].name for key in keys if f"{variants[key].name}/step" in times]
         for label in labels:
-            per = {name: round(statistics.median(times[f"{label}/{name}"]), 4) for name in PROJECTIONS}
+            per = {name: round(statistics.median(times[f"{label}/{name}"]), 4) for name in projs}
             record(label, times[f"{label}/step"], per_projection_ms=per, max_abs_err=errs[label])
 
         # per projection the fastest variant at this M, captured together as one step, against default again
-        pick_names = {name: min(labels, key=lambda lb: by_name[lb]["per_projection_ms"][name]) for name in PROJECTIONS}
+        pick_names = {name: min(labels, key=lambda lb: by_name[lb]["per_projection_ms"][name]) for name in projs}
         lookup = {variants[key].name: variants[key] for key in keys}
         try:
             pair = {
                 "best_per_projection": capture(step(m, {name: lookup[vn] for name, vn in pick_names.items()})),
-                "default_paired": capture(step(m, dict.fromkeys(PROJECTIONS, default))),
+                "default_paired": capture(step(m, dict.fromkeys(projs, default))),
             }
             times = interleaved_ms(pair, args.reps, args.rounds)
             pair.clear()
@@ -658,6 +691,8 @@ def main(argv: list[str] | None = None) -> int:
         gpu=name,
         date=dt.date.today().isoformat(),
         command="python -m benchmarks.gemm_probe " + " ".join(sys.argv[1:] if argv is None else argv),
+        shape=args.shape,
+        layers=layers,
         torch=torch.__version__,
         blas_default=blas_default,
         matmul_TFLOPs=round(matmul / 1e12, 1),
@@ -666,15 +701,17 @@ def main(argv: list[str] | None = None) -> int:
         timing=f"each variant's step (and each projection alone) captured once in a CUDA graph; per round the median "
         f"of {args.reps} back-to-back replays; {args.rounds} rounds, variants interleaved in rotated order; ms is "
         "the median over rounds (default_eager: eager launches, one measurement)",
-        projections={name: dict(K=k, N=n) for name, (k, n) in PROJECTIONS.items()},
+        projections={name: dict(K=k, N=n) for name, (k, n) in projs.items()},
         winners=winners,
         rows=rows,
         tunableop=tunable_info,
         triton=triton_info,
         wall_s=round(time.perf_counter() - t_start, 1),
     )
+    if args.note:
+        result["notes"] = args.note
     args.out.mkdir(parents=True, exist_ok=True)
-    tag = f"-{args.tag}" if args.tag else ""
+    tag = "".join(f"-{w}" for w in (args.shape if args.shape != "8b" else "", args.tag) if w)
     path = args.out / f"gemm-probe-{gpu_slug(name)}{tag}-{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'M':>5} " + " ".join(f"{r['variant'][:14]:>14}" for r in rows if r["m"] == ms_list[0]))
