@@ -3,6 +3,7 @@
     python -m benchmarks.quant_kernels --out DIR [--sweep-budget-s 90]   # one GPU
     python -m benchmarks.quant_kernels --quick --out DIR                 # CPU dry run (Triton's interpreter)
     python -m benchmarks.quant_kernels --decode --out DIR                # one GPU: M = 1..32, decode arms only
+    python -m benchmarks.quant_kernels --tc --out DIR [--tc-budget-s 330] # one GPU: kernels/w4a16_tc.py's tiles
 
 For each projection (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096) and M = 1, 8, 32,
 256, 4096 rows, the device time of one call (on CUDA: one CUDA graph of the same call on several copies of the
@@ -29,6 +30,11 @@ boundaries kernels/quant_cuda.py should use; `layer` gives that sum for bf16, th
 With --sweep-budget-s, tile
 sweeps of the W8A16 and AWQ kernels at M = 1 and 16 run until the budget is spent.  Writes
 DIR/quant-kernels-<gpu>-<date>.json after every projection.
+
+--tc times kernels/w4a16_tc.py (the tensor-core AWQ GEMM on the load-time repacked weight) at M = 8 to 256: its
+default tile (`awq_tc`) and the candidate tiles of `tc_candidates` (`awq_tc[label]`), beside bf16, fp16,
+`awq_dequantize_cublas` and `awq_dot`, every output checked; `tc_rule` sums the four projections per M and names
+the fastest tile per M and per projection.  Writes DIR/quant-kernels-<gpu>-<date>-tc.json.
 """
 
 from __future__ import annotations
@@ -153,7 +159,17 @@ def weights(k: int, n: int, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 ROTATE_BYTES = 192 << 20  # the smallest format's copies together: several times an H100's or H200's 50-60 MB L2
-COPIED = ("bf16", "fp16", "fp8", "fp8_scale", "qweight", "qzeros", "scales")  # what the timed kernels read
+COPIED = (
+    "bf16",
+    "fp16",
+    "fp8",
+    "fp8_scale",
+    "qweight",
+    "qzeros",
+    "scales",
+    "tc_packed",
+    "tc_zf",
+)  # what the timed kernels read
 
 
 def rotations(k: int, n: int) -> int:
@@ -395,6 +411,138 @@ def sweep(
     return trials
 
 
+# -- kernels/w4a16_tc.py: the tensor-core AWQ GEMM's tiles -----------------------------------------------------
+
+TC_ROWS = (8, 16, 32, 64, 128, 192, 256)
+TC_BASE = ("bf16", "fp16", "awq_dequantize_cublas", "awq_dot")
+
+
+def tc_candidates(m: int) -> dict[str, tuple[dict[str, Any], int | None]]:
+    """label -> (config, splits or None for the default) of the tensor-core AWQ tiles tried at `m` rows (the first
+    sweep, quant-kernels-h200-2026-11-28-tc.json, tried x on the MMA's wide side too: 2-7x slower, dropped)."""
+    import triton
+
+    p2 = max(16, triton.next_power_of_2(m))
+    out: dict[str, tuple[dict[str, Any], int | None]] = {}
+
+    def add(bm: int, bn: int, warps: int, stages: int, waves: int = 2, maxnreg: int | None = None):
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, SWAP_AB=True, num_warps=warps, num_stages=stages, WAVES=waves)
+        label = f"s{bm}x{bn}w{warps}s{stages}v{waves}" + ("" if maxnreg is None else f"r{maxnreg}")
+        if maxnreg is not None:
+            cfg["maxnreg"] = maxnreg
+        out.setdefault(label, (cfg, None))
+
+    if m <= 64:
+        add(p2, 64, 4, 4)
+        add(p2, 64, 4, 4, waves=4)
+        add(p2, 64, 4, 4, waves=8)
+        add(p2, 64, 4, 3, waves=4)
+        add(p2, 128, 8, 3, waves=4)
+        add(p2, 64, 4, 6, waves=4)
+    if m >= 64:
+        add(128, 128, 8, 3)
+        add(128, 128, 8, 3, waves=4)
+        add(128, 128, 8, 4)
+        add(128, 128, 8, 2, maxnreg=128)
+        add(min(p2, 256), 128, 8, 2)
+        add(128, 64, 4, 4, waves=4)
+    return out
+
+
+def _tc_fn(w: dict[str, torch.Tensor], x16: torch.Tensor, cfg: dict[str, Any] | None, splits: int | None):
+    from kernels.w4a16_tc import w4a16_tc
+
+    return lambda: w4a16_tc(x16, w["tc_packed"], w["tc_zf"], w["scales"], GROUP, config=cfg, splits=splits)
+
+
+def tc_measure(
+    shapes: dict[str, tuple[int, int]], rows: tuple[int, ...], device: torch.device, save, budget_s: float
+) -> list[dict[str, Any]]:
+    from benchmarks.kernels import bench_rotating
+    from kernels.w4a16_tc import awq_repack
+
+    bench = _timer(device)
+    started = time.monotonic()
+    results: list[dict[str, Any]] = []
+    for layer, (k, n) in shapes.items():
+        w = weights(k, n, device)
+        w["tc_packed"], w["tc_zf"] = awq_repack(w["qweight"], w["qzeros"], GROUP)
+        copies = [w] + [_copy_inputs(w) for _ in range(rotations(k, n) - 1)] if device.type == "cuda" else [w]
+        for m in rows:
+            gx = torch.Generator(device=device).manual_seed(m)
+            x = torch.randn(m, k, generator=gx, device=device, dtype=torch.float32).bfloat16()
+            x16 = x.half()
+            row: dict[str, Any] = {"layer": layer, "K": k, "N": n, "M": m}
+            errors: dict[str, str] = {}
+            fns: dict[str, Callable[[Any], Callable[[], Any]]] = {
+                name: (lambda c, name=name: variants(m, c, x, x16)[name]) for name in TC_BASE
+            }
+            fns["awq_tc"] = lambda c: _tc_fn(c, x16, None, None)
+            for label, (cfg, splits) in tc_candidates(m).items():
+                fns[f"awq_tc[{label}]"] = lambda c, cfg=cfg, splits=splits: _tc_fn(c, x16, cfg, splits)
+            for name, make in fns.items():
+                if time.monotonic() - started > budget_s:
+                    errors[name] = f"not timed: budget of {budget_s:.0f} s spent"
+                    continue
+                try:
+                    fn = make(w)
+                    got = fn()
+                    want = _reference("awq" if name.startswith("awq") else name, w, x, x16)
+                    err = float((got.float() - want).norm() / want.norm())
+                    row[f"{name}_rel_err"] = float(f"{err:.3g}")
+                    tol = TOLERANCE["awq" if name.startswith("awq") else ""]
+                    if not err < tol:
+                        errors[name] = f"wrong: relative error {err:.3g} against the reference (limit {tol})"
+                        continue
+                    if len(copies) > 1:
+                        row[f"{name}_ms"] = round(bench_rotating([make(c) for c in copies]), 5)
+                    else:
+                        row[f"{name}_ms"] = round(bench(fn), 5)
+                except Exception as e:  # noqa: BLE001 - one tile that fails to compile or run: record it, keep going
+                    errors[name] = f"{type(e).__name__}: {e}"[:400]
+                    traceback.print_exc()
+            tiles = {key[:-3]: v for key, v in row.items() if key.startswith("awq_tc[") and key.endswith("_ms")}
+            if tiles:
+                row["tc_best"] = min(tiles, key=lambda t: tiles[t])
+            if errors:
+                row["errors"] = errors
+            results.append(row)
+            print(
+                f"{layer} M={m}: bf16 {row.get('bf16_ms')} fp16 {row.get('fp16_ms')} dequant+cuBLAS "
+                f"{row.get('awq_dequantize_cublas_ms')} dot {row.get('awq_dot_ms')} tc {row.get('awq_tc_ms')} best "
+                f"{row.get('tc_best')} {tiles.get(row.get('tc_best', ''), '')}"
+                + (f"; errors {errors}" if errors else ""),
+                flush=True,
+            )
+        del w, copies
+        save(results)
+    return results
+
+
+def tc_rule(results: list[dict[str, Any]], rows: tuple[int, ...], layers: int) -> dict[str, Any]:
+    """Per M: the four projections summed for every path and tile timed on all four, the fastest tile, and the
+    layer time with each projection at its own fastest tile (`awq_tc_per_shape_best`)."""
+    out: dict[str, Any] = {}
+    for m in rows:
+        at_m = [r for r in results if r["M"] == m]
+        if len(at_m) != layers:
+            continue
+        totals = {
+            key.removesuffix("_ms"): round(sum(r[key] for r in at_m), 5)
+            for key in at_m[0]
+            if key.endswith("_ms") and all(key in r for r in at_m)
+        }
+        tiles = {p: t for p, t in totals.items() if p.startswith("awq_tc[")}
+        entry: dict[str, Any] = {"layer_ms": totals}
+        if tiles:
+            entry["tc_fastest"] = min(tiles, key=lambda p: tiles[p])
+        if all("tc_best" in r for r in at_m):
+            entry["per_shape_best"] = {r["layer"]: r["tc_best"] for r in at_m}
+            entry["awq_tc_per_shape_best_ms"] = round(sum(r[f"{r['tc_best']}_ms"] for r in at_m), 5)
+        out[str(m)] = entry
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
@@ -403,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--decode", action="store_true", help="M = 1, 2, 4, 8, 16, 32 and the decode paths only (about a minute)"
     )
+    p.add_argument("--tc", action="store_true", help="kernels/w4a16_tc.py's tiles at M = 32..512 (one GPU)")
+    p.add_argument("--tc-budget-s", type=float, default=330.0, help="with --tc: stop timing after this many seconds")
     args = p.parse_args(argv)
     from benchmarks.kernels import device_slug, interpreted_or_cuda
 
@@ -438,8 +588,28 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"quant-kernels-{name}-{result['date']}.json"
+    path = args.out / f"quant-kernels-{name}-{result['date']}{'-tc' if args.tc else ''}.json"
     started = time.monotonic()
+    if args.tc:
+        tc_rows = TC_ROWS if gpu else (3, 17)
+
+        def save_tc(rows_so_far: list[dict[str, Any]]) -> None:
+            result["rows"] = rows_so_far
+            result["tc_rule"] = tc_rule(rows_so_far, tc_rows, len(shapes))
+            result["seconds"] = round(time.monotonic() - started, 1)
+            path.write_text(json.dumps(result, indent=2) + "\n")
+
+        results = tc_measure(shapes, tc_rows, device, save_tc, args.tc_budget_s)
+        save_tc(results)
+        for m, entry in result["tc_rule"].items():
+            ms = entry["layer_ms"]
+            print(
+                f"M={m}: bf16 {ms.get('bf16')} fp16 {ms.get('fp16')} dequant+cuBLAS {ms.get('awq_dequantize_cublas')} "
+                f"dot {ms.get('awq_dot')} tc {ms.get('awq_tc')} fastest {entry.get('tc_fastest')} "
+                f"{ms.get(entry.get('tc_fastest', ''), '')} per-shape best {entry.get('awq_tc_per_shape_best_ms')}"
+            )
+        print(f"wrote {path}")
+        return 1 if any("errors" in r for r in results) else 0
 
     def save(rows_so_far: list[dict[str, Any]]) -> None:
         result["rows"] = rows_so_far

@@ -144,7 +144,10 @@ def start_runner(
         calibrate_kv_scales(config, model, int(model_info.hf_config.vocab_size), model_info.dtype, device)
         phases.mark("kv_scales")
     per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
-    weights = shared_bytes or sum(p.numel() * p.element_size() for p in model.parameters())
+    # a keeper's shared weights, plus what this process derived from them at load (weight_tensors' buffers)
+    derived = sum(b.numel() * b.element_size() for b in weight_tensors(model, parameters=False))
+    owned = sum(p.numel() * p.element_size() for p in weight_tensors(model))
+    weights = shared_bytes + derived if shared_bytes else owned
     by_dtype = weights_by_dtype(model)  # before the CPU packing below replaces weights by opaque ones
     if not cuda:
         packed = pack_linears(model)  # packed or widened products (engine/model/cpu_packing.py says why)
@@ -391,10 +394,20 @@ def prepare_cpu_kernels() -> None:
         raise ConfigError(str(e)) from e
 
 
+def weight_tensors(model: nn.Module, parameters: bool = True):
+    """The parameters, and the buffers a layer derives from them at load to keep beside them (AWQ's tensor-core
+    layout, `awq_tc_*`: engine/model/quant/awq.py): what the weights hold on the device."""
+    if parameters:
+        yield from model.parameters()
+    for name, b in model.named_buffers():
+        if name.rsplit(".", 1)[-1].startswith("awq_tc_"):
+            yield b
+
+
 def weights_by_dtype(model: nn.Module) -> dict[str, int]:
     """This rank's weight bytes per storage dtype (int32 for AWQ's packed int4, float8_e4m3fn, ...)."""
     out: dict[str, int] = {}
-    for p in model.parameters():
+    for p in weight_tensors(model):
         name = str(p.dtype).removeprefix("torch.")
         out[name] = out.get(name, 0) + p.numel() * p.element_size()
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))

@@ -24,6 +24,7 @@ from kernels.fp8_gemv import _fp8_gemv_dot_kernel, _fp8_gemv_kernel, fp8_gemv_co
 from kernels.fp8_linear import _quant_rows_kernel, _w8a16_kernel, w8a16_config
 from kernels.splitk import _reduce_kernel
 from kernels.w4a16 import _w4a16_kernel, w4a16_config
+from kernels.w4a16_tc import _w4a16_tc_kernel, tc_config
 
 I32 = "i32"
 INTS = ("M", "N", "K", "stride_xm", "stride_om", "stride_os", "k_per_split")
@@ -57,6 +58,8 @@ def compile_one(name: str, fn, types: dict[str, str], consts: dict, **options) -
     # the new decode kernels are compiled as a launch at the 8B's shapes specializes them: pointers and the K, N
     # arguments divisible by 16 (what makes their loads 16 bytes wide)
     aligned = ("_ptr", "K", "N", "k_per_split", "packed_n") if "gemv" in name else ()
+    if "w4a16_tc" in name:  # likewise the tensor-core AWQ GEMM, whose row strides are K and N
+        aligned = ("_ptr", "K", "N", "stride_xm", "stride_om")
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, arg in enumerate(fn.arg_names)
@@ -121,6 +124,23 @@ def cases():
             types = dict(x_ptr="*fp16", qweight_ptr="*i32", qzeros_ptr="*i32", scales_ptr="*fp16", out_ptr="*fp16")
             types.update(dict.fromkeys(INTS, I32))
             yield f"w4a16 m={m} group={group} dot={use_dot}", _w4a16_kernel, types, consts, cfg
+    for m in (8, 32, 64, 128):  # kernels/w4a16_tc.py's default tiles (the paired float16 dequantization)
+        for out in ("fp16", "fp32"):  # the output itself, or split-K partials
+            cfg = tc_config(m, 4096, 4096)
+            cfg.pop("WAVES", None)
+            consts = dict(
+                GROUP=128,
+                BLOCK_M=cfg.pop("BLOCK_M"),
+                BLOCK_N=cfg.pop("BLOCK_N"),
+                SWAP_AB=cfg.pop("SWAP_AB"),
+                FAST=True,
+                ONE_DOT=True,
+                F16=True,
+                DOT_PRECISION="tf32",
+            )
+            types = dict(x_ptr="*fp16", packed_ptr="*i32", zf_ptr="*fp16", scales_ptr="*fp16", out_ptr=f"*{out}")
+            types.update(dict.fromkeys(("M", "N", "K", "stride_xm", "stride_om", "stride_os", "blocks_per_split"), I32))
+            yield f"w4a16_tc m={m} -> {out}", _w4a16_tc_kernel, types, consts, cfg
     cpu = torch.device("cpu")  # the rule's tiles; SPLITS is set to 2 so that the in-kernel sum is compiled
     for rows_up_to, _ in FP8_GEMV_CONFIGS:
         cfg = fp8_gemv_config(rows_up_to, 4096, 4096, cpu)

@@ -42,7 +42,21 @@ def test_awq_rule_by_rows(monkeypatch):
     monkeypatch.setattr(quant_cuda, "AWQ_GEMV_MAX_ROWS", 1)
     monkeypatch.setattr(quant_cuda, "AWQ_CUDA_CORE_MAX_ROWS", 2)
     monkeypatch.setattr(quant_cuda, "AWQ_DENSE_MIN_ROWS", 512)
-    assert [quant_cuda.awq_path(m) for m in (1, 2, 3, 256, 511, 512, 4096)] == [
+    monkeypatch.setattr(quant_cuda, "AWQ_TC_MIN_ROWS", 4)
+    monkeypatch.setattr(quant_cuda, "AWQ_TC_DENSE_MIN_ROWS", 300)
+    assert [quant_cuda.awq_path(m) for m in (1, 2, 3, 4, 299, 300, 511, 512, 4096)] == [
+        "gemv",
+        "cuda-core",
+        "dot",
+        "tc",
+        "tc",
+        "dot",
+        "dot",
+        "dequantize-cublas",
+        "dequantize-cublas",
+    ]
+    # a layer without the repacked weight (not on the GPU, or float32 activations) keeps the paths around it
+    assert [quant_cuda.awq_path(m, repacked=False) for m in (1, 2, 3, 256, 511, 512, 4096)] == [
         "gemv",
         "cuda-core",
         "dot",
@@ -52,7 +66,7 @@ def test_awq_rule_by_rows(monkeypatch):
         "dequantize-cublas",
     ]
     monkeypatch.setattr(quant_cuda, "KERNELS", "legacy")
-    assert quant_cuda.awq_path(1) == quant_cuda.awq_path(4096) == "legacy"
+    assert quant_cuda.awq_path(1) == quant_cuda.awq_path(4) == quant_cuda.awq_path(4096) == "legacy"
 
 
 # the path names of kernels/quant_cuda.py and the columns of benchmarks/quant_kernels.py's table that time them
@@ -67,14 +81,25 @@ AWQ_COLUMNS = {
     "gemv": "awq_legacy_ms",
     "cuda-core": "awq_cuda_core_ms",
     "dot": "awq_dot_ms",
+    "tc": None,  # the tile tc_config picks at that M: awq_tc[<label>]_ms of the tc sweep (_tc_column)
     "dequantize-cublas": "awq_dequantize_cublas_ms",
 }
+
+
+def _tc_column(m: int) -> str:
+    """The tc sweep's column for kernels/w4a16_tc.py's default tile at `m` rows (benchmarks/quant_kernels.py's labels:
+    s<BLOCK_M>x<BLOCK_N>w<warps>s<stages>v<waves>)."""
+    from kernels.w4a16_tc import tc_config
+
+    c = tc_config(m, 4096, 4096)
+    return f"awq_tc[s{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}v{c.get('WAVES', 2)}]_ms"
 
 
 def test_the_default_rule_takes_the_fastest_path_the_device_run_measured(monkeypatch):
     """At each row count the device tables timed, the default boundaries pick a path within 5 % of the fastest
     for the 8B's four projections together (a path the table did not time at that M cannot be picked): the decode
-    row counts from the H200 decode table (it times the decode GEMVs), the others from the H100 table."""
+    row counts from the H200 decode table (it times the decode GEMVs), the others from the H100 table; AWQ from 8 to
+    256 rows from the H200 tensor-core sweep (its default tiles, kernels/w4a16_tc.py's tc_config)."""
     import json
     from pathlib import Path
 
@@ -83,11 +108,25 @@ def test_the_default_rule_takes_the_fastest_path_the_device_run_measured(monkeyp
     decode_ms = {r["M"] for r in decode}
     full = json.loads((results / "quant-kernels-h100-2026-11-27.json").read_text())["rows"]
     rows = decode + [r for r in full if r["M"] not in decode_ms]
+    # AWQ at M = 8..256 from the tensor-core sweep (it times the dot and the dequantized path beside its tiles); below
+    # 16 rows the tensor-core kernel runs the same 16-row tile on the same grid whatever the row count, so the decode
+    # table's M = 4 takes the sweep's M = 8 time for it
+    tc = json.loads((results / "quant-kernels-h200-2026-11-28b-tc.json").read_text())["rows"]
+    tc_ms = {r["M"] for r in tc}
+    awq_rows = tc + [r for r in rows if r["M"] not in tc_ms]
+    for r in awq_rows:
+        if r["M"] < 8 and r["M"] >= quant_cuda.AWQ_TC_MIN_ROWS:
+            same = next(t for t in tc if t["M"] == 8 and t["layer"] == r["layer"])
+            r[_tc_column(r["M"])] = same[_tc_column(8)]
     monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
-    for m in sorted({r["M"] for r in rows}):
-        at_m = [r for r in rows if r["M"] == m]
-        for path_of, columns in ((quant_cuda.fp8_path, FP8_COLUMNS), (quant_cuda.awq_path, AWQ_COLUMNS)):
-            totals = {p: sum(r[c] for r in at_m) for p, c in columns.items() if all(c in r for r in at_m)}
+    for path_of, columns, table in (
+        (quant_cuda.fp8_path, FP8_COLUMNS, rows),
+        (quant_cuda.awq_path, AWQ_COLUMNS, awq_rows),
+    ):
+        for m in sorted({r["M"] for r in table}):
+            at_m = [r for r in table if r["M"] == m]
+            cols = {p: (c or _tc_column(m)) for p, c in columns.items()}
+            totals = {p: sum(r[c] for r in at_m) for p, c in cols.items() if all(c in r for r in at_m)}
             chosen = path_of(m)
             assert chosen in totals, f"M={m}: {chosen} was not timed"
             assert totals[chosen] <= 1.05 * min(totals.values()), f"M={m}: {chosen} {totals}"
@@ -218,3 +257,30 @@ def test_quant_tiles_by_shape():
     assert quant_config(256, 14336) == dict(ROWS=1, BLOCK=16384, num_warps=16)
     assert quant_config(8192, 14336) == dict(ROWS=2, BLOCK=2048, num_warps=8)
     assert quant_config(16, 40000) == dict(ROWS=2, BLOCK=2048, num_warps=8)
+
+
+def test_awq_linear_takes_the_repacked_weight_where_the_rule_says(monkeypatch):
+    """A layer with kernels/w4a16_tc.py's layout (the engine makes it at load on the GPU): 16-bit activations in the
+    tensor-core range take it, float32 activations and rows outside the range keep the AutoAWQ-layout paths; all
+    match the reference."""
+    from kernels.w4a16_tc import awq_repack
+
+    monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
+    monkeypatch.setattr(quant_cuda, "AWQ_DENSE_MIN_ROWS", 20)
+    monkeypatch.setattr(quant_cuda, "AWQ_TC_DENSE_MIN_ROWS", 10)
+    calls: list[int] = []
+    real = quant_cuda.w4a16_tc
+    monkeypatch.setattr(quant_cuda, "w4a16_tc", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    g = torch.Generator().manual_seed(4)
+    k, n, group = 128, 32, 32
+    qweight = qr.pack_int4(torch.randint(0, 16, (k, n), generator=g)).to(DEVICE)
+    qzeros = qr.pack_int4(torch.randint(0, 16, (k // group, n), generator=g)).to(DEVICE)
+    scales = (torch.rand(k // group, n, generator=g) * 0.02 + 0.001).half().to(DEVICE)
+    repacked = awq_repack(qweight, qzeros, group)
+    for m, dtype in ((5, torch.float16), (5, torch.float32), (12, torch.float16)):
+        x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+        got = quant_cuda.awq_linear(x, qweight, qzeros, scales.to(dtype), group, repacked=repacked)
+        want = qr.awq_linear(x.double(), qweight, qzeros, scales.double(), group)
+        err = float((got.double() - want).norm() / want.norm())
+        assert got.dtype == dtype and err < 1e-3, (m, dtype, err)
+    assert calls == [5]

@@ -128,7 +128,8 @@ def test_the_gemv_kernel_set_routes_decode_rows_to_the_new_kernels(monkeypatch):
     kernels' own limits."""
     monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
     assert [quant_cuda.fp8_path(m) for m in (1, 2, 16, 17)] == ["gemv", "gemv", "gemv", "scaled-mm"]
-    assert [quant_cuda.awq_path(m) for m in (1, 2, 3)] == ["gemv2", "gemv2", "dot"]
+    assert [quant_cuda.awq_path(m) for m in (1, 2, 3)] == ["gemv2", "gemv2", "tc"]
+    assert quant_cuda.awq_path(3, repacked=False) == "dot"  # a layer without kernels/w4a16_tc.py's layout
     monkeypatch.setattr(quant_cuda, "FP8_GEMV_MAX_ROWS", quant_cuda.FP8_GEMV_ROWS_WHEN_ON)
     assert [quant_cuda.fp8_path(m) for m in (1, 16)] == ["gemv", "gemv"]
     assert quant_cuda.fp8_path(17) == "scaled-mm"

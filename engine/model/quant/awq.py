@@ -120,10 +120,27 @@ class AWQScheme:
         return awq_quantize(weight, self.group_size)
 
     def apply(self, layer: _QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        return kernels.quant_backend(x.device).awq_linear(x, layer.qweight, layer.qzeros, layer.scales, self.group_size)
+        backend = kernels.quant_backend(x.device)
+        packed = getattr(layer, "awq_tc_packed", None)
+        if packed is not None and x.is_cuda:
+            return backend.awq_linear(
+                x, layer.qweight, layer.qzeros, layer.scales, self.group_size, repacked=(packed, layer.awq_tc_zf)
+            )
+        return backend.awq_linear(x, layer.qweight, layer.qzeros, layer.scales, self.group_size)
 
     def finish(self, layer: _QuantLinear) -> None:
-        if layer.qweight.device.type == "cuda" and self.group_size % 16:
+        if layer.qweight.device.type != "cuda":
+            return
+        if self.group_size % 16:
             raise ConfigError(
                 f"AWQ group size {self.group_size} on the GPU: the Triton kernel needs a multiple of 16 (32, 64, 128)"
             )
+        from kernels import quant_cuda
+        from kernels.w4a16_tc import BLOCK_ROWS, awq_repack
+
+        # kernels/w4a16_tc.py's layout beside the checkpoint's (the decode GEMV and the prefill dequantization read
+        # AutoAWQ's): as many bytes again as qweight, made once here
+        if quant_cuda.KERNELS != "legacy" and layer.qweight.shape[0] % BLOCK_ROWS == 0:
+            packed, zf = awq_repack(layer.qweight.data, layer.qzeros.data, self.group_size)
+            layer.register_buffer("awq_tc_packed", packed, persistent=False)
+            layer.register_buffer("awq_tc_zf", zf, persistent=False)
