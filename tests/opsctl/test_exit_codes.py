@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -47,14 +48,39 @@ def _poll_code(d, want: int, timeout: float) -> int:
     return code
 
 
+_GATE = """\
+import os, sys, time
+if 'engine.server' in sys.orig_argv:
+    deadline = time.monotonic() + 120
+    while os.path.exists({gate!r}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+def _start_gate(where: Path) -> Path:
+    """A closed gate: an engine front started with `where` on its PYTHONPATH waits while the returned file exists."""
+    where.mkdir()
+    gate = where / "closed"
+    gate.touch()
+    (where / "sitecustomize.py").write_text(_GATE.format(gate=str(gate)))
+    return gate
+
+
 def test_status_and_start_exit_codes_in_every_state(deploy, tmp_path):
     seen: dict[str, tuple[int | None, int | None]] = {}
     d = deploy(supervisor={"hang_seconds": 60})  # long enough to watch a stopped engine before it is restarted
     seen["not running"] = (_code(d, "status"), None)
 
+    # The engine is held at its interpreter's start until the test has seen "starting": without the gate, the
+    # embedded model served before a loaded machine's `opsctl status` landed (1 run in 5 missed the state).
+    gate = _start_gate(tmp_path / "gate")
     cmd = [sys.executable, "-m", "opsctl.cli", "--config", str(d.config), "--runtime-dir", str(d.runtime), "start"]
-    starting = subprocess.Popen(cmd, env=d.env(), cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    seen["starting"] = (_poll_code(d, 4, 60), None)
+    env = d.env({"PYTHONPATH": f"{gate.parent}:{REPO}"})
+    starting = subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen["starting"] = (_poll_code(d, 4, 60), None)
+    finally:
+        gate.unlink()
     assert starting.wait(120) == 0
     seen["serving"] = (_code(d, "status"), _code(d, "start"))
 
