@@ -14,7 +14,9 @@ CPU times over the run) is the whole, so `sampled_cpu_s / host_busy_cpu_s` says 
 The JSON result goes to `<out>/suite-cpu-<YYYY-MM-DD>.json` with the command, its exit status and wall seconds;
 the last line printed is the same JSON.  `by_test_file` sums the same CPU seconds by the test file that started
 each process (its PYTEST_CURRENT_TEST): which files' deployments cost the most; `by_test_top` the TOP_TESTS tests
-whose processes used the most.
+whose processes used the most.  The pytest workers' own CPU by test comes from tests/cpu_report.py (the command
+runs with PAGEKEEPER_TEST_CPU_LOG set): `in_process_by_test_file`, `in_process_top`, and `total_by_test_file`, the
+two summed per file.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -142,18 +145,41 @@ class Sampler:
         return {k: {"cpu_s": round(v, 1), "processes": count[k]} for k, v in cpu.most_common()}
 
 
+CPU_LOG_ENV = "PAGEKEEPER_TEST_CPU_LOG"  # tests/cpu_report.py's variable
+
+
+def in_process_by_test(log_dir: Path) -> Counter[str]:
+    """CPU seconds each test used inside its pytest process, from tests/cpu_report.py's lines (all workers)."""
+    used: Counter[str] = Counter()
+    for path in log_dir.glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            used[row["test"]] += row["cpu_s"]
+    return used
+
+
+def _rows(cpu: Counter[str], top: int | None = None) -> dict[str, dict[str, float]]:
+    return {k: {"cpu_s": round(v, 1)} for k, v in cpu.most_common(top)}
+
+
 def run(command: list[str], interval: float) -> dict[str, Any]:
     sampler = Sampler()
     busy0 = _host_busy_seconds()  # before the first scan: what the scan reads as the start is inside the host's whole
     sampler.start()
     started = time.monotonic()
-    child = subprocess.Popen(command)
-    while child.poll() is None:
+    with tempfile.TemporaryDirectory(prefix="suite-cpu-") as log_dir:
+        child = subprocess.Popen(command, env={**os.environ, CPU_LOG_ENV: log_dir})
+        while child.poll() is None:
+            sampler.sample()
+            time.sleep(interval)
         sampler.sample()
-        time.sleep(interval)
-    sampler.sample()
+        in_process = in_process_by_test(Path(log_dir))
     wall, busy = time.monotonic() - started, _host_busy_seconds() - busy0
     kinds = sampler.by_kind()
+    in_process_files: Counter[str] = Counter()
+    for test, seconds in in_process.items():
+        in_process_files[test.split("::", 1)[0]] += seconds
+    children_files = Counter({k: v["cpu_s"] for k, v in sampler.by_test(file_only=True).items()})
     sampled = sum(sampler.used_by_kind()[0].values())  # not the kinds' rounded figures: a host runs many kinds
     return {
         "benchmark": "suite_cpu",
@@ -171,6 +197,10 @@ def run(command: list[str], interval: float) -> dict[str, Any]:
         },
         "by_test_file": sampler.by_test(file_only=True),
         "by_test_top": sampler.by_test(file_only=False, top=TOP_TESTS),
+        "in_process_cpu_s": round(sum(in_process.values()), 1),
+        "in_process_by_test_file": _rows(in_process_files),
+        "in_process_top": _rows(in_process, TOP_TESTS),
+        "total_by_test_file": _rows(in_process_files + children_files),
     }
 
 

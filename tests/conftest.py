@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
 
 from tests.checkpoints import make_checkpoint  # noqa: E402
 
-pytest_plugins = ["tests.memory_report"]  # the run's peak memory, and the tests that set it, in its summary
+pytest_plugins = ["tests.memory_report", "tests.cpu_report"]  # peak memory in the summary; CPU by test on request
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -101,3 +101,34 @@ def test_a_failing_command_fails_and_no_command_is_a_usage_error(tmp_path: Path)
         capture_output=True, text=True, timeout=60, cwd=str(REPO),
     )  # fmt: skip
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_a_pytest_run_reports_each_tests_own_cpu(tmp_path: Path) -> None:
+    """The pytest process's own CPU by test (tests/cpu_report.py, switched on by the benchmark's variable): a test
+    that burns a fixed CPU time in-process is credited with at least that, one that sleeps with almost none."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_burn.py").write_text(
+        "import time\n"
+        "def test_burns():\n"
+        f"    end = time.process_time() + {BURN_CPU_S}\n"
+        "    while time.process_time() < end:\n"
+        "        sum(range(10_000))\n"
+        "def test_sleeps():\n"
+        "    time.sleep(0.3)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.suite_cpu", "--out", str(tmp_path), "--interval", "0.2", "--",
+         sys.executable, "-m", "pytest", "-q", "-p", "tests.cpu_report", "-c", str(tmp_path / "pytest.ini"),
+         str(tmp_path / "test_burn.py")],
+        capture_output=True, text=True, timeout=300, cwd=str(REPO),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    top = result["in_process_top"]
+    burns = next(v["cpu_s"] for k, v in top.items() if k.endswith("::test_burns"))
+    sleeps = next(v["cpu_s"] for k, v in top.items() if k.endswith("::test_sleeps"))
+    print(f"in-process: test_burns {burns} CPU-s, test_sleeps {sleeps} CPU-s")
+    assert burns >= BURN_CPU_S - 0.05 and sleeps < 0.1, top
+    (file_row,) = result["in_process_by_test_file"].values()
+    assert abs(file_row["cpu_s"] - (burns + sleeps)) <= 0.1  # the file's sum of its tests, each rounded to 0.1
+    assert result["in_process_cpu_s"] >= burns
