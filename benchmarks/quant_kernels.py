@@ -455,8 +455,20 @@ def _tc_fn(w: dict[str, torch.Tensor], x16: torch.Tensor, cfg: dict[str, Any] | 
     return lambda: w4a16_tc(x16, w["tc_packed"], w["tc_zf"], w["scales"], GROUP, config=cfg, splits=splits)
 
 
+def _tc_dense_fn(w: dict[str, torch.Tensor], x16: torch.Tensor):
+    """The many-row path of a layer that keeps only the repacked weight: dequantized from it, then cuBLAS."""
+    from kernels.w4a16_tc import tc_dequantize
+
+    return lambda: x16 @ tc_dequantize(w["tc_packed"], w["tc_zf"], w["scales"], GROUP, x16.dtype)
+
+
 def tc_measure(
-    shapes: dict[str, tuple[int, int]], rows: tuple[int, ...], device: torch.device, save, budget_s: float
+    shapes: dict[str, tuple[int, int]],
+    rows: tuple[int, ...],
+    device: torch.device,
+    save,
+    budget_s: float,
+    default_only: bool = False,
 ) -> list[dict[str, Any]]:
     from benchmarks.kernels import bench_rotating
     from kernels.w4a16_tc import awq_repack
@@ -478,7 +490,8 @@ def tc_measure(
                 name: (lambda c, name=name: variants(m, c, x, x16)[name]) for name in TC_BASE
             }
             fns["awq_tc"] = lambda c: _tc_fn(c, x16, None, None)
-            for label, (cfg, splits) in tc_candidates(m).items():
+            fns["awq_tc_dense"] = lambda c: _tc_dense_fn(c, x16)
+            for label, (cfg, splits) in ({} if default_only else tc_candidates(m)).items():
                 fns[f"awq_tc[{label}]"] = lambda c, cfg=cfg, splits=splits: _tc_fn(c, x16, cfg, splits)
             for name, make in fns.items():
                 if time.monotonic() - started > budget_s:
@@ -553,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--tc", action="store_true", help="kernels/w4a16_tc.py's tiles at M = 32..512 (one GPU)")
     p.add_argument("--tc-budget-s", type=float, default=330.0, help="with --tc: stop timing after this many seconds")
+    p.add_argument("--tc-rows", default="", help="with --tc: the row counts, comma-separated (default: TC_ROWS)")
+    p.add_argument("--tc-default-only", action="store_true", help="with --tc: the default tile only, no candidates")
     args = p.parse_args(argv)
     from benchmarks.kernels import device_slug, interpreted_or_cuda
 
@@ -591,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"quant-kernels-{name}-{result['date']}{'-tc' if args.tc else ''}.json"
     started = time.monotonic()
     if args.tc:
-        tc_rows = TC_ROWS if gpu else (3, 17)
+        tc_rows = tuple(int(r) for r in args.tc_rows.split(",")) if args.tc_rows else TC_ROWS if gpu else (3, 17)
 
         def save_tc(rows_so_far: list[dict[str, Any]]) -> None:
             result["rows"] = rows_so_far
@@ -599,13 +614,14 @@ def main(argv: list[str] | None = None) -> int:
             result["seconds"] = round(time.monotonic() - started, 1)
             path.write_text(json.dumps(result, indent=2) + "\n")
 
-        results = tc_measure(shapes, tc_rows, device, save_tc, args.tc_budget_s)
+        results = tc_measure(shapes, tc_rows, device, save_tc, args.tc_budget_s, args.tc_default_only)
         save_tc(results)
         for m, entry in result["tc_rule"].items():
             ms = entry["layer_ms"]
             print(
                 f"M={m}: bf16 {ms.get('bf16')} fp16 {ms.get('fp16')} dequant+cuBLAS {ms.get('awq_dequantize_cublas')} "
-                f"dot {ms.get('awq_dot')} tc {ms.get('awq_tc')} fastest {entry.get('tc_fastest')} "
+                f"dot {ms.get('awq_dot')} tc {ms.get('awq_tc')} tc-dense {ms.get('awq_tc_dense')} "
+                f"fastest {entry.get('tc_fastest')} "
                 f"{ms.get(entry.get('tc_fastest', ''), '')} per-shape best {entry.get('awq_tc_per_shape_best_ms')}"
             )
         print(f"wrote {path}")

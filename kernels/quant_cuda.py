@@ -18,9 +18,9 @@ FP8 weights (e4m3 ``[N, K]``, one float32 scale per output channel):
 
 AWQ int4 (AutoAWQ's GEMM layout): kernels/awq_gemm.py's GEMV up to AWQ_GEMV_MAX_ROWS rows, kernels/w4a16.py's
 in-register dequantization below AWQ_DENSE_MIN_ROWS (its CUDA-core loop up to AWQ_CUDA_CORE_MAX_ROWS rows), and
-from there the weight dequantized once for cuBLAS.  Where the layer carries the weight repacked at load for
-kernels/w4a16_tc.py (the engine's GPU layers do), that tensor-core GEMM takes AWQ_TC_MIN_ROWS up to
-AWQ_TC_DENSE_MIN_ROWS rows instead.
+from there the weight dequantized once for cuBLAS.  A layer whose weight was repacked at load for kernels/w4a16_tc.py
+(the engine's GPU layers, which then drop the checkpoint's layout) takes that tensor-core GEMM below
+AWQ_TC_DENSE_MIN_ROWS rows and, from there, the repacked weight dequantized once for cuBLAS.
 
 The boundaries are the fastest path per row count that the device benchmark measured at the 8B's projections
 (docs/decisions/quant-paths.md; tests/kernels/test_quant_dispatch.py holds the defaults to the committed table).
@@ -43,7 +43,7 @@ from kernels.awq_gemm import awq_gemm
 from kernels.awq_gemv import awq_gemv
 from kernels.fp8_gemv import fp8_gemv
 from kernels.w4a16 import w4a16_linear
-from kernels.w4a16_tc import w4a16_tc
+from kernels.w4a16_tc import tc_dequantize, w4a16_tc
 
 # Row-count boundaries between paths (benchmarks/quant_kernels.py times every path at the 8B's shapes and
 # M = 1, 8, 32, 256, 4096; its `rule` rows name the fastest per M).
@@ -51,10 +51,9 @@ FP8_CUDA_CORE_MAX_ROWS = 1
 AWQ_GEMV_MAX_ROWS = 1
 AWQ_CUDA_CORE_MAX_ROWS = 0
 AWQ_DENSE_MIN_ROWS = 96
-# kernels/w4a16_tc.py's tensor-core GEMM on the load-time repacked weight, from AWQ_TC_MIN_ROWS rows up to
-# AWQ_DENSE_MIN_ROWS (exclusive), where a layer has the repacked tensors (engine/model/quant/awq.py makes them on
-# the GPU); without them these rows take the paths above.
-AWQ_TC_MIN_ROWS = 3
+# kernels/w4a16_tc.py's tensor-core GEMM on the load-time repacked weight below AWQ_TC_DENSE_MIN_ROWS rows, where a
+# layer has the repacked tensors (engine/model/quant/awq.py makes them on the GPU); the paths above are for layers
+# that keep the checkpoint's layout (the CPU, PAGEKEEPER_QUANT_KERNELS=legacy, K not a multiple of 128).
 AWQ_TC_DENSE_MIN_ROWS = 129
 # The decode kernels of kernels/fp8_gemv.py and kernels/awq_gemv.py, at the row counts where the device's decode
 # table measured them fastest (docs/decisions/quant-paths.md: fp8_gemv at 1-16 rows, _scaled_mm from 32); the
@@ -97,13 +96,14 @@ def fp8_keeps_activations(m: int) -> bool:
 
 def awq_path(m: int, repacked: bool = True) -> str:
     """Which AWQ kernel a product of `m` rows takes: "gemv2", "gemv", "cuda-core", "dot", "tc", "dequantize-cublas"
-    or "legacy".  `repacked`: the layer has kernels/w4a16_tc.py's layout (else "tc" is never the answer)."""
+    or "legacy".  `repacked`: the layer keeps kernels/w4a16_tc.py's layout instead of the checkpoint's (then every
+    product reads that layout: "tc" up to AWQ_TC_DENSE_MIN_ROWS, "dequantize-cublas" from there)."""
     if KERNELS == "legacy":
         return "legacy"
+    if repacked:
+        return "tc" if m < AWQ_TC_DENSE_MIN_ROWS else "dequantize-cublas"
     if 0 < m <= AWQ_GEMV2_MAX_ROWS:
         return "gemv2"
-    if repacked and AWQ_TC_MIN_ROWS <= m < AWQ_TC_DENSE_MIN_ROWS:
-        return "tc"
     if m >= AWQ_DENSE_MIN_ROWS:
         return "dequantize-cublas"
     if m <= AWQ_GEMV_MAX_ROWS:
@@ -185,18 +185,24 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 def awq_linear(
     x: torch.Tensor,
-    qweight: torch.Tensor,
-    qzeros: torch.Tensor,
+    qweight: torch.Tensor | None,
+    qzeros: torch.Tensor | None,
     scales: torch.Tensor,
     group_size: int,
     repacked: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``x @ W`` by the path `awq_path` names for x's row count; `repacked`: the layer's (packed, zf) from
-    kernels/w4a16_tc.py's `awq_repack`, where it has them (used for 16-bit activations only)."""
+    """``x @ W`` by the path `awq_path` names for x's row count.  `repacked`: the layer's (packed, zf) from
+    kernels/w4a16_tc.py's `awq_repack`, which replace the checkpoint's qweight and qzeros (None then)."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    path = awq_path(m, repacked is not None and x.dtype in (torch.float16, torch.bfloat16))
-    if path == "tc":
-        return w4a16_tc(x, repacked[0], repacked[1], scales, group_size)
+    path = awq_path(m, repacked is not None)
+    if repacked is not None:
+        packed, zf = repacked
+        if path == "tc":
+            return w4a16_tc(x, packed, zf, scales, group_size)
+        w = tc_dequantize(packed, zf, scales, group_size, x.dtype)
+        return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[1])
+    if qweight is None or qzeros is None:
+        raise ValueError("an AWQ layer without its repacked weight needs the checkpoint's qweight and qzeros")
     if path == "gemv2":
         return awq_gemv(x, qweight, qzeros, scales, group_size)
     if path in ("legacy", "gemv"):  # kernels/awq_gemm.py: its GEMV at a few rows (and its own choice above)

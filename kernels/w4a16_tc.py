@@ -250,6 +250,48 @@ def _w4a16_tc_kernel(
         )
 
 
+@triton.jit
+def _tc_dequant_kernel(
+    packed_ptr,
+    zf_ptr,
+    scales_ptr,
+    out_ptr,
+    N,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    F16: tl.constexpr,
+):
+    """One packed block's 128 K rows of ``[K, N]`` in the output dtype: the words ``[16, BLOCK_N]`` read once, their
+    eight planes written as rows ``b * 128 + p * 16 ..``."""
+    b = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, 16)
+    mask_n = offs_n < N
+    q = tl.load(packed_ptr + (b * 16 + offs_r)[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_n[None, :])
+    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+    for p in tl.static_range(8):
+        w = _plane_of_group(q, zf_ptr, scales_ptr, b * 128, N, offs_n, mask_n, p, GROUP, False, F16, DTYPE)
+        rows_p = (b * 128 + p * 16 + offs_r).to(tl.int64)
+        tl.store(out_ptr + rows_p[:, None] * N + offs_n[None, :], w, mask=mask_n[None, :])
+
+
+def tc_dequantize(
+    packed: torch.Tensor, zf: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight ``[K, N]`` in `dtype` from `awq_repack`'s layout, for products of many rows (cuBLAS then runs at
+    the matmul rate): the same values as quant_reference.awq_dequantize of the checkpoint's tensors, so a layer
+    that keeps only the repacked weight needs no other copy."""
+    k8, n = packed.shape
+    if zf.shape != scales.shape or scales.shape[0] * group_size != k8 * 8 or (k8 * 8) % BLOCK_ROWS:
+        raise ValueError(f"repacked AWQ tensors {tuple(packed.shape)}/{tuple(zf.shape)} do not fit group {group_size}")
+    out = torch.empty((k8 * 8, n), dtype=dtype, device=packed.device)
+    block_n = 256
+    _tc_dequant_kernel[(k8 * 8 // BLOCK_ROWS, cdiv(n, block_n))](
+        packed, zf, scales, out, n, GROUP=group_size, BLOCK_N=block_n, F16=dtype == torch.float16, num_warps=4
+    )
+    return out
+
+
 # -- the load-time layout ------------------------------------------------------------------------------------
 
 

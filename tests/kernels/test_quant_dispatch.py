@@ -42,19 +42,10 @@ def test_awq_rule_by_rows(monkeypatch):
     monkeypatch.setattr(quant_cuda, "AWQ_GEMV_MAX_ROWS", 1)
     monkeypatch.setattr(quant_cuda, "AWQ_CUDA_CORE_MAX_ROWS", 2)
     monkeypatch.setattr(quant_cuda, "AWQ_DENSE_MIN_ROWS", 512)
-    monkeypatch.setattr(quant_cuda, "AWQ_TC_MIN_ROWS", 4)
     monkeypatch.setattr(quant_cuda, "AWQ_TC_DENSE_MIN_ROWS", 300)
-    assert [quant_cuda.awq_path(m) for m in (1, 2, 3, 4, 299, 300, 511, 512, 4096)] == [
-        "gemv",
-        "cuda-core",
-        "dot",
-        "tc",
-        "tc",
-        "dot",
-        "dot",
-        "dequantize-cublas",
-        "dequantize-cublas",
-    ]
+    # a layer with the repacked weight (the engine's GPU layers) reads only that: the tensor-core GEMM, then the
+    # repacked weight dequantized for cuBLAS
+    assert [quant_cuda.awq_path(m) for m in (1, 2, 3, 299, 300, 4096)] == ["tc"] * 4 + ["dequantize-cublas"] * 2
     # a layer without the repacked weight (not on the GPU, or float32 activations) keeps the paths around it
     assert [quant_cuda.awq_path(m, repacked=False) for m in (1, 2, 3, 256, 511, 512, 4096)] == [
         "gemv",
@@ -115,7 +106,7 @@ def test_the_default_rule_takes_the_fastest_path_the_device_run_measured(monkeyp
     tc_ms = {r["M"] for r in tc}
     awq_rows = tc + [r for r in rows if r["M"] not in tc_ms]
     for r in awq_rows:
-        if r["M"] < 8 and r["M"] >= quant_cuda.AWQ_TC_MIN_ROWS:
+        if r["M"] < 8:
             same = next(t for t in tc if t["M"] == 8 and t["layer"] == r["layer"])
             r[_tc_column(r["M"])] = same[_tc_column(8)]
     monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
@@ -260,13 +251,12 @@ def test_quant_tiles_by_shape():
 
 
 def test_awq_linear_takes_the_repacked_weight_where_the_rule_says(monkeypatch):
-    """A layer with kernels/w4a16_tc.py's layout (the engine makes it at load on the GPU): 16-bit activations in the
-    tensor-core range take it, float32 activations and rows outside the range keep the AutoAWQ-layout paths; all
-    match the reference."""
+    """A layer with kernels/w4a16_tc.py's layout (the engine makes it at load on the GPU and drops the checkpoint's
+    qweight and qzeros): below the boundary the tensor-core GEMM, from it the repacked weight dequantized, for 16-bit
+    and float32 activations alike; no product needs the checkpoint's layout; all match the reference."""
     from kernels.w4a16_tc import awq_repack
 
     monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
-    monkeypatch.setattr(quant_cuda, "AWQ_DENSE_MIN_ROWS", 20)
     monkeypatch.setattr(quant_cuda, "AWQ_TC_DENSE_MIN_ROWS", 10)
     calls: list[int] = []
     real = quant_cuda.w4a16_tc
@@ -277,10 +267,12 @@ def test_awq_linear_takes_the_repacked_weight_where_the_rule_says(monkeypatch):
     qzeros = qr.pack_int4(torch.randint(0, 16, (k // group, n), generator=g)).to(DEVICE)
     scales = (torch.rand(k // group, n, generator=g) * 0.02 + 0.001).half().to(DEVICE)
     repacked = awq_repack(qweight, qzeros, group)
-    for m, dtype in ((5, torch.float16), (5, torch.float32), (12, torch.float16)):
+    for m, dtype in ((1, torch.float16), (5, torch.float16), (5, torch.float32), (12, torch.float16)):
         x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
-        got = quant_cuda.awq_linear(x, qweight, qzeros, scales.to(dtype), group, repacked=repacked)
+        got = quant_cuda.awq_linear(x, None, None, scales.to(dtype), group, repacked=repacked)
         want = qr.awq_linear(x.double(), qweight, qzeros, scales.double(), group)
         err = float((got.double() - want).norm() / want.norm())
-        assert got.dtype == dtype and err < 1e-3, (m, dtype, err)
-    assert calls == [5]
+        assert got.dtype == dtype and got.shape == (m, n) and err < 1e-3, (m, dtype, err)
+    assert calls == [1, 5, 5]
+    with pytest.raises(ValueError, match="needs the checkpoint's qweight"):
+        quant_cuda.awq_linear(x, None, None, scales, group)

@@ -123,13 +123,14 @@ def test_awq_gemv_every_nibble_lands_in_its_column():
 
 
 def test_the_gemv_kernel_set_routes_decode_rows_to_the_new_kernels(monkeypatch):
-    """By default where the H200 decode table measured them fastest (FP8 at 1-16 rows, AWQ at 1 and 2:
-    test_quant_dispatch holds the defaults to the table); the "gemv" set's limits put them in front up to the
-    kernels' own limits."""
+    """By default where the H200 decode table measured them fastest (FP8 at 1-16 rows, AWQ at 1 and 2 where a layer
+    keeps the checkpoint's layout: test_quant_dispatch holds the defaults to the table); the "gemv" set's limits put
+    them in front up to the kernels' own limits."""
     monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
     assert [quant_cuda.fp8_path(m) for m in (1, 2, 16, 17)] == ["gemv", "gemv", "gemv", "scaled-mm"]
-    assert [quant_cuda.awq_path(m) for m in (1, 2, 3)] == ["gemv2", "gemv2", "tc"]
-    assert quant_cuda.awq_path(3, repacked=False) == "dot"  # a layer without kernels/w4a16_tc.py's layout
+    assert [quant_cuda.awq_path(m) for m in (1, 2, 3)] == ["tc", "tc", "tc"]  # the engine's repacked GPU layers
+    # a layer that keeps the checkpoint's layout: the decode GEMV at 1-2 rows
+    assert [quant_cuda.awq_path(m, repacked=False) for m in (1, 2, 3)] == ["gemv2", "gemv2", "dot"]
     monkeypatch.setattr(quant_cuda, "FP8_GEMV_MAX_ROWS", quant_cuda.FP8_GEMV_ROWS_WHEN_ON)
     assert [quant_cuda.fp8_path(m) for m in (1, 16)] == ["gemv", "gemv"]
     assert quant_cuda.fp8_path(17) == "scaled-mm"

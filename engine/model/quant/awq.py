@@ -122,14 +122,12 @@ class AWQScheme:
     def apply(self, layer: _QuantLinear, x: torch.Tensor) -> torch.Tensor:
         backend = kernels.quant_backend(x.device)
         packed = getattr(layer, "awq_tc_packed", None)
-        if packed is not None and x.is_cuda:
-            return backend.awq_linear(
-                x, layer.qweight, layer.qzeros, layer.scales, self.group_size, repacked=(packed, layer.awq_tc_zf)
-            )
+        if packed is not None:
+            return backend.awq_linear(x, None, None, layer.scales, self.group_size, repacked=(packed, layer.awq_tc_zf))
         return backend.awq_linear(x, layer.qweight, layer.qzeros, layer.scales, self.group_size)
 
     def finish(self, layer: _QuantLinear) -> None:
-        if layer.qweight.device.type != "cuda":
+        if layer.qweight is None or layer.qweight.device.type != "cuda":  # None: repacked already
             return
         if self.group_size % 16:
             raise ConfigError(
@@ -138,9 +136,13 @@ class AWQScheme:
         from kernels import quant_cuda
         from kernels.w4a16_tc import BLOCK_ROWS, awq_repack
 
-        # kernels/w4a16_tc.py's layout beside the checkpoint's (the decode GEMV and the prefill dequantization read
-        # AutoAWQ's): as many bytes again as qweight, made once here
-        if quant_cuda.KERNELS != "legacy" and layer.qweight.shape[0] % BLOCK_ROWS == 0:
-            packed, zf = awq_repack(layer.qweight.data, layer.qzeros.data, self.group_size)
+        # kernels/w4a16_tc.py's layout *instead of* the checkpoint's: every GPU product reads it (quant_cuda.awq_path),
+        # so the layer keeps one int4 copy, as many bytes as qweight (a keeper's shared qweight stays the keeper's)
+        qweight, qzeros = layer.qweight, layer.qzeros
+        assert isinstance(qweight, torch.Tensor) and isinstance(qzeros, torch.Tensor)
+        if quant_cuda.KERNELS != "legacy" and qweight.shape[0] % BLOCK_ROWS == 0:
+            packed, zf = awq_repack(qweight.data, qzeros.data, self.group_size)
             layer.register_buffer("awq_tc_packed", packed, persistent=False)
             layer.register_buffer("awq_tc_zf", zf, persistent=False)
+            layer.register_parameter("qweight", None)
+            layer.register_parameter("qzeros", None)
