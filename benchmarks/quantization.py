@@ -86,9 +86,11 @@ def awq_model_dir(base: str, quick: bool) -> str:
 def weights_read_per_decode_step(llm: LLM) -> int:
     """Bytes of every weight one decode step reads: all of them but the token embedding (one row per
     sequence), which the LM head reads in full when the two are tied."""
+    from engine.runner.startup import named_weight_tensors
+
     model = llm.llm_engine.core.model
     total = 0
-    for name, p in model.named_parameters():
+    for name, p in named_weight_tensors(model):  # AWQ's repacked weight too (a buffer, the layer's only int4 copy)
         if "embed_tokens" in name and getattr(model, "lm_head", None) is not None:
             continue
         total += p.numel() * p.element_size()

@@ -394,14 +394,21 @@ def prepare_cpu_kernels() -> None:
         raise ConfigError(str(e)) from e
 
 
-def weight_tensors(model: nn.Module, parameters: bool = True):
-    """The parameters, and the buffers a layer derives from them at load to keep beside them (AWQ's tensor-core
-    layout, `awq_tc_*`: engine/model/quant/awq.py): what the weights hold on the device."""
+def named_weight_tensors(model: nn.Module, parameters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the parameters, and of the buffers a layer derives from them at load to keep as its weight
+    (AWQ's tensor-core layout, `awq_tc_*`, which replaces the checkpoint's qweight on the GPU:
+    engine/model/quant/awq.py): what the weights hold on the device."""
     if parameters:
-        yield from model.parameters()
+        yield from model.named_parameters()
     for name, b in model.named_buffers():
         if name.rsplit(".", 1)[-1].startswith("awq_tc_"):
-            yield b
+            yield name, b
+
+
+def weight_tensors(model: nn.Module, parameters: bool = True) -> Iterator[torch.Tensor]:
+    """named_weight_tensors' tensors."""
+    for _, t in named_weight_tensors(model, parameters):
+        yield t
 
 
 def weights_by_dtype(model: nn.Module) -> dict[str, int]:
