@@ -179,7 +179,10 @@ def test_each_default_path_matches_the_reference_of_its_own_activations(monkeypa
 
 
 def test_fp8_linear_per_tensor_fallback(monkeypatch):
-    """Where row-wise scaling is refused, unit scales and both row-wise scales applied to a float32 product."""
+    """Where row-wise scaling is refused, unit scales and both row-wise scales applied to a float32 product: the same
+    product as the row-wise one, and the reference's.  On a GPU the FP8 tensor cores sum with fewer bits than float32
+    (on one H200 both products were 1.2e-4 from the reference with the very same quantized operands, and 1e-7 from
+    each other), so there the reference is met within 1e-3 of the product's norm; on the CPU within 1e-5."""
     monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
     monkeypatch.setattr(qr, "FP8_W8A16_MAX_ROWS", 0)
     monkeypatch.setattr(quant_cuda, "FP8_GEMV_MAX_ROWS", 0)  # the 5 rows take _scaled_mm, not the decode GEMV
@@ -189,7 +192,12 @@ def test_fp8_linear_per_tensor_fallback(monkeypatch):
     monkeypatch.setitem(quant_cuda._ROWWISE, (x.device, x.dtype), None)
     got = quant_cuda.fp8_linear(x, wq, ws)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, qr.fp8_linear(x, wq, ws), rtol=1e-5, atol=1e-5)
+    reference = qr.fp8_linear(x, wq, ws)
+    if x.is_cuda:
+        rel = float((got.double() - reference.double()).norm() / reference.double().norm())
+        assert rel < 1e-3, rel
+    else:
+        torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kernels", ["fast", "legacy"])
