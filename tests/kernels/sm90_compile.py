@@ -24,7 +24,7 @@ from kernels.fp8_gemv import _fp8_gemv_dot_kernel, _fp8_gemv_kernel, fp8_gemv_co
 from kernels.fp8_linear import _quant_rows_kernel, _w8a16_kernel, w8a16_config
 from kernels.splitk import _reduce_kernel
 from kernels.w4a16 import _w4a16_kernel, w4a16_config
-from kernels.w4a16_tc import _w4a16_tc_kernel, tc_config
+from kernels.w4a16_tc import _tc_dequant_kernel, _w4a16_tc_kernel, tc_config
 
 I32 = "i32"
 INTS = ("M", "N", "K", "stride_xm", "stride_om", "stride_os", "k_per_split")
@@ -141,6 +141,10 @@ def cases():
             types = dict(x_ptr="*fp16", packed_ptr="*i32", zf_ptr="*fp16", scales_ptr="*fp16", out_ptr=f"*{out}")
             types.update(dict.fromkeys(("M", "N", "K", "stride_xm", "stride_om", "stride_os", "blocks_per_split"), I32))
             yield f"w4a16_tc m={m} -> {out}", _w4a16_tc_kernel, types, consts, cfg
+    for dtype in ("fp16", "bf16"):  # the repacked weight dequantized for cuBLAS (kernels/w4a16_tc.py: tc_dequantize)
+        types = dict(packed_ptr="*i32", zf_ptr="*fp16", scales_ptr=f"*{dtype}", out_ptr=f"*{dtype}", N=I32)
+        consts = dict(GROUP=128, BLOCK_N=256, F16=dtype == "fp16")
+        yield f"tc_dequantize -> {dtype}", _tc_dequant_kernel, types, consts, dict(num_warps=4)
     cpu = torch.device("cpu")  # the rule's tiles; SPLITS is set to 2 so that the in-kernel sum is compiled
     for rows_up_to, _ in FP8_GEMV_CONFIGS:
         cfg = fp8_gemv_config(rows_up_to, 4096, 4096, cpu)
