@@ -197,6 +197,18 @@ def _reference(name: str, w: dict[str, torch.Tensor], x: torch.Tensor, x16: torc
     return None
 
 
+def _checked(
+    row: dict[str, Any], errors: dict[str, str], name: str, got: torch.Tensor, want: torch.Tensor, tol: float
+) -> bool:
+    """Record `name`'s relative error against `want` in `row`; over `tol`, also the error in `errors` (False)."""
+    err = float((got.float() - want).norm() / want.norm())
+    row[f"{name}_rel_err"] = float(f"{err:.3g}")
+    if err < tol:
+        return True
+    errors[name] = f"wrong: relative error {err:.3g} against the reference (limit {tol})"
+    return False
+
+
 def _tolerance(name: str, m: int) -> float:
     from kernels import quant_cuda
 
@@ -259,11 +271,7 @@ def measure(
                     checked_ms = (time.perf_counter() - started) * 1e3
                     want = _reference(name, w, x, x16)
                     if want is not None:
-                        err = float((got.float() - want).norm() / want.norm())
-                        row[f"{name}_rel_err"] = float(f"{err:.3g}")
-                        tol = _tolerance(name, m)
-                        if not err < tol:
-                            errors[name] = f"wrong: relative error {err:.3g} against the reference (limit {tol})"
+                        _checked(row, errors, name, got, want, _tolerance(name, m))
                     if len(copies) > 1:
                         from benchmarks.kernels import bench_rotating
 
@@ -501,11 +509,7 @@ def tc_measure(
                     fn = make(w)
                     got = fn()
                     want = _reference("awq" if name.startswith("awq") else name, w, x, x16)
-                    err = float((got.float() - want).norm() / want.norm())
-                    row[f"{name}_rel_err"] = float(f"{err:.3g}")
-                    tol = TOLERANCE["awq" if name.startswith("awq") else ""]
-                    if not err < tol:
-                        errors[name] = f"wrong: relative error {err:.3g} against the reference (limit {tol})"
+                    if not _checked(row, errors, name, got, want, TOLERANCE["awq" if name.startswith("awq") else ""]):
                         continue
                     if len(copies) > 1:
                         row[f"{name}_ms"] = round(bench_rotating([make(c) for c in copies]), 5)

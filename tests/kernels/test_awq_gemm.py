@@ -10,6 +10,7 @@ pytest.importorskip("triton")
 
 from kernels import quant_reference as qr  # noqa: E402
 from kernels.awq_gemm import GEMV_MAX_ROWS, awq_gemm  # noqa: E402
+from tests.kernels.awq_cases import random_awq  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -28,19 +29,11 @@ def test_packing_order_is_autoawqs():
     assert torch.equal(qr.unpack_int4(qr.pack_int4(many)), many.int())
 
 
-def _random_awq(k: int, n: int, group: int, dtype: torch.dtype, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (k, n), generator=g)
-    z = torch.randint(0, 16, (k // group, n), generator=g)
-    s = (torch.rand(k // group, n, generator=g) * 0.02 + 0.001).half().to(dtype)
-    return qr.pack_int4(q).to(DEVICE), qr.pack_int4(z).to(DEVICE), s.to(DEVICE)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [32, 128])
 def test_gemm_equals_dequantize_then_matmul(dtype, group):
     k, n = 256, 72  # n: 9 packed words, not a multiple of any tile (the interpreter pays for every tile)
-    qweight, qzeros, scales = _random_awq(k, n, group, dtype, seed=group)
+    _, qweight, qzeros, scales = random_awq(k, n, group, dtype, seed=group)
     w = qr.awq_dequantize(qweight, qzeros, scales, group).double()
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     for m in (1, 5, 37):  # decode rows (BLOCK_M 16), a small batch, a prefill chunk
@@ -73,7 +66,7 @@ def test_gemm_equals_dequantize_then_matmul(dtype, group):
 
 
 def test_gemm_keeps_leading_dims_and_refuses_a_misfit():
-    qweight, qzeros, scales = _random_awq(128, 64, 64, torch.float32, seed=1)
+    _, qweight, qzeros, scales = random_awq(128, 64, 64, torch.float32, seed=1)
     x = torch.randn(2, 3, 128).to(DEVICE)
     out = awq_gemm(x, qweight, qzeros, scales, 64)
     torch.testing.assert_close(out, qr.awq_linear(x, qweight, qzeros, scales, 64), rtol=1e-5, atol=1e-5)
@@ -106,7 +99,7 @@ def test_fp8_linear_reference_is_per_token_and_per_channel(monkeypatch):
 def test_gpu_awq_gemm_llama3_shapes():
     """Llama-3-8B's projections at decode (1, 16 rows) and prefill (256) sizes against dequantize + matmul."""
     for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
-        qweight, qzeros, scales = _random_awq(k, n, 128, torch.float16, seed=k + n)
+        _, qweight, qzeros, scales = random_awq(k, n, 128, torch.float16, seed=k + n)
         w = qr.awq_dequantize(qweight, qzeros, scales, 128)
         for m in (1, 16, 256):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)

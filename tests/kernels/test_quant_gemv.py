@@ -20,6 +20,7 @@ from kernels import (
 from kernels import quant_reference as qr  # noqa: E402
 from kernels.awq_gemv import awq_gemv  # noqa: E402
 from kernels.fp8_gemv import fp8_gemv  # noqa: E402
+from tests.kernels.awq_cases import random_awq  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -80,19 +81,11 @@ def test_fp8_gemv_refuses_what_it_cannot_compute():
         fp8_gemv(torch.randn(1, 16).to(DEVICE), wq.to(DEVICE), ws.to(DEVICE))
 
 
-def _awq(k: int, n: int, group: int, dtype: torch.dtype, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    q = qr.pack_int4(torch.randint(0, 16, (k, n), generator=g))
-    z = qr.pack_int4(torch.randint(0, 16, (k // group, n), generator=g))
-    s = (torch.rand(k // group, n, generator=g) * 0.02 + 0.001).half().to(dtype)
-    return q.to(DEVICE), z.to(DEVICE), s.to(DEVICE)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_awq_gemv_equals_the_reference(dtype):
     """N = 72 is nine packed words (a partial 32-column tile), K = 96 three groups of 32 split in three."""
     k, n, group = 96, 72, 32
-    qweight, qzeros, scales = _awq(k, n, group, dtype, seed=5)
+    _, qweight, qzeros, scales = random_awq(k, n, group, dtype, seed=5)
     w = qr.awq_dequantize(qweight, qzeros, scales, group).double()
     for m in (1, 3):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
@@ -138,7 +131,7 @@ def test_the_gemv_kernel_set_routes_decode_rows_to_the_new_kernels(monkeypatch):
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     got = quant_cuda.fp8_linear(x.to(DEVICE), wq.to(DEVICE), ws.to(DEVICE))
     assert _rel(got.cpu(), x.double() @ (wq.double() * ws.double()[:, None]).t()) < TOL[torch.bfloat16]
-    qweight, qzeros, scales = _awq(128, 32, 128, torch.float16, seed=9)
+    _, qweight, qzeros, scales = random_awq(128, 32, 128, torch.float16, seed=9)
     x16 = torch.randn(1, 128, generator=torch.Generator().manual_seed(3)).half().to(DEVICE)
     got = quant_cuda.awq_linear(x16, qweight, qzeros, scales, 128)
     want = x16.double() @ qr.awq_dequantize(qweight, qzeros, scales, 128).double()

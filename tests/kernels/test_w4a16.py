@@ -11,23 +11,16 @@ pytest.importorskip("triton")
 
 from kernels import quant_reference as qr  # noqa: E402
 from kernels.w4a16 import w4a16_linear  # noqa: E402
+from tests.kernels.awq_cases import random_awq  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _random_awq(k: int, n: int, group: int, dtype: torch.dtype, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (k, n), generator=g)
-    z = torch.randint(0, 16, (k // group, n), generator=g)
-    s = (torch.rand(k // group, n, generator=g) * 0.02 + 0.001).half().to(dtype)
-    return qr.pack_int4(q).to(DEVICE), qr.pack_int4(z).to(DEVICE), s.to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("group", [32, 64])
 def test_w4a16_equals_dequantize_then_matmul(dtype, group):
     k, n = 128, 72  # n: 9 packed words, a partial 32-column tile
-    qweight, qzeros, scales = _random_awq(k, n, group, dtype, seed=group)
+    _, qweight, qzeros, scales = random_awq(k, n, group, dtype, seed=group)
     w = qr.awq_dequantize(qweight, qzeros, scales, group).double()
     tol = 1e-6 if dtype == torch.float32 else 1e-3
     for m in (1, 2, 17, 37):  # one row, the CUDA-core loop's limit, one past a 16-row tile, three tiles
@@ -47,7 +40,7 @@ def test_w4a16_float16_weight_is_the_references_bits():
     """With float16 activations the kernel's dequantized weight is exactly the reference's (x = one-hot rows
     pick single weight rows out of the product)."""
     k, n, group = 64, 48, 32
-    qweight, qzeros, scales = _random_awq(k, n, group, torch.float16, seed=7)
+    _, qweight, qzeros, scales = random_awq(k, n, group, torch.float16, seed=7)
     eye = torch.eye(k, dtype=torch.float16, device=DEVICE)[:16]
     got = w4a16_linear(eye, qweight, qzeros, scales, group, config=dict(BLOCK_N=16, BLOCK_K=16), splits=1)
     want = qr.awq_dequantize(qweight, qzeros, scales, group).half()[:16]
@@ -55,7 +48,7 @@ def test_w4a16_float16_weight_is_the_references_bits():
 
 
 def test_w4a16_default_tiles_keep_leading_dims_and_refuse_a_misfit():
-    qweight, qzeros, scales = _random_awq(128, 64, 64, torch.float32, seed=1)
+    _, qweight, qzeros, scales = random_awq(128, 64, 64, torch.float32, seed=1)
     x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     torch.testing.assert_close(
         w4a16_linear(x, qweight, qzeros, scales, 64),
@@ -73,7 +66,7 @@ def test_w4a16_default_tiles_keep_leading_dims_and_refuse_a_misfit():
 def test_gpu_w4a16_llama3_shapes():
     """The 8B's projections with the default tiles at decode and prefill row counts."""
     for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
-        qweight, qzeros, scales = _random_awq(k, n, 128, torch.float16, seed=k + n)
+        _, qweight, qzeros, scales = random_awq(k, n, 128, torch.float16, seed=k + n)
         w = qr.awq_dequantize(qweight, qzeros, scales, 128)
         for m in (1, 2, 8, 16, 32, 256):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)

@@ -11,20 +11,13 @@ pytest.importorskip("triton")
 
 from kernels import quant_reference as qr  # noqa: E402
 from kernels.w4a16_tc import awq_repack, awq_unrepack, w4a16_tc  # noqa: E402
+from tests.kernels.awq_cases import random_awq  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _random_awq(k: int, n: int, group: int, dtype: torch.dtype, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (k, n), generator=g)
-    z = torch.randint(0, 16, (k // group, n), generator=g)
-    s = (torch.rand(k // group, n, generator=g) * 0.02 + 0.001).half().to(dtype)
-    return q, qr.pack_int4(q).to(DEVICE), qr.pack_int4(z).to(DEVICE), s.to(DEVICE)
-
-
 def test_repack_round_trips_and_keeps_the_size():
-    q, qweight, qzeros, _ = _random_awq(256, 24, 64, torch.float16, seed=1)
+    q, qweight, qzeros, _ = random_awq(256, 24, 64, torch.float16, seed=1)
     packed, zf = awq_repack(qweight, qzeros, 64)
     assert packed.shape == (32, 24) and packed.dtype == torch.int32 and zf.dtype == torch.float16
     assert torch.equal(awq_unrepack(packed).cpu(), q.to(torch.int32))
@@ -41,7 +34,7 @@ def test_w4a16_tc_equals_dequantize_then_matmul(dtype, group):
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("Triton's CPU interpreter has no bfloat16 tl.dot (numpy has no bfloat16): checked on the GPU")
     k, n = 256, 40  # n: a partial 32-column tile
-    _, qweight, qzeros, scales = _random_awq(k, n, group, dtype, seed=group)
+    _, qweight, qzeros, scales = random_awq(k, n, group, dtype, seed=group)
     packed, zf = awq_repack(qweight, qzeros, group)
     w = qr.awq_dequantize(qweight, qzeros, scales, group).double()
     tol = 1e-6 if dtype == torch.float32 else 1e-3 if dtype == torch.float16 else 8e-3
@@ -59,7 +52,7 @@ def test_w4a16_tc_equals_dequantize_then_matmul(dtype, group):
 def test_w4a16_tc_float16_weight_is_the_references_bits():
     """float16 activations: one-hot rows pick weight rows out of the product, bit for bit the reference's."""
     k, n, group = 128, 16, 128
-    _, qweight, qzeros, scales = _random_awq(k, n, group, torch.float16, seed=7)
+    _, qweight, qzeros, scales = random_awq(k, n, group, torch.float16, seed=7)
     packed, zf = awq_repack(qweight, qzeros, group)
     eye = torch.eye(k, dtype=torch.float16, device=DEVICE)[::8]
     got = w4a16_tc(eye, packed, zf, scales, group, config=dict(BLOCK_M=16, BLOCK_N=16, SWAP_AB=True), splits=1)
@@ -68,7 +61,7 @@ def test_w4a16_tc_float16_weight_is_the_references_bits():
 
 
 def test_w4a16_tc_keeps_leading_dims_and_refuses_a_misfit():
-    _, qweight, qzeros, scales = _random_awq(128, 32, 64, torch.float32, seed=2)
+    _, qweight, qzeros, scales = random_awq(128, 32, 64, torch.float32, seed=2)
     packed, zf = awq_repack(qweight, qzeros, 64)
     x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     torch.testing.assert_close(
@@ -86,7 +79,7 @@ def test_gpu_w4a16_tc_llama3_shapes():
     """The 8B's projections with the default tiles (the paired float16 dequantization): the reference's float16
     weight bit for bit, and the product within the float16 output's rounding; bfloat16 activations too."""
     for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
-        _, qweight, qzeros, scales = _random_awq(k, n, 128, torch.float16, seed=k + n)
+        _, qweight, qzeros, scales = random_awq(k, n, 128, torch.float16, seed=k + n)
         packed, zf = awq_repack(qweight, qzeros, 128)
         w = qr.awq_dequantize(qweight, qzeros, scales, 128)
         eye = torch.eye(k, dtype=torch.float16, device="cuda")[:: k // 64]
@@ -110,7 +103,7 @@ def test_tc_dequantize_is_the_references_weight(dtype, group):
     from kernels.w4a16_tc import tc_dequantize
 
     k, n = 256, 264  # n: one full 256-column tile and a partial one
-    _, qweight, qzeros, scales = _random_awq(k, n, group, dtype, seed=group + 7)
+    _, qweight, qzeros, scales = random_awq(k, n, group, dtype, seed=group + 7)
     packed, zf = awq_repack(qweight, qzeros, group)
     got = tc_dequantize(packed, zf, scales, group, dtype)
     want = qr.awq_dequantize(qweight, qzeros, scales, group).to(dtype)
