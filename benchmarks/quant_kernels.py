@@ -425,6 +425,16 @@ TC_ROWS = (8, 16, 32, 64, 128, 192, 256)
 TC_BASE = ("bf16", "fp16", "awq_dequantize_cublas", "awq_dot")
 
 
+def tc_label(cfg: dict[str, Any], one_dot: bool = True, in_kernel: bool = False) -> str:
+    """A tile's column label: s<BLOCK_M>x<BLOCK_N>w<warps>s<stages>v<waves>, then p16 for a dot per nibble plane
+    (ONE_DOT False) and k for the splits summed inside the kernel (IN_KERNEL)."""
+    return (
+        f"s{cfg['BLOCK_M']}x{cfg['BLOCK_N']}w{cfg['num_warps']}s{cfg['num_stages']}v{cfg.get('WAVES', 2)}"
+        + ("" if one_dot else "p16")
+        + ("k" if in_kernel else "")
+    )
+
+
 def tc_candidates(m: int) -> dict[str, tuple[dict[str, Any], int | None]]:
     """label -> (config, splits or None for the default) of the tensor-core AWQ tiles tried at `m` rows (the first
     sweep, quant-kernels-h200-2026-11-28-tc.json, tried x on the MMA's wide side too: 2-7x slower, dropped)."""
@@ -433,20 +443,33 @@ def tc_candidates(m: int) -> dict[str, tuple[dict[str, Any], int | None]]:
     p2 = max(16, triton.next_power_of_2(m))
     out: dict[str, tuple[dict[str, Any], int | None]] = {}
 
-    def add(bm: int, bn: int, warps: int, stages: int, waves: int = 2, maxnreg: int | None = None):
+    def add(
+        bm: int,
+        bn: int,
+        warps: int,
+        stages: int,
+        waves: int = 2,
+        maxnreg: int | None = None,
+        one_dot: bool = True,
+        in_kernel: bool = False,
+    ):
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, SWAP_AB=True, num_warps=warps, num_stages=stages, WAVES=waves)
-        label = f"s{bm}x{bn}w{warps}s{stages}v{waves}" + ("" if maxnreg is None else f"r{maxnreg}")
+        label = tc_label(cfg, one_dot, in_kernel) + ("" if maxnreg is None else f"r{maxnreg}")
+        cfg.update(ONE_DOT=one_dot, IN_KERNEL=in_kernel)
         if maxnreg is not None:
             cfg["maxnreg"] = maxnreg
         out.setdefault(label, (cfg, None))
 
-    if m <= 64:
-        add(p2, 64, 4, 4)
-        add(p2, 64, 4, 4, waves=4)
-        add(p2, 64, 4, 4, waves=8)
+    if m <= 64:  # a dot per nibble plane (p16) or one over the joined planes; splits summed in the kernel (k) or not
         add(p2, 64, 4, 3, waves=4)
-        add(p2, 128, 8, 3, waves=4)
-        add(p2, 64, 4, 6, waves=4)
+        add(p2, 64, 4, 3, waves=4, one_dot=False)
+        add(p2, 64, 4, 3, waves=4, one_dot=False, in_kernel=True)
+        add(p2, 64, 4, 4, waves=4, one_dot=False, in_kernel=True)
+        add(p2, 64, 4, 3, waves=8, one_dot=False, in_kernel=True)
+        add(p2, 64, 4, 4, waves=2, one_dot=False, in_kernel=True)
+        add(p2, 128, 4, 3, waves=4, one_dot=False, in_kernel=True)
+        add(p2, 128, 8, 3, waves=4, one_dot=False, in_kernel=True)
+        add(p2, 32, 4, 4, waves=8, one_dot=False, in_kernel=True)
     if m >= 64:
         add(128, 128, 8, 3)
         add(128, 128, 8, 3, waves=4)

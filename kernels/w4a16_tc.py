@@ -22,8 +22,8 @@ interpreter (and bf16 or float32 activations) take the same arithmetic in plain 
 
 Tiles: `SWAP_AB` puts the dequantized weight on the MMA's 64-row side (output columns by rows of x), where a
 few dozen rows of x would waste most of a 64-row MMA; without it x is the left operand.  Split-K partials are
-summed by kernels/splitk.py.  Which tiles run at which shape: `tc_config` (docs/decisions/quant-paths.md has the
-sweep it follows).
+summed by kernels/splitk.py: by the last split of each tile inside the kernel (IN_KERNEL), or by its second
+kernel.  Which tiles run at which shape: `tc_config` (docs/decisions/quant-paths.md has the sweep it follows).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import triton.language as tl
 
 from kernels import quant_reference as qr
 from kernels.operands import rows
-from kernels.splitk import cdiv, reduce_splits, split_geometry, split_k
+from kernels.splitk import cdiv, reduce_splits, split_geometry, split_k, store_or_finish, tickets
 
 BLOCK_ROWS = 128  # K rows per packed block: 8 planes of 16
 PLANE = BLOCK_ROWS // 8
@@ -160,12 +160,13 @@ def _w4a16_tc_kernel(
     zf_ptr,
     scales_ptr,
     out_ptr,
+    part_ptr,
+    ticket_ptr,
     M,
     N,
     K,
     stride_xm,
     stride_om,
-    stride_os,
     blocks_per_split,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -175,6 +176,8 @@ def _w4a16_tc_kernel(
     ONE_DOT: tl.constexpr,
     F16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SPLITS: tl.constexpr,
+    IN_KERNEL: tl.constexpr,
 ):
     """This program's ``[BLOCK_M, BLOCK_N]`` output tile over its split of K, 128 K rows (one packed block) a step.
     GROUP is a multiple of 16: a plane lies in one group."""
@@ -235,19 +238,10 @@ def _w4a16_tc_kernel(
             acc = _dot_plane(acc, x_rows, mask_m, k_base, w5, 5, SWAP_AB, DOT_PRECISION)
             acc = _dot_plane(acc, x_rows, mask_m, k_base, w6, 6, SWAP_AB, DOT_PRECISION)
             acc = _dot_plane(acc, x_rows, mask_m, k_base, w7, 7, SWAP_AB, DOT_PRECISION)
-    out = out_ptr + split * stride_os
     if SWAP_AB:
-        tl.store(
-            out + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=mask_n[:, None] & mask_m[None, :],
-        )
-    else:
-        tl.store(
-            out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=mask_m[:, None] & mask_n[None, :],
-        )
+        acc = tl.trans(acc)
+    tile = pid_m * tl.num_programs(0) + pid_n
+    store_or_finish(acc, out_ptr, part_ptr, ticket_ptr, offs_m, offs_n, M, N, stride_om, tile, split, SPLITS, IN_KERNEL)
 
 
 @triton.jit
@@ -329,11 +323,22 @@ def awq_unrepack(packed: torch.Tensor) -> torch.Tensor:
 def tc_config(m: int, n: int, k: int) -> dict:
     """Tiles by row count (`python -m benchmarks.quant_kernels --tc` sweeps them; docs/decisions/quant-paths.md has
     the table): the weight on the MMA's 64-row side always (x on it was 3-6x slower); up to 64 rows one tile of
-    rows, 64 columns, one warp group, K split for about WAVES programs per SM; above, 128 x 128 with two warp
-    groups (four warps would hold a 128 x 128 float32 accumulator in 128 registers each, and were 2x slower)."""
+    rows, 64 columns, one warp group, K split for about WAVES programs per SM; up to 16 rows a dot of K = 16 per
+    nibble plane (ONE_DOT False: the eight planes joined for one dot of K = 128 cost more than the dot saves
+    there, less from 32 rows) and the splits summed by the last of them inside the kernel (IN_KERNEL: no second
+    launch); above 64 rows, 128 x 128 with two warp groups (four warps would hold a 128 x 128 float32 accumulator
+    in 128 registers each, and were 2x slower)."""
     if m <= 64:
+        small = m <= 16
         return dict(
-            BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=64, SWAP_AB=True, num_warps=4, num_stages=3, WAVES=4
+            BLOCK_M=max(16, triton.next_power_of_2(m)),
+            BLOCK_N=64,
+            SWAP_AB=True,
+            num_warps=4,
+            num_stages=3,
+            WAVES=4,
+            ONE_DOT=not small,
+            IN_KERNEL=small,
         )
     return dict(BLOCK_M=128, BLOCK_N=128, SWAP_AB=True, num_warps=8, num_stages=3)
 
@@ -350,7 +355,8 @@ def w4a16_tc(
 ) -> torch.Tensor:
     """``x @ W`` for x ``[..., K]`` (float16, bfloat16 or float32) and W as `awq_repack` stored it; ``[..., N]`` in
     x's dtype.  `splits`: K splits (default: about `WAVES` programs per SM, a config key, 2 unless given); `fast`:
-    the paired float16 dequantization (default: float16 activations on a GPU)."""
+    the paired float16 dequantization (default: float16 activations on a GPU).  Config keys beside the tile:
+    ONE_DOT (default True), IN_KERNEL (the splits summed inside the kernel, kernels/splitk.py; default False)."""
     shape = x.shape
     x2 = rows(x)
     m, k = x2.shape
@@ -362,6 +368,7 @@ def w4a16_tc(
     cfg = dict(tc_config(m, n, k), **(config or {}))
     bm, bn, swap = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("SWAP_AB")
     one_dot = cfg.pop("ONE_DOT", True)
+    in_kernel = cfg.pop("IN_KERNEL", False)
     waves = cfg.pop("WAVES", 2)
     if fast is None:
         fast = x.dtype == torch.float16 and x.device.type == "cuda"
@@ -369,7 +376,9 @@ def w4a16_tc(
     if splits is None:
         splits = split_k(k, BLOCK_ROWS, m_tiles * n_tiles, x2.device, waves=waves)
     splits, k_per_split = split_geometry(k, BLOCK_ROWS, splits)
-    out = torch.empty((splits, m, n), dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
+    ticket = tickets(x2.device, m_tiles * n_tiles) if splits > 1 and in_kernel else None
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
     if m:
         _w4a16_tc_kernel[(n_tiles, m_tiles, splits)](
             x2,
@@ -377,12 +386,13 @@ def w4a16_tc(
             zf,
             scales,
             out,
+            part,
+            out if ticket is None else ticket,
             m,
             n,
             k,
             x2.stride(0),
             n,
-            m * n,
             k_per_split // BLOCK_ROWS,
             GROUP=group_size,
             BLOCK_M=bm,
@@ -392,7 +402,10 @@ def w4a16_tc(
             ONE_DOT=one_dot,
             F16=x.dtype == torch.float16,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            SPLITS=splits,
+            IN_KERNEL=ticket is not None,
             **cfg,
         )
-    y = reduce_splits(out, x.dtype) if splits > 1 else out[0]
-    return y.reshape(*shape[:-1], n)
+        if splits > 1 and ticket is None:
+            out = reduce_splits(part, x.dtype)
+    return out.reshape(*shape[:-1], n)

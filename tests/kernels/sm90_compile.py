@@ -125,22 +125,26 @@ def cases():
             types.update(dict.fromkeys(INTS, I32))
             yield f"w4a16 m={m} group={group} dot={use_dot}", _w4a16_kernel, types, consts, cfg
     for m in (8, 32, 64, 128):  # kernels/w4a16_tc.py's default tiles (the paired float16 dequantization)
-        for out in ("fp16", "fp32"):  # the output itself, or split-K partials
+        for splits in (1, 2):  # the output itself, or split-K partials (summed in the kernel where the tile says)
             cfg = tc_config(m, 4096, 4096)
             cfg.pop("WAVES", None)
+            in_kernel = cfg.pop("IN_KERNEL", False)
             consts = dict(
                 GROUP=128,
                 BLOCK_M=cfg.pop("BLOCK_M"),
                 BLOCK_N=cfg.pop("BLOCK_N"),
                 SWAP_AB=cfg.pop("SWAP_AB"),
                 FAST=True,
-                ONE_DOT=True,
+                ONE_DOT=cfg.pop("ONE_DOT", True),
                 F16=True,
                 DOT_PRECISION="tf32",
+                SPLITS=splits,
+                IN_KERNEL=in_kernel and splits > 1,
             )
-            types = dict(x_ptr="*fp16", packed_ptr="*i32", zf_ptr="*fp16", scales_ptr="*fp16", out_ptr=f"*{out}")
-            types.update(dict.fromkeys(("M", "N", "K", "stride_xm", "stride_om", "stride_os", "blocks_per_split"), I32))
-            yield f"w4a16_tc m={m} -> {out}", _w4a16_tc_kernel, types, consts, cfg
+            types = dict(x_ptr="*fp16", packed_ptr="*i32", zf_ptr="*fp16", scales_ptr="*fp16", out_ptr="*fp16")
+            types.update(part_ptr="*fp32", ticket_ptr="*i32")
+            types.update(dict.fromkeys(("M", "N", "K", "stride_xm", "stride_om", "blocks_per_split"), I32))
+            yield f"w4a16_tc m={m} splits={splits}", _w4a16_tc_kernel, types, consts, cfg
     for dtype in ("fp16", "bf16"):  # the repacked weight dequantized for cuBLAS (kernels/w4a16_tc.py: tc_dequantize)
         types = dict(packed_ptr="*i32", zf_ptr="*fp16", scales_ptr=f"*{dtype}", out_ptr=f"*{dtype}", N=I32)
         consts = dict(GROUP=128, BLOCK_N=256, F16=dtype == "fp16")

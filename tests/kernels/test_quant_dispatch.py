@@ -78,19 +78,22 @@ AWQ_COLUMNS = {
 
 
 def _tc_column(m: int) -> str:
-    """The tc sweep's column for kernels/w4a16_tc.py's default tile at `m` rows (benchmarks/quant_kernels.py's labels:
-    s<BLOCK_M>x<BLOCK_N>w<warps>s<stages>v<waves>)."""
+    """The tc sweep's column for kernels/w4a16_tc.py's default tile at `m` rows (benchmarks/quant_kernels.py's
+    tc_label: s<BLOCK_M>x<BLOCK_N>w<warps>s<stages>v<waves>, p16 for a dot per nibble plane, k for the splits summed
+    in the kernel)."""
     from kernels.w4a16_tc import tc_config
 
     c = tc_config(m, 4096, 4096)
-    return f"awq_tc[s{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}v{c.get('WAVES', 2)}]_ms"
+    label = f"s{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}v{c.get('WAVES', 2)}"
+    return f"awq_tc[{label}{'' if c.get('ONE_DOT', True) else 'p16'}{'k' if c.get('IN_KERNEL') else ''}]_ms"
 
 
 def test_the_default_rule_takes_the_fastest_path_the_device_run_measured(monkeypatch):
     """At each row count the device tables timed, the default boundaries pick a path within 5 % of the fastest
     for the 8B's four projections together (a path the table did not time at that M cannot be picked): the decode
-    row counts from the H200 decode table (it times the decode GEMVs), the others from the H100 table; AWQ from 8 to
-    256 rows from the H200 tensor-core sweep (its default tiles, kernels/w4a16_tc.py's tc_config)."""
+    row counts from the H200 decode table (it times the decode GEMVs), the others from the H100 table; AWQ from 1 to
+    64 rows from the H200 tensor-core sweep of the small-M tiles, from 128 to 256 from the one before it (their
+    default tiles, kernels/w4a16_tc.py's tc_config)."""
     import json
     from pathlib import Path
 
@@ -99,16 +102,13 @@ def test_the_default_rule_takes_the_fastest_path_the_device_run_measured(monkeyp
     decode_ms = {r["M"] for r in decode}
     full = json.loads((results / "quant-kernels-h100-2026-11-27.json").read_text())["rows"]
     rows = decode + [r for r in full if r["M"] not in decode_ms]
-    # AWQ at M = 8..256 from the tensor-core sweep (it times the dot and the dequantized path beside its tiles); below
-    # 16 rows the tensor-core kernel runs the same 16-row tile on the same grid whatever the row count, so the decode
-    # table's M = 4 takes the sweep's M = 8 time for it
-    tc = json.loads((results / "quant-kernels-h200-2026-11-28b-tc.json").read_text())["rows"]
+    # AWQ at M = 1..64 from the small-M sweep, 128..256 from the earlier one (each times the dot and the dequantized
+    # path beside its tiles)
+    small = json.loads((results / "quant-kernels-h200-2026-11-28d-tc.json").read_text())["rows"]
+    earlier = json.loads((results / "quant-kernels-h200-2026-11-28b-tc.json").read_text())["rows"]
+    tc = small + [r for r in earlier if r["M"] > 64]
     tc_ms = {r["M"] for r in tc}
     awq_rows = tc + [r for r in rows if r["M"] not in tc_ms]
-    for r in awq_rows:
-        if r["M"] < 8:
-            same = next(t for t in tc if t["M"] == 8 and t["layer"] == r["layer"])
-            r[_tc_column(r["M"])] = same[_tc_column(8)]
     monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
     for path_of, columns, table in (
         (quant_cuda.fp8_path, FP8_COLUMNS, rows),

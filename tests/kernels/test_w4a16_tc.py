@@ -1,6 +1,6 @@
 """The tensor-core AWQ kernel (kernels/w4a16_tc.py) and its load-time layout against dequantize-then-matmul in
-float64: both operand orders, split and unsplit, groups of one plane to one block and more, row and column counts
-no tile divides (Triton's CPU interpreter without a GPU)."""
+float64: both operand orders, split and unsplit (the splits summed by a second kernel or inside this one), groups of
+one plane to one block and more, row and column counts no tile divides (Triton's CPU interpreter without a GPU)."""
 
 from __future__ import annotations
 
@@ -41,11 +41,20 @@ def test_w4a16_tc_equals_dequantize_then_matmul(dtype, group):
     for m in (3, 17):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
         want = x.double() @ w
-        for swap, one_dot, splits in ((True, True, 1), (False, True, 2), (True, False, 2), (False, False, 1)):
-            cfg = dict(BLOCK_M=16, BLOCK_N=32, SWAP_AB=swap, ONE_DOT=one_dot)
+        for swap, one_dot, splits, in_kernel in (
+            (True, True, 1, False),
+            (False, True, 2, True),
+            (True, False, 2, False),
+            (True, False, 2, True),
+            (False, False, 1, False),
+        ):
+            cfg = dict(BLOCK_M=16, BLOCK_N=32, SWAP_AB=swap, ONE_DOT=one_dot, IN_KERNEL=in_kernel)
             got = w4a16_tc(x, packed, zf, scales, group, config=cfg, splits=splits)
             err = float((got.double() - want).norm() / want.norm())
-            print(f"w4a16_tc {str(dtype)[6:]} g={group} m={m} swap={swap} one_dot={one_dot} splits={splits}: {err:.2e}")
+            print(
+                f"w4a16_tc {str(dtype)[6:]} g={group} m={m} swap={swap} one_dot={one_dot} splits={splits} "
+                f"in-kernel={in_kernel}: {err:.2e}"
+            )
             assert got.dtype == dtype and got.shape == (m, n) and err < tol
 
 
