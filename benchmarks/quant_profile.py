@@ -1,6 +1,7 @@
 """Issue 39: where a quantized engine's large-batch time goes, kernel by kernel, against bf16's (one GPU).
 
     python -m benchmarks.quant_profile --out DIR [--configs bf16 fp8_weights awq] [--micro]   # one GPU
+    python -m benchmarks.quant_profile --seqs 1 --configs fp8_weights bf16 --tag=-b1 --out DIR  # batch-1 decode
     python -m benchmarks.quant_profile --quick --out DIR                                      # CPU dry run
 
 Per engine configuration (benchmarks/quantization.py's CONFIGS: the Llama-3-8B shape, random weights), the
@@ -9,7 +10,11 @@ wrapped: the run's first step (a prefill chunk of max_num_batched_tokens tokens,
 of all 256 sequences (a CUDA graph replay) run under torch's profiler, CUDA activity only.  Each profiled step:
 its span (first kernel's start to the last one's end), the sum of its kernels, and its kernels summed by name
 (`kernels`: calls and ms) and by kind (`by_kind`, `KINDS` below: the GEMMs, FP8 activation quantization, AWQ
-dequantization, the quantized products of Triton, attention, norms, dtype conversions and copies, ...).
+dequantization, the quantized products of Triton, attention, norms, dtype conversions and copies, ...).  On the
+GPU also `order` (`in_order`): the idle time before each kernel summed by the kind of the kernel that follows,
+and the Triton quantized products by projection (qkv, o, gate_up, down in launch order); and `floors_ms`
+(`floors`): each part's weight read at the run's copy bandwidth.  --seqs N profiles N prompts instead of 256 (so a
+decode step of N sequences: 1 for batch-1 decode); --tag suffixes the file name.
 
 --micro adds the products at the step's row counts (256 and the prefill chunk) per projection of the 8B, timed
 alone (benchmarks/kernels.py's `_bench`: one CUDA graph replay after an L2 flush, median): bf16 / fp16 F.linear,
@@ -94,6 +99,48 @@ def summarise(events: Iterable[tuple[str, float]], span_ms: float, top: int = 30
     }
 
 
+# A decoder layer's quantized products in the order the model launches them (the GEMV kernels of a decode step,
+# counted in launch order, take these names in turn).
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def in_order(timed: list[tuple[float, float, str]]) -> dict[str, Any]:
+    """A step's kernels in launch order ((start ms, end ms, name), one stream): the idle time before each kernel,
+    summed by the kind of the kernel that follows (`gap_before_ms`), the number of kernels, and the quantized
+    products (kind `quant_triton_gemm`) by projection (PROJECTIONS in turn: calls, ms, and gap before each)."""
+    gaps: dict[str, float] = defaultdict(float)
+    proj: dict[str, dict[str, float]] = {p: {"calls": 0, "ms": 0.0, "gap_before_ms": 0.0} for p in PROJECTIONS}
+    q = 0
+    for i, (start, end, name) in enumerate(timed):
+        gap = max(0.0, start - timed[i - 1][1]) if i else 0.0
+        kind = kind_of(name)
+        gaps[kind] += gap
+        if kind == "quant_triton_gemm":
+            row = proj[PROJECTIONS[q % len(PROJECTIONS)]]
+            row["calls"] += 1
+            row["ms"] += end - start
+            row["gap_before_ms"] += gap
+            q += 1
+    return {
+        "kernels": len(timed),
+        "gap_before_ms": {k: round(v, 4) for k, v in sorted(gaps.items(), key=lambda kv: -kv[1])},
+        "quant_products": {p: {k: round(v, 4) for k, v in row.items()} for p, row in proj.items()} if q else {},
+    }
+
+
+def floors(shape: dict[str, Any], copy_Bps: float, seqs: int, context: int) -> dict[str, float]:
+    """ms to read each part of a decode step's weights once at `copy_Bps` (FP8: one byte a weight and a float32
+    scale per output row; bf16 two bytes), and the attention's KV read (bf16) at `context` tokens per sequence."""
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
+    dims = {"qkv_proj": (h, h + 2 * kv), "o_proj": (h, h), "gate_up_proj": (h, 2 * inter), "down_proj": (inter, h)}
+    out = {f"{p}_fp8": layers * (k * n + 4 * n) / copy_Bps * 1e3 for p, (k, n) in dims.items()}
+    out.update({f"{p}_bf16": layers * 2 * k * n / copy_Bps * 1e3 for p, (k, n) in dims.items()})
+    out["lm_head_bf16"] = 2 * h * shape["vocab_size"] / copy_Bps * 1e3
+    out["attention_kv"] = layers * seqs * context * 2 * kv * 2 / copy_Bps * 1e3
+    return {k: round(v, 4) for k, v in out.items()}
+
+
 def _step_kind(plan: Any) -> str:
     ones = sum(1 for s in plan.seqs if s.num_tokens == 1)
     if plan.seqs and ones == len(plan.seqs):
@@ -143,7 +190,10 @@ class StepProfiler:
             first = min(e.time_range.start for e in events)
             last = max(e.time_range.end for e in events)
             pairs = [(e.name, e.time_range.elapsed_us() / 1e3) for e in events]
-            return sample, summarise(pairs, (last - first) / 1e3)
+            summary = summarise(pairs, (last - first) / 1e3)
+            timed = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+            summary["order"] = in_order([(a / 1e3, b / 1e3, n) for a, b, n in timed])
+            return sample, summary
         t = time.perf_counter()  # the CPU dry run: operators by name, their self time
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             sample = self.launch(plan, previous)
@@ -374,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro", action="store_true", help="the products alone at the profiled row counts")
     p.add_argument("--micro-only", action="store_true", help="only --micro (no engines)")
     p.add_argument("--sweeps", action="store_true", help="with --micro: the quantization and dequantization tiles")
+    p.add_argument("--seqs", type=int, default=256, help="prompts, so the profiled decode step's sequences")
+    p.add_argument("--tag", default="", help="suffix of the results file name")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available() and not args.quick
@@ -393,10 +445,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copytree(base_model, private, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
         base_model = str(private)
     cfg: dict[str, Any] = LLAMA3_8B if gpu else json.loads((Path(base_model) / "config.json").read_text())
-    num, in_len = (256, 512) if gpu else (4, 16)
+    num, in_len = (args.seqs, 512) if gpu else (min(args.seqs, 4), 16)
     chunk = 8192 if gpu else 64
     # 256 x 512 prompts prefill 16 to a step: the 256 sequences decode together from the 17th step on
-    work = {
+    work: dict[str, Any] = {
         "prompts": prompts_for(num, in_len, int(cfg["vocab_size"]), seed=0),
         "warmup": gpu,
         "decode_steps": 24 if gpu else 4,
@@ -424,12 +476,19 @@ def main(argv: list[str] | None = None) -> int:
         "engines": {},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"quant-profile-{device_slug(gpu)}-{result['date']}.json"
+    path = args.out / f"quant-profile-{device_slug(gpu)}-{result['date']}{args.tag}.json"
 
     def save() -> None:
         path.write_text(json.dumps(result, indent=2) + "\n")
 
     started = time.monotonic()
+    if gpu:
+        from benchmarks.throughput import copy_bandwidth
+
+        copy = copy_bandwidth(torch.device("cuda"), 2 << 30)
+        result["copy_TBps"] = round(copy / 1e12, 4)
+        # the profiled decode step's context: the prompt and the decode steps before it
+        result["floors_ms"] = floors(cfg, copy, num, in_len + work["decode_index"] + 1)
     if not args.micro_only:
         models: dict[str, str] = {"base": base_model}
         arms = [(c, *spec[1:]) for c in args.configs for spec in CONFIGS if spec[0] == c.removesuffix(BASELINE)]
