@@ -4,9 +4,11 @@
         [--out DIR]
 
 For each layer of the random Llama checkpoints benchmarks/peer_vllm_cpu.py serves (QKV, output, gate+up, down, the
-32k-vocabulary head) and each number of rows: float32 `F.linear` (MKL), bf16 `F.linear` (torch's own bf16 path),
-and the product engine/model/cpu_packing.py gives bf16 layers on this CPU ("packed" where oneDNN has the
-instructions, "widened" where it has not), median of timed calls in one process.  The CPU's model and its bf16
+32k-vocabulary head) and each number of rows: float32 `F.linear` (MKL), the packed float32 product the engine gives
+float32 layers (oneDNN), bf16 `F.linear` (torch's own bf16 path), and the product engine/model/cpu_packing.py gives
+bf16 layers on this CPU ("packed" where oneDNN has the instructions, "widened" where it has not), median of timed
+calls in one process.  `model_ms` sums each path over a whole checkpoint (its layers times the four projections,
+plus the head): a decode step's linear work at that many sequences.  The CPU's model and its bf16
 instructions are recorded: the paths' order differs between AVX2-only and AVX-512-bf16 CPUs.  `--block-kib` sets
 the widened product's block (the engine's WIDEN_BLOCK_BYTES) to compare sizes.  Writes `<out>/cpu-linear-<date>.json`
 (`-<K>kib` added when the block was set).
@@ -76,14 +78,28 @@ def time_layer(out_f: int, in_f: int, rows: int, min_s: float) -> dict[str, floa
         "widened": cpu_packing._WidenedProduct,
     }
     kind = cpu_packing.product_kind(torch.bfloat16)
-    timed = {
-        "float32": _median_ms(lambda: F.linear(x32, w32), min_s),
-        "bf16_plain": _median_ms(lambda: F.linear(x16, w16), min_s),
-    }
+    timed = {"float32": _median_ms(lambda: F.linear(x32, w32), min_s)}
+    if cpu_packing.product_kind(torch.float32) == "packed":
+        packed32 = cpu_packing._PackedProduct(w32, None)
+        timed["float32_packed"] = _median_ms(lambda: packed32(x32), min_s)
+    timed["bf16_plain"] = _median_ms(lambda: F.linear(x16, w16), min_s)
     if kind is not None:
         fast = product[kind](w16, None)
         timed[f"bf16_{kind}"] = _median_ms(lambda: fast(x16), min_s)
     return timed
+
+
+def model_totals(table: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Each path's time summed over one checkpoint per number of rows: its layers times the four projections, plus
+    the head (`size` is HIDDENxLAYERS)."""
+    totals: dict[str, dict[str, dict[str, float]]] = {}
+    for row in table:
+        times = {k: v for k, v in row.items() if k not in ("size", "layer", "out", "in", "rows")}
+        count = 1 if row["layer"] == "lm_head" else int(row["size"].split("x")[1])
+        cell = totals.setdefault(row["size"], {}).setdefault(str(row["rows"]), {})
+        for path, ms in times.items():
+            cell[path] = round(cell.get(path, 0.0) + count * ms, 4)
+    return totals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,9 +136,14 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "bf16_product": cpu_packing.product_kind(torch.bfloat16),
+        "float32_product": cpu_packing.product_kind(torch.float32),
         "widen_block_bytes": cpu_packing.WIDEN_BLOCK_BYTES,
+        "model_ms": model_totals(table),
         "ms": table,
     }
+    for size, by_rows in result["model_ms"].items():
+        for m, paths in by_rows.items():
+            print(f"{size} rows={m}: " + ", ".join(f"{p} {v:.2f} ms" for p, v in paths.items()), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = f"-{args.block_kib}kib" if args.block_kib else ""
     path = args.out / f"cpu-linear-{result['date']}{suffix}.json"

@@ -1,10 +1,12 @@
-"""Linear layers on the CPU in bf16 / fp16, at the speed the CPU allows for those types.
+"""Linear layers on the CPU at the speed the CPU allows for their weights' type.
 
 Two cases, chosen per weight dtype at load:
-- **Packed** (the CPU has oneDNN's instructions for the type: AVX-512 bf16, AMX): `F.linear` reorders the weight into
-  oneDNN's blocked layout on every call, a pass over the whole weight that costs as much as a decode step's product;
-  the weight is reordered once (`torch.ops.mkldnn._reorder_linear_weight`, as torch's CPU inductor does) and the
-  packed product called (`_linear_pointwise`), 1.5-2x faster (docs/decisions/cpu-packing.md).
+- **Packed** (float32 wherever torch has oneDNN; bf16 / fp16 where the CPU has oneDNN's instructions for the type:
+  AVX-512 bf16, AMX): `F.linear` reorders a bf16 weight into oneDNN's blocked layout on every call, a pass over the
+  whole weight that costs as much as a decode step's product, and MKL's float32 product of 3 to about 64 rows packs
+  the weight on every call as well (2-3x slower than packed from 4 to 32 rows); the weight is reordered once
+  (`torch.ops.mkldnn._reorder_linear_weight`, as torch's CPU inductor does) and the packed product called
+  (`_linear_pointwise`), as vLLM's CPU build does with its own oneDNN handler (docs/decisions/cpu-packing.md).
 - **Widened** (no such instructions: AVX2, or AVX-512 without its bf16 extension): torch's bf16 matmul of more
   than one row takes an emulated path 5-7x slower than float32, and so does oneDNN's packed one; the product runs
   in float32 over the bf16 weight widened for the call (the same bf16 values, summed in float32 as the native path
@@ -12,8 +14,9 @@ Two cases, chosen per weight dtype at load:
   sequence) keeps the bf16 product, which is a fast matrix-vector loop there (docs/decisions/cpu-packing.md).
 
 Either way the products are summed in a different order than the plain call, so a near-tie between two tokens of
-a random-weight model can flip.  float32 weights are left to MKL: the reference path's float32 numbers are what the
-parity tests compare with transformers.
+a random-weight model can flip.  The plain float32 call is no fixed order either: MKL sums a row one way below 16
+rows and another from 16, so a sequence's numbers already depended on how many others shared its step; the packed
+product gives each row the same numbers whatever the batch.
 
 The layer's forward is replaced by the product, with the tensor-parallel all-gather its own forward would do; a
 row-parallel layer of a tensor-parallel model keeps its forward (the sum over the ranks, then the bias) and has its
@@ -31,7 +34,7 @@ from torch import nn
 
 from engine.model.layers.linear import MergedLinear, RowLinear, VocabEmbedding
 
-PACKED_DTYPES = (torch.bfloat16, torch.float16)
+PACKED_DTYPES = (torch.bfloat16, torch.float16)  # packed where the CPU has the instructions, else widened
 _ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; any number of rows works
 
 
@@ -46,8 +49,13 @@ def native_bf16() -> bool:
 
 
 def packing_available(dtype: torch.dtype) -> bool:
-    """oneDNN is built in and this CPU has the instructions for `dtype` (else its emulation is slower than MKL)."""
-    if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+    """oneDNN is built in and this CPU has the instructions for `dtype` (else its emulation is slower than MKL;
+    float32 needs none beyond what oneDNN requires of any x86 CPU)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype not in PACKED_DTYPES:
         return False
     try:
         if dtype == torch.bfloat16:
@@ -120,7 +128,7 @@ Product = _PackedProduct | _WidenedProduct
 
 
 def product_kind(dtype: torch.dtype) -> str | None:
-    """How a CPU linear layer of `dtype` runs here: "packed", "widened" or None (plain: float32, or no oneDNN)."""
+    """How a CPU linear layer of `dtype` runs here: "packed", "widened" or None (plain: no oneDNN)."""
     if packing_available(dtype):
         return "packed"
     if dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available():
@@ -134,10 +142,12 @@ def _replace_weight(layer: nn.Module, product: Product) -> None:
         layer.weight = nn.Parameter(product.packed, requires_grad=False)
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, weights_shared: bool = False) -> int:
     """Give every linear layer of `model` whose weight dtype needs it the faster product (packed or widened);
     returns how many layers got one.  A tied LM head (the embedding's weight) is never packed: the embedding
-    lookup needs the plain rows (widening keeps them, so a tied head is widened)."""
+    lookup needs the plain rows (widening keeps them, so a tied head is widened).  `weights_shared`: the weights are
+    a keeper's, mapped by every engine (engine/keeper/); a packed copy would be this process's own, so those layers
+    keep the plain product and the one shared copy (widening copies nothing and still applies)."""
     count = 0
     tied = {id(m) for m in model.modules() if isinstance(m, VocabEmbedding) and _is_embedding(model, m)}
     for module in model.modules():
@@ -145,7 +155,7 @@ def pack_linears(model: nn.Module) -> int:
         if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
             continue
         kind = product_kind(weight.dtype)
-        if kind is None:
+        if kind is None or (kind == "packed" and weights_shared):
             continue
         make = _PackedProduct if kind == "packed" else _WidenedProduct
         if isinstance(module, RowLinear):

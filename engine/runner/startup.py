@@ -150,7 +150,8 @@ def start_runner(
     weights = shared_bytes + derived if shared_bytes else owned
     by_dtype = weights_by_dtype(model)  # before the CPU packing below replaces weights by opaque ones
     if not cuda:
-        packed = pack_linears(model)  # packed or widened products (engine/model/cpu_packing.py says why)
+        # packed or widened products (engine/model/cpu_packing.py says why); a keeper's weights stay shared
+        packed = pack_linears(model, weights_shared=source == "keeper")
         if packed:
             startup_detail(
                 log,
@@ -159,6 +160,8 @@ def start_runner(
                 dtype=str(model_info.dtype).removeprefix("torch."),
                 product=product_kind(model_info.dtype),
             )
+        elif source == "keeper" and product_kind(model_info.dtype) == "packed":
+            startup_detail(log, "cpu_linears_plain", reason="the keeper's weights are shared: packing would copy them")
     profile = None
     probes = ProbeCache(
         config,

@@ -20,7 +20,16 @@ def test_a_small_run_times_each_path_of_each_layer(tmp_path):
         (layer, rows) for layer in ("qkv", "o", "gate_up", "down", "lm_head") for rows in (1, 4)
     ]
     paths = {"float32", "bf16_plain"} | ({f"bf16_{kind}"} if kind else set())
+    if product_kind(__import__("torch").float32) == "packed":
+        paths.add("float32_packed")
     assert all(paths <= set(r) and all(r[p] > 0 for p in paths) for r in data["ms"])
+    # the whole checkpoint: two layers of four projections plus the head, per path and number of rows
+    for rows in ("1", "4"):
+        cell = data["model_ms"]["128x2"][rows]
+        assert set(cell) == paths
+        mine = [r for r in data["ms"] if r["rows"] == int(rows)]
+        want = sum(r["float32"] * (1 if r["layer"] == "lm_head" else 2) for r in mine)
+        assert abs(cell["float32"] - want) < 1e-3
 
 
 def test_the_block_size_can_be_set_and_is_recorded(tmp_path, monkeypatch):

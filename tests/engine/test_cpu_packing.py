@@ -1,5 +1,5 @@
-"""CPU linear layers packed once into oneDNN's layout give the same products as the plain ones (up to bf16
-summation order) and the engine's greedy tokens stay those of the unpacked model almost everywhere."""
+"""CPU linear layers packed once into oneDNN's layout give the same products as the plain ones (up to summation
+order) and the engine's greedy tokens stay those of the unpacked model almost everywhere."""
 
 from __future__ import annotations
 
@@ -60,10 +60,42 @@ def test_packed_layers_compute_what_the_plain_ones_did(tied: bool, packs_bf16) -
     assert err <= 2e-2 * plain.abs().max().item()
 
 
-@needs_onednn_bf16
-def test_float32_is_left_to_mkl(packs_bf16) -> None:
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+@needs_onednn
+def test_float32_layers_are_packed_and_give_each_row_the_same_numbers_whatever_the_batch() -> None:
+    """float32 layers take oneDNN's packed product as well: MKL's plain product of 3 to about 64 rows packs the weight
+    on every call.  Its numbers stay within float32 rounding of the plain product, and each row's are the same
+    whether it is computed alone or among others (MKL's own sums change order at 16 rows)."""
+    torch.manual_seed(0)
     model = _Tiny(tied=False)
-    assert pack_linears(model) == 0 and not model.qkv.weight.is_mkldnn
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    ids = torch.randint(0, 300, (24,))
+    with torch.no_grad():
+        plain = model.run(ids)
+        assert pack_linears(model) == 3
+        assert model.qkv.weight.is_mkldnn and model.lm_head.weight.is_mkldnn
+        after = model.run(ids)
+        torch.testing.assert_close(after, plain, rtol=1e-5, atol=1e-5)
+        for rows in (1, 2, 5, 16):
+            assert torch.equal(model.run(ids[:rows]), after[:rows]), rows
+
+
+@needs_onednn
+def test_a_keepers_shared_weights_are_not_copied_into_packed_ones() -> None:
+    """Weights a keeper shares with every engine (engine/keeper/) stay the layers' own: a packed copy would be one
+    more copy of the model per engine.  Widened products copy nothing and still apply."""
+    model = _Tiny(tied=False)
+    weight = model.qkv.weight
+    assert pack_linears(model, weights_shared=True) == 0
+    assert model.qkv.weight is weight and not weight.is_mkldnn and "forward" not in vars(model.qkv)
+    widened = _Tiny(tied=True).to(torch.bfloat16)
+    from engine.model import cpu_packing
+
+    if cpu_packing.product_kind(torch.bfloat16) == "widened":
+        assert pack_linears(widened, weights_shared=True) == 3
 
 
 def test_bf16_is_packed_only_where_the_cpu_multiplies_bf16_itself(monkeypatch) -> None:
@@ -95,7 +127,6 @@ def test_without_the_instructions_bf16_products_run_widened_to_float32(monkeypat
     model = model.to(torch.bfloat16)
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     assert cpu_packing.product_kind(torch.bfloat16) == "widened"
-    assert cpu_packing.product_kind(torch.float32) is None
     with torch.no_grad():
         assert pack_linears(model) == 3  # the tied head too: widening keeps the embedding's rows
         for name, p in model.named_parameters():  # no weight replaced, no copy kept
@@ -140,7 +171,7 @@ def test_a_widened_product_wider_than_one_block_covers_every_row(monkeypatch) ->
     assert product(x).is_contiguous()
 
 
-def test_float32_layers_are_never_widened_or_packed(monkeypatch) -> None:
+def test_without_onednn_float32_layers_keep_the_plain_product(monkeypatch) -> None:
     from engine.model import cpu_packing
 
     monkeypatch.setattr(cpu_packing, "packing_available", lambda dtype: False)
