@@ -123,7 +123,11 @@ def test_an_engine_takes_its_weights_from_the_keeper_and_answers_as_one_that_loa
     own = LLM(device="cpu")
     a = [o.outputs[0].token_ids for o in shared.generate(PROMPTS, GREEDY)]
     b = [o.outputs[0].token_ids for o in own.generate(PROMPTS, GREEDY)]
-    assert a == b  # float32: exact
+    assert a == b  # float32 (the kept layers' plain product against the packed one: the same greedy tokens)
+    # the kept weights stay the keeper's one shared copy; an engine that loaded its own packs them (cpu_packing)
+    kept_layer = shared.llm_engine.core.runner.model.model.layers[0].self_attn.qkv_proj
+    own_layer = own.llm_engine.core.runner.model.model.layers[0].self_attn.qkv_proj
+    assert not kept_layer.weight.is_mkldnn and own_layer.weight.is_mkldnn == torch.backends.mkldnn.is_available()
     reply = request(sock, "state", 2.0)[0]
     assert reply["state"] == "ready" and reply["pid"] == proc.pid
 
