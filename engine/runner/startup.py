@@ -151,16 +151,16 @@ def start_runner(
     by_dtype = weights_by_dtype(model)  # before the CPU packing below replaces weights by opaque ones
     if not cuda:
         # packed or widened products (engine/model/cpu_packing.py says why); a keeper's weights stay shared
-        packed = pack_linears(model, weights_shared=source == "keeper")
+        packed, product = pack_linears(model, weights_shared=source == "keeper"), product_kind(model_info.dtype)
         if packed:
             startup_detail(
                 log,
                 "cpu_linears_packed",
                 layers=packed,
                 dtype=str(model_info.dtype).removeprefix("torch."),
-                product=product_kind(model_info.dtype),
+                product=product,
             )
-        elif source == "keeper" and product_kind(model_info.dtype) == "packed":
+        elif source == "keeper" and product == "packed":
             startup_detail(log, "cpu_linears_plain", reason="the keeper's weights are shared: packing would copy them")
     profile = None
     probes = ProbeCache(
