@@ -33,8 +33,11 @@ DIR/quant-kernels-<gpu>-<date>.json after every projection.
 
 --tc times kernels/w4a16_tc.py (the tensor-core AWQ GEMM on the load-time repacked weight) at M = 8 to 256: its
 default tile (`awq_tc`) and the candidate tiles of `tc_candidates` (`awq_tc[label]`), beside bf16, fp16,
-`awq_dequantize_cublas` and `awq_dot`, every output checked; `tc_rule` sums the four projections per M and names
-the fastest tile per M and per projection.  Writes DIR/quant-kernels-<gpu>-<date>-tc.json.
+`awq_dequantize_cublas`, `awq_dot`, the repacked weight dequantized for cuBLAS (`awq_tc_dense`) and the path the
+engine's repacked layer takes by rows and columns (`awq_tc_routed`: quant_cuda.awq_linear), every output checked;
+`tc_rule` sums the four projections per M and names the fastest tile per M and per projection; --tc-variants
+times only the default tile with its WORD_PAIRS and EVEN options on and off.  Writes
+DIR/quant-kernels-<gpu>-<date>-tc.json.
 """
 
 from __future__ import annotations
@@ -435,6 +438,22 @@ def tc_label(cfg: dict[str, Any], one_dot: bool = True, in_kernel: bool = False)
     )
 
 
+def tc_variants(m: int) -> dict[str, tuple[dict[str, Any], int | None]]:
+    """label -> (config, None) of the default tile at `m` rows (kernels/w4a16_tc.py's tc_config) with its two
+    instruction-count options on and off: WORD_PAIRS (label suffix w: two words a dequantization step, each float16
+    pair already the MMA operand's) and EVEN (e: whole tiles loaded without masks where M and N allow)."""
+    from kernels.w4a16_tc import tc_config
+
+    base = tc_config(m, 4096, 4096)
+    one_dot, in_kernel = base.get("ONE_DOT", True), base.get("IN_KERNEL", False)
+    out: dict[str, tuple[dict[str, Any], int | None]] = {}
+    for pairs, even in ((False, False), (True, False), (False, True), (True, True)):
+        cfg = dict(base, WORD_PAIRS=pairs, EVEN=even)
+        label = tc_label(base, one_dot, in_kernel) + ("w" if pairs else "") + ("e" if even else "")
+        out[label] = (cfg, None)
+    return out
+
+
 def tc_candidates(m: int) -> dict[str, tuple[dict[str, Any], int | None]]:
     """label -> (config, splits or None for the default) of the tensor-core AWQ tiles tried at `m` rows (the first
     sweep, quant-kernels-h200-2026-11-28-tc.json, tried x on the MMA's wide side too: 2-7x slower, dropped)."""
@@ -470,13 +489,19 @@ def tc_candidates(m: int) -> dict[str, tuple[dict[str, Any], int | None]]:
         add(p2, 128, 4, 3, waves=4, one_dot=False, in_kernel=True)
         add(p2, 128, 8, 3, waves=4, one_dot=False, in_kernel=True)
         add(p2, 32, 4, 4, waves=8, one_dot=False, in_kernel=True)
-    if m >= 64:
+    if m >= 64:  # x read from L2 costs 2 / BLOCK_N bytes a MAC, the weight 0.5 / BLOCK_M: wider weight tiles first
         add(128, 128, 8, 3)
-        add(128, 128, 8, 3, waves=4)
-        add(128, 128, 8, 4)
-        add(128, 128, 8, 2, maxnreg=128)
+        add(64, 256, 8, 3)
+        add(64, 256, 8, 4)
+        add(128, 128, 8, 3, one_dot=False)
+        add(128, 256, 16, 3)
+        add(128, 256, 16, 3, one_dot=False)
+        add(128, 256, 8, 3)
+        add(min(p2, 256), 64, 8, 3)  # one pass over up to 256 rows: two warp groups of 128 rows each
+        add(min(p2, 256), 64, 8, 3, one_dot=False)
         add(min(p2, 256), 128, 8, 2)
-        add(128, 64, 4, 4, waves=4)
+        add(64, 256, 8, 3, one_dot=False)
+        add(128, 128, 8, 4)
     return out
 
 
@@ -493,6 +518,14 @@ def _tc_dense_fn(w: dict[str, torch.Tensor], x16: torch.Tensor):
     return lambda: x16 @ tc_dequantize(w["tc_packed"], w["tc_zf"], w["scales"], GROUP, x16.dtype)
 
 
+def _tc_routed_fn(w: dict[str, torch.Tensor], x16: torch.Tensor):
+    """What the engine's repacked layer runs: kernels/quant_cuda.py's awq_linear, its path by rows and columns."""
+    from kernels import quant_cuda
+
+    repacked = (w["tc_packed"], w["tc_zf"])
+    return lambda: quant_cuda.awq_linear(x16, None, None, w["scales"], GROUP, repacked=repacked)
+
+
 def tc_measure(
     shapes: dict[str, tuple[int, int]],
     rows: tuple[int, ...],
@@ -500,6 +533,7 @@ def tc_measure(
     save,
     budget_s: float,
     default_only: bool = False,
+    variants_only: bool = False,
 ) -> list[dict[str, Any]]:
     from benchmarks.kernels import bench_rotating
     from kernels.w4a16_tc import awq_repack
@@ -522,7 +556,9 @@ def tc_measure(
             }
             fns["awq_tc"] = lambda c: _tc_fn(c, x16, None, None)
             fns["awq_tc_dense"] = lambda c: _tc_dense_fn(c, x16)
-            for label, (cfg, splits) in ({} if default_only else tc_candidates(m)).items():
+            fns["awq_tc_routed"] = lambda c: _tc_routed_fn(c, x16)
+            cands = {} if default_only else tc_variants(m) if variants_only else tc_candidates(m)
+            for label, (cfg, splits) in cands.items():
                 fns[f"awq_tc[{label}]"] = lambda c, cfg=cfg, splits=splits: _tc_fn(c, x16, cfg, splits)
             for name, make in fns.items():
                 if time.monotonic() - started > budget_s:
@@ -595,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tc-budget-s", type=float, default=330.0, help="with --tc: stop timing after this many seconds")
     p.add_argument("--tc-rows", default="", help="with --tc: the row counts, comma-separated (default: TC_ROWS)")
     p.add_argument("--tc-default-only", action="store_true", help="with --tc: the default tile only, no candidates")
+    p.add_argument(
+        "--tc-variants", action="store_true", help="with --tc: the default tile with and without WORD_PAIRS and EVEN"
+    )
     args = p.parse_args(argv)
     from benchmarks.kernels import device_slug, interpreted_or_cuda
 
@@ -627,6 +666,9 @@ def main(argv: list[str] | None = None) -> int:
             "AWQ_DENSE_MIN_ROWS": quant_cuda.AWQ_DENSE_MIN_ROWS,
             "FP8_GEMV_MAX_ROWS": quant_cuda.FP8_GEMV_MAX_ROWS,
             "AWQ_GEMV2_MAX_ROWS": quant_cuda.AWQ_GEMV2_MAX_ROWS,
+            "AWQ_TC_DENSE_MIN_ROWS": quant_cuda.AWQ_TC_DENSE_MIN_ROWS,
+            "AWQ_TC_WIDE_ROWS": [quant_cuda.AWQ_TC_WIDE_MIN_ROWS, quant_cuda.AWQ_TC_WIDE_MAX_ROWS],
+            "AWQ_TC_WIDE_MIN_N": quant_cuda.AWQ_TC_WIDE_MIN_N,
         },
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -641,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
             result["seconds"] = round(time.monotonic() - started, 1)
             path.write_text(json.dumps(result, indent=2) + "\n")
 
-        results = tc_measure(shapes, tc_rows, device, save_tc, args.tc_budget_s, args.tc_default_only)
+        results = tc_measure(shapes, tc_rows, device, save_tc, args.tc_budget_s, args.tc_default_only, args.tc_variants)
         save_tc(results)
         for m, entry in result["tc_rule"].items():
             ms = entry["layer_ms"]

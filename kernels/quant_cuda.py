@@ -20,7 +20,8 @@ AWQ int4 (AutoAWQ's GEMM layout): kernels/awq_gemm.py's GEMV up to AWQ_GEMV_MAX_
 in-register dequantization below AWQ_DENSE_MIN_ROWS (its CUDA-core loop up to AWQ_CUDA_CORE_MAX_ROWS rows), and
 from there the weight dequantized once for cuBLAS.  A layer whose weight was repacked at load for kernels/w4a16_tc.py
 (the engine's GPU layers, which then drop the checkpoint's layout) takes that tensor-core GEMM below
-AWQ_TC_DENSE_MIN_ROWS rows and, from there, the repacked weight dequantized once for cuBLAS.
+AWQ_TC_DENSE_MIN_ROWS rows (and, for a wide layer, from AWQ_TC_WIDE_MIN_ROWS to AWQ_TC_WIDE_MAX_ROWS) and, elsewhere,
+the repacked weight dequantized once for cuBLAS.
 
 The boundaries are the fastest path per row count that the device benchmark measured at the 8B's projections
 (docs/decisions/quant-paths.md; tests/kernels/test_quant_dispatch.py holds the defaults to the committed table).
@@ -55,6 +56,14 @@ AWQ_DENSE_MIN_ROWS = 96
 # layer has the repacked tensors (engine/model/quant/awq.py makes them on the GPU); the paths above are for layers
 # that keep the checkpoint's layout (the CPU, PAGEKEEPER_QUANT_KERNELS=legacy, K not a multiple of 128).
 AWQ_TC_DENSE_MIN_ROWS = 129
+# ... and also from AWQ_TC_WIDE_MIN_ROWS to AWQ_TC_WIDE_MAX_ROWS rows for a layer at least AWQ_TC_WIDE_MIN_N columns
+# wide: there its 128 x 128 tiles (two of rows) fill the GPU without K splits and beat writing the dequantized
+# weight (the 8B's gate_up, 28,672 columns, one H200: 0.155 ms against 0.171 at 256 rows, 0.156 against 0.162 at
+# 224; 0.158 against 0.155 at 208, 0.160 against 0.153 at 192), while the narrow projections (4,096-6,144 columns,
+# split along K) lose at every row count from 129 (docs/decisions/quant-paths.md, 2026-11-28l).
+AWQ_TC_WIDE_MIN_ROWS = 224
+AWQ_TC_WIDE_MAX_ROWS = 256
+AWQ_TC_WIDE_MIN_N = 16384
 # The decode kernels of kernels/fp8_gemv.py and kernels/awq_gemv.py, at the row counts where the device's decode
 # table measured them fastest (docs/decisions/quant-paths.md: fp8_gemv at 1-16 rows, _scaled_mm from 32); the
 # "gemv" kernel set turns them on up to the kernels' own limits.
@@ -94,14 +103,16 @@ def fp8_keeps_activations(m: int) -> bool:
     return fp8_path(m) != "scaled-mm"
 
 
-def awq_path(m: int, repacked: bool = True) -> str:
+def awq_path(m: int, repacked: bool = True, n: int = 0) -> str:
     """Which AWQ kernel a product of `m` rows takes: "gemv2", "gemv", "cuda-core", "dot", "tc", "dequantize-cublas"
     or "legacy".  `repacked`: the layer keeps kernels/w4a16_tc.py's layout instead of the checkpoint's (then every
-    product reads that layout: "tc" up to AWQ_TC_DENSE_MIN_ROWS, "dequantize-cublas" from there)."""
+    product reads that layout: "tc" below AWQ_TC_DENSE_MIN_ROWS and, for a layer of `n` >= AWQ_TC_WIDE_MIN_N output
+    columns, from AWQ_TC_WIDE_MIN_ROWS to AWQ_TC_WIDE_MAX_ROWS; "dequantize-cublas" elsewhere)."""
     if KERNELS == "legacy":
         return "legacy"
     if repacked:
-        return "tc" if m < AWQ_TC_DENSE_MIN_ROWS else "dequantize-cublas"
+        wide = n >= AWQ_TC_WIDE_MIN_N and AWQ_TC_WIDE_MIN_ROWS <= m <= AWQ_TC_WIDE_MAX_ROWS
+        return "tc" if m < AWQ_TC_DENSE_MIN_ROWS or wide else "dequantize-cublas"
     if 0 < m <= AWQ_GEMV2_MAX_ROWS:
         return "gemv2"
     if m >= AWQ_DENSE_MIN_ROWS:
@@ -194,7 +205,7 @@ def awq_linear(
     """``x @ W`` by the path `awq_path` names for x's row count.  `repacked`: the layer's (packed, zf) from
     kernels/w4a16_tc.py's `awq_repack`, which replace the checkpoint's qweight and qzeros (None then)."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    path = awq_path(m, repacked is not None)
+    path = awq_path(m, repacked is not None, scales.shape[-1])
     if repacked is not None:
         packed, zf = repacked
         if path == "tc":

@@ -17,8 +17,12 @@ The packed tensor has qweight's size (``[K / 8, N]`` int32); the zero points are
 The dequantization is exact: ``(p | 0x6400)`` read as float16 is ``1024 + p``; minus ``1024 + z`` is ``p - z``
 exactly, and one multiplication by the float16 scale rounds once, so the float16 weight is bit for bit the
 reference's.  On the GPU (`FAST`) one ``lop3`` turns two nibbles of a word into a float16 pair and the subtraction
-and multiplication run on pairs (``sub.f16x2``, ``mul.f16x2``): about two instructions per weight element.  The
-interpreter (and bf16 or float32 activations) take the same arithmetic in plain Triton operations.
+and multiplication run on pairs (``sub.f16x2``, ``mul.f16x2``): about two instructions per weight element.  That
+pair holds planes p and p + 4 of one word, where the MMA's register operand wants two K rows of one plane, so the
+compiler re-pairs the halves (a ``prmt`` per register); `WORD_PAIRS` instead takes two words (rows r and r + 1 of a
+column) a step and builds the operand's pairs directly (8 instead of 32 ``prmt`` a step of the 128 x 128 tile,
+compiled for sm_90).  The interpreter (and bf16 or float32 activations) take the same arithmetic in plain Triton
+operations.
 
 Tiles: `SWAP_AB` puts the dequantized weight on the MMA's 64-row side (output columns by rows of x), where a
 few dozen rows of x would waste most of a 64-row MMA; without it x is the left operand.  Split-K partials are
@@ -66,6 +70,50 @@ mov.b32 {$3, $7}, t3;
 }
 """
 _F16_PAIR_ASM_C = tl.constexpr(_F16_PAIR_ASM)  # $0-$7: planes 0-7; $8: the word; $9: 1024 + z; $10: the scale
+
+# Two words a step (`WORD_PAIRS`, pack=2): the halves of each float16 pair come from the two words, not from two
+# planes of one word, so every output register already holds two elements of one plane (the MMA operand's pairs
+# are two K rows of one plane when Triton hands the asm words r and r + 1 of a column) and no repacking follows.
+# prmt puts the low 16 bits of both words in one register (nibbles 0-3 of each) and the high 16 bits in another.
+_F16_WORD_PAIRS_ASM = """
+{
+.reg .b32 lo, hi, u1, u2, u3, v1, v2, v3, t0, t1, t2, t3, t4, t5, t6, t7;
+prmt.b32 lo, $8, $9, 0x5410;
+prmt.b32 hi, $8, $9, 0x7632;
+shr.u32 u1, lo, 4;
+shr.u32 u2, lo, 8;
+shr.u32 u3, lo, 12;
+shr.u32 v1, hi, 4;
+shr.u32 v2, hi, 8;
+shr.u32 v3, hi, 12;
+lop3.b32 t0, lo, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 t1, u1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 t2, u2, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 t3, u3, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 t4, hi, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 t5, v1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 t6, v2, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 t7, v3, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t0, t0, $10;
+sub.f16x2 t1, t1, $10;
+sub.f16x2 t2, t2, $10;
+sub.f16x2 t3, t3, $10;
+sub.f16x2 t4, t4, $10;
+sub.f16x2 t5, t5, $10;
+sub.f16x2 t6, t6, $10;
+sub.f16x2 t7, t7, $10;
+mul.f16x2 $0, t0, $11;
+mul.f16x2 $1, t1, $11;
+mul.f16x2 $2, t2, $11;
+mul.f16x2 $3, t3, $11;
+mul.f16x2 $4, t4, $11;
+mul.f16x2 $5, t5, $11;
+mul.f16x2 $6, t6, $11;
+mul.f16x2 $7, t7, $11;
+}
+"""
+# $0-$7: planes 0-7, each a pair of the two words' elements; $8, $9: the words; $10: 1024 + z pair; $11: scale pair
+_F16_WORD_PAIRS_ASM_C = tl.constexpr(_F16_WORD_PAIRS_ASM)
 
 
 @triton.jit
@@ -173,11 +221,14 @@ def _w4a16_tc_kernel(
     BLOCK_N: tl.constexpr,
     SWAP_AB: tl.constexpr,
     FAST: tl.constexpr,
+    WORD_PAIRS: tl.constexpr,
     ONE_DOT: tl.constexpr,
     F16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SPLITS: tl.constexpr,
     IN_KERNEL: tl.constexpr,
+    EVEN_M: tl.constexpr = False,
+    EVEN_N: tl.constexpr = False,
 ):
     """This program's ``[BLOCK_M, BLOCK_N]`` output tile over its split of K, 128 K rows (one packed block) a step.
     GROUP is a multiple of 16: a plane lies in one group."""
@@ -190,8 +241,15 @@ def _w4a16_tc_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
     offs_r = tl.arange(0, 16)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    # whole tiles (EVEN_M, EVEN_N: M and N multiples of the tile) load without masks: no predicates per copy
+    if EVEN_M:
+        mask_m = tl.full([BLOCK_M], 1, tl.int1)
+    else:
+        mask_m = offs_m < M
+    if EVEN_N:
+        mask_n = tl.full([BLOCK_N], 1, tl.int1)
+    else:
+        mask_n = offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     if SWAP_AB:
@@ -209,14 +267,24 @@ def _w4a16_tc_kernel(
             q = tl.load(words[:, None] + offs_n[None, :], mask=mask_n[None, :], other=0)  # [16, BLOCK_N]
         if FAST and GROUP >= 128:  # one group for the block; the pairs' arithmetic (float16 activations)
             zf2, s2 = _group_rows(zf_ptr, scales_ptr, k_base // GROUP, N, offs_n, mask_n, q, SWAP_AB)
-            w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
-                _F16_PAIR_ASM_C,
-                "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
-                [q, zf2, s2.to(tl.float16)],
-                dtype=(tl.float16,) * 8,
-                is_pure=True,
-                pack=1,
-            )
+            if WORD_PAIRS:
+                w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+                    _F16_WORD_PAIRS_ASM_C,
+                    "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+                    [q, zf2, s2.to(tl.float16)],
+                    dtype=(tl.float16,) * 8,
+                    is_pure=True,
+                    pack=2,
+                )
+            else:
+                w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+                    _F16_PAIR_ASM_C,
+                    "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+                    [q, zf2, s2.to(tl.float16)],
+                    dtype=(tl.float16,) * 8,
+                    is_pure=True,
+                    pack=1,
+                )
         else:
             w0 = _plane_of_group(q, zf_ptr, scales_ptr, k_base, N, offs_n, mask_n, 0, GROUP, SWAP_AB, F16, DTYPE)
             w1 = _plane_of_group(q, zf_ptr, scales_ptr, k_base, N, offs_n, mask_n, 1, GROUP, SWAP_AB, F16, DTYPE)
@@ -327,7 +395,8 @@ def tc_config(m: int, n: int, k: int) -> dict:
     nibble plane (ONE_DOT False: the eight planes joined for one dot of K = 128 cost more than the dot saves
     there, less from 32 rows) and the splits summed by the last of them inside the kernel (IN_KERNEL: no second
     launch); above 64 rows, 128 x 128 with two warp groups (four warps would hold a 128 x 128 float32 accumulator
-    in 128 registers each, and were 2x slower)."""
+    in 128 registers each, and were 2x slower).  Up to 16 rows also two words a dequantization step (WORD_PAIRS)
+    and whole tiles loaded without masks (EVEN): 5 % faster at 1 row, slower from 32 (2026-11-28l)."""
     if m <= 64:
         small = m <= 16
         return dict(
@@ -339,6 +408,8 @@ def tc_config(m: int, n: int, k: int) -> dict:
             WAVES=4,
             ONE_DOT=not small,
             IN_KERNEL=small,
+            WORD_PAIRS=small,
+            EVEN=small,
         )
     return dict(BLOCK_M=128, BLOCK_N=128, SWAP_AB=True, num_warps=8, num_stages=3)
 
@@ -356,7 +427,9 @@ def w4a16_tc(
     """``x @ W`` for x ``[..., K]`` (float16, bfloat16 or float32) and W as `awq_repack` stored it; ``[..., N]`` in
     x's dtype.  `splits`: K splits (default: about `WAVES` programs per SM, a config key, 2 unless given); `fast`:
     the paired float16 dequantization (default: float16 activations on a GPU).  Config keys beside the tile:
-    ONE_DOT (default True), IN_KERNEL (the splits summed inside the kernel, kernels/splitk.py; default False)."""
+    ONE_DOT (default True), IN_KERNEL (the splits summed inside the kernel, kernels/splitk.py; default False),
+    WORD_PAIRS (with `fast`: two words a dequantization step, `_F16_WORD_PAIRS_ASM`; default False) and EVEN (the
+    loads unmasked where M and N are multiples of the tile; default False)."""
     shape = x.shape
     x2 = rows(x)
     m, k = x2.shape
@@ -368,6 +441,8 @@ def w4a16_tc(
     cfg = dict(tc_config(m, n, k), **(config or {}))
     bm, bn, swap = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("SWAP_AB")
     one_dot = cfg.pop("ONE_DOT", True)
+    word_pairs = cfg.pop("WORD_PAIRS", False)
+    even = cfg.pop("EVEN", False)
     in_kernel = cfg.pop("IN_KERNEL", False)
     waves = cfg.pop("WAVES", 2)
     if fast is None:
@@ -399,11 +474,14 @@ def w4a16_tc(
             BLOCK_N=bn,
             SWAP_AB=swap,
             FAST=fast,
+            WORD_PAIRS=word_pairs,
             ONE_DOT=one_dot,
             F16=x.dtype == torch.float16,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             SPLITS=splits,
             IN_KERNEL=ticket is not None,
+            EVEN_M=even and m % bm == 0,
+            EVEN_N=even and n % bn == 0,
             **cfg,
         )
         if splits > 1 and ticket is None:

@@ -46,6 +46,20 @@ def test_awq_rule_by_rows(monkeypatch):
     # a layer with the repacked weight (the engine's GPU layers) reads only that: the tensor-core GEMM, then the
     # repacked weight dequantized for cuBLAS
     assert [quant_cuda.awq_path(m) for m in (1, 2, 3, 299, 300, 4096)] == ["tc"] * 4 + ["dequantize-cublas"] * 2
+    # ... and a wide layer (the 8B's gate_up) the tensor-core GEMM again from AWQ_TC_WIDE_MIN_ROWS to _MAX_ROWS
+    monkeypatch.setattr(quant_cuda, "AWQ_TC_WIDE_MIN_ROWS", 400)
+    monkeypatch.setattr(quant_cuda, "AWQ_TC_WIDE_MAX_ROWS", 500)
+    monkeypatch.setattr(quant_cuda, "AWQ_TC_WIDE_MIN_N", 1000)
+    assert [quant_cuda.awq_path(m, n=1000) for m in (299, 300, 399, 400, 500, 501)] == [
+        "tc",
+        "dequantize-cublas",
+        "dequantize-cublas",
+        "tc",
+        "tc",
+        "dequantize-cublas",
+    ]
+    assert quant_cuda.awq_path(450, n=999) == quant_cuda.awq_path(450) == "dequantize-cublas"
+    assert quant_cuda.awq_path(450, repacked=False, n=1000) == "dot"  # the checkpoint's layout: by rows alone
     # a layer without the repacked weight (not on the GPU, or float32 activations) keeps the paths around it
     assert [quant_cuda.awq_path(m, repacked=False) for m in (1, 2, 3, 256, 511, 512, 4096)] == [
         "gemv",
@@ -92,8 +106,9 @@ def test_the_default_rule_takes_the_fastest_path_the_device_run_measured(monkeyp
     """At each row count the device tables timed, the default boundaries pick a path within 5 % of the fastest
     for the 8B's four projections together (a path the table did not time at that M cannot be picked): the decode
     row counts from the H200 decode table (it times the decode GEMVs), the others from the H100 table; AWQ from 1 to
-    64 rows from the H200 tensor-core sweep of the small-M tiles, from 128 to 256 from the one before it (their
-    default tiles, kernels/w4a16_tc.py's tc_config)."""
+    64 rows from the H200 tensor-core sweep of the small-M tiles, from 128 to 256 from the sweep of the large-M tiles
+    (their default tiles, kernels/w4a16_tc.py's tc_config), each projection by its own path (the repacked layer's
+    path depends on its width)."""
     import json
     from pathlib import Path
 
@@ -105,22 +120,24 @@ def test_the_default_rule_takes_the_fastest_path_the_device_run_measured(monkeyp
     # AWQ at M = 1..64 from the small-M sweep, 128..256 from the earlier one (each times the dot and the dequantized
     # path beside its tiles)
     small = json.loads((results / "quant-kernels-h200-2026-11-28d-tc.json").read_text())["rows"]
-    earlier = json.loads((results / "quant-kernels-h200-2026-11-28b-tc.json").read_text())["rows"]
+    earlier = json.loads((results / "quant-kernels-h200-2026-11-28g-tc.json").read_text())["rows"]
     tc = small + [r for r in earlier if r["M"] > 64]
     tc_ms = {r["M"] for r in tc}
     awq_rows = tc + [r for r in rows if r["M"] not in tc_ms]
     monkeypatch.setattr(quant_cuda, "KERNELS", "fast")
     for path_of, columns, table in (
-        (quant_cuda.fp8_path, FP8_COLUMNS, rows),
-        (quant_cuda.awq_path, AWQ_COLUMNS, awq_rows),
+        (lambda m, n: quant_cuda.fp8_path(m), FP8_COLUMNS, rows),
+        (lambda m, n: quant_cuda.awq_path(m, n=n), AWQ_COLUMNS, awq_rows),
     ):
         for m in sorted({r["M"] for r in table}):
             at_m = [r for r in table if r["M"] == m]
             cols = {p: (c or _tc_column(m)) for p, c in columns.items()}
             totals = {p: sum(r[c] for r in at_m) for p, c in cols.items() if all(c in r for r in at_m)}
-            chosen = path_of(m)
-            assert chosen in totals, f"M={m}: {chosen} was not timed"
-            assert totals[chosen] <= 1.05 * min(totals.values()), f"M={m}: {chosen} {totals}"
+            chosen = {r["layer"]: path_of(m, r["N"]) for r in at_m}
+            missing = {r["layer"]: chosen[r["layer"]] for r in at_m if cols[chosen[r["layer"]]] not in r}
+            assert not missing, f"M={m}: {missing} not timed"
+            chosen_ms = sum(r[cols[chosen[r["layer"]]]] for r in at_m)
+            assert chosen_ms <= 1.05 * min(totals.values()), f"M={m}: {chosen} {chosen_ms} {totals}"
 
 
 def _fp8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,6 +69,22 @@ def test_w4a16_tc_float16_weight_is_the_references_bits():
     assert torch.equal(got, want)
 
 
+def test_w4a16_tc_whole_tiles_without_masks():
+    """EVEN: where M and N are multiples of the tile, the loads drop their masks; the same product (and where they
+    are not, the option falls back to the masked loads)."""
+    k, n, group = 256, 64, 128
+    _, qweight, qzeros, scales = random_awq(k, n, group, torch.float16, seed=11)
+    packed, zf = awq_repack(qweight, qzeros, group)
+    w = qr.awq_dequantize(qweight, qzeros, scales, group).double()
+    for m in (16, 5):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).half().to(DEVICE)
+        plain = w4a16_tc(x, packed, zf, scales, group, config=dict(BLOCK_M=16, BLOCK_N=32), splits=2)
+        even = w4a16_tc(x, packed, zf, scales, group, config=dict(BLOCK_M=16, BLOCK_N=32, EVEN=True), splits=2)
+        assert torch.equal(plain, even)
+        want = x.double() @ w
+        assert float((even.double() - want).norm() / want.norm()) < 1e-3
+
+
 def test_w4a16_tc_keeps_leading_dims_and_refuses_a_misfit():
     _, qweight, qzeros, scales = random_awq(128, 32, 64, torch.float32, seed=2)
     packed, zf = awq_repack(qweight, qzeros, 64)
@@ -100,6 +116,13 @@ def test_gpu_w4a16_tc_llama3_shapes():
             err = float((got.float() - want).norm() / want.norm())
             print(f"gpu w4a16_tc {k}x{n} m={m} {dtype}: rel err {err:.2e}")
             assert got.dtype == dtype and err < (2e-3 if dtype == torch.float16 else 8e-3)
+        # the dequantization two words at a time (WORD_PAIRS) and the unmasked whole tiles (EVEN): the reference's
+        # weight bit for bit at the small-M and the large-M tiles
+        for rows in (16, 64, 256):
+            eye = torch.eye(k, dtype=torch.float16, device="cuda")[:: k // rows]
+            for opts in (dict(WORD_PAIRS=True), dict(EVEN=True), dict(WORD_PAIRS=True, EVEN=True)):
+                got = w4a16_tc(eye, packed, zf, scales, 128, config=opts)
+                assert torch.equal(got, w.half()[:: k // rows]), (k, n, rows, opts)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
