@@ -441,7 +441,8 @@ def tc_label(cfg: dict[str, Any], one_dot: bool = True, in_kernel: bool = False)
 def tc_variants(m: int) -> dict[str, tuple[dict[str, Any], int | None]]:
     """label -> (config, None) of the default tile at `m` rows (kernels/w4a16_tc.py's tc_config) with its two
     instruction-count options on and off: WORD_PAIRS (label suffix w: two words a dequantization step, each float16
-    pair already the MMA operand's) and EVEN (e: whole tiles loaded without masks where M and N allow)."""
+    pair already the MMA operand's) and EVEN (e: whole tiles loaded without masks where M and N allow); above 128
+    rows also K split for about 4 programs per SM (v4), the splits summed by a second kernel or inside (k)."""
     from kernels.w4a16_tc import tc_config
 
     base = tc_config(m, 4096, 4096)
@@ -451,6 +452,10 @@ def tc_variants(m: int) -> dict[str, tuple[dict[str, Any], int | None]]:
         cfg = dict(base, WORD_PAIRS=pairs, EVEN=even)
         label = tc_label(base, one_dot, in_kernel) + ("w" if pairs else "") + ("e" if even else "")
         out[label] = (cfg, None)
+    if m > 128:  # the wide layer's 448 tiles are 3.4 waves: K split for about 4 programs per SM fills the last one
+        for k_sum in (False, True):
+            cfg = dict(base, WAVES=4, IN_KERNEL=k_sum)
+            out[tc_label(cfg, one_dot, k_sum)] = (cfg, None)
     return out
 
 
