@@ -34,14 +34,21 @@ def attention_backend(device: torch.device | str) -> ModuleType:
 
 
 def fused_backend(device: torch.device | str) -> ModuleType:
-    """The module providing rms_norm/silu_mul: the fused Triton kernels on CUDA, else the reference."""
-    if torch.device(device).type == "cuda":
+    """The module providing rms_norm/silu_mul/rotary: the fused Triton kernels on CUDA, the compiled CPU operations
+    on the CPU (`kernels.cpu_fused`, which falls back to the reference where its extension is not built), else the
+    reference."""
+    kind = torch.device(device).type
+    if kind == "cuda":
         try:
             from kernels import fused_ops as triton_fused
         except ImportError:  # pragma: no cover - depends on the installation
             pass
         else:
             return triton_fused
+    if kind == "cpu":
+        from kernels import cpu_fused
+
+        return cpu_fused
     from kernels import reference
 
     return reference

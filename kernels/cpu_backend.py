@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ext
+from kernels import cpu_ext, cpu_fused
 from kernels.dense_prefill import DenseChunks, dense_prefill
 from kernels.reference import FP8, check_kv_scale, copy_blocks, gather_blocks, quantize_fp8, scatter_blocks
 
@@ -60,6 +60,8 @@ def write_kv(
     """Store key/value ``[T, num_kv_heads, head_dim]`` into their slots (slot -1: padding, not written),
     quantized with ``kv_scale`` when the cache is fp8."""
     scale = check_kv_scale(kv_cache, kv_scale, heads_dim=3)
+    if scale is None and cpu_fused.write_kv(key, value, kv_cache, slot_mapping):
+        return  # the compiled copy: one pass, padding skipped inside
     _, num_blocks, block_size, heads, dim = kv_cache.shape
     valid = slot_mapping >= 0
     if not bool(valid.all()):

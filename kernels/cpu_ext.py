@@ -1,7 +1,9 @@
-"""The CPU attention extension (kernels/csrc/): built for this host on first use, then loaded from a cache.
+"""The CPU extension (kernels/csrc/): built for this host on first use, then loaded from a cache.
 
 Why compiled: decode attention on a CPU is bound by memory traffic, and torch offers no attention that reads a
 paged cache in place; the torch path copies every sequence's blocks once per layer first (kernels/cpu_backend.py).
+The decoder layer's small operations (RMSNorm with its residual add, SiLU-and-multiply, rotary, the KV write) are
+one pass each here, where torch runs each as five to ten dispatched operations (kernels/cpu_fused.py).
 Why built here rather than shipped: ``-march=native`` vectorizes the kernel for the cores it runs on (AVX-512 on
 one machine, AVX2 on the next), and torch's own build machinery (``torch.utils.cpp_extension``, ninja) does the
 rest.  The build takes tens of seconds once per host, torch version and source; ``scripts/setup.sh`` runs it
@@ -42,7 +44,7 @@ log = structlog.get_logger("pagekeeper.kernels")
 
 ENV = "PAGEKEEPER_CPU_KERNELS"
 MODES = ("auto", "off", "require")
-SOURCES = (Path(__file__).parent / "csrc" / "cpu_paged_decode.cpp",)
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_paged_decode.cpp", "cpu_fused.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17")
 
 
@@ -176,10 +178,10 @@ def unavailable_reason() -> str | None:
         _build_and_load()
     except Exception as e:  # a missing compiler, an unwritable cache, a failed build: all mean the same here
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        reason = f"the CPU attention extension could not be built or loaded ({type(e).__name__}: {first_line})"
+        reason = f"the CPU extension could not be built or loaded ({type(e).__name__}: {first_line})"
         if chosen == "require":
             raise CpuKernelsUnavailable(f"{reason}; {ENV}=require") from e
-        log.warning("cpu_kernels_unavailable", reason=reason, fallback="torch attention (slower decode)")
+        log.warning("cpu_kernels_unavailable", reason=reason, fallback="torch operations (slower decode)")
         return reason
     return None
 
@@ -208,4 +210,4 @@ if __name__ == "__main__":
     os.environ.setdefault(ENV, "require")
     t = time.monotonic()
     unavailable_reason()
-    print(f"CPU attention extension ready in {cache_root() / 'cpu-ext' / build_key()} ({time.monotonic() - t:.1f} s)")
+    print(f"CPU extension ready in {cache_root() / 'cpu-ext' / build_key()} ({time.monotonic() - t:.1f} s)")

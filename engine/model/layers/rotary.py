@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels import cpu_fused
 from kernels.reference import rotate_rows
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -73,8 +74,9 @@ class RotaryEmbedding(nn.Module):
         self._step_rows: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated (q, k): one fused Triton kernel on CUDA (in place), the torch reference elsewhere."""
-        if q.is_cuda:
+        """Rotated (q, k): one fused kernel in place on CUDA (Triton) and on the CPU (the compiled extension, where
+        built), the torch reference elsewhere."""
+        if q.is_cuda or (q.device.type == "cpu" and cpu_fused.handles_rotary(q, k, self.cos, self.sin)):
             return kernels.fused_backend(q.device).rotary(q, k, positions, self.cos, self.sin)
         rows = self._step_rows
         if rows is None or rows[0] is not positions or rows[1] != q.dtype:
