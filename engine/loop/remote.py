@@ -51,7 +51,11 @@ from engine.stats import EngineSnapshot
 
 log = structlog.get_logger("pagekeeper.server")
 
-POLL_S = 0.01  # how long one step() waits for the core's next message
+# How long one step() waits for the core's next message, cut short by wake() (a request, an abort or a stop posted):
+# the core sends one per step, so a busy loop iterates once per step.  It was 0.01 s with no wake: a loop that
+# polled every 10 ms iterated twice per 16-ms decode step on a 2-core CPU and spent 0.8 ms of CPU per token beside
+# the model's threads (docs/decisions/cpu-fused-ops.md, "The front's wait").
+POLL_S = 0.1
 # How long the idle loop waits for the core (whose idle reports come every 0.25 s), cut short by wake(): a front that
 # polled every POLL_S while idle woke 100 times a second and kept 6 % of a core busy serving nothing.
 IDLE_WAIT_S = 0.25
@@ -125,7 +129,7 @@ class RemoteCore:
         self.inflight = InFlight(max_resumes)
         self.resume_timeout_s = resume_timeout_s
         self._send_lock = threading.Lock()
-        self._wake_r, self._wake_w = socket.socketpair()  # wake(): ends the idle loop's wait at once
+        self._wake_r, self._wake_w = socket.socketpair()  # wake(): ends the loop's wait (idle or a step's) at once
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._closing = False
@@ -398,7 +402,8 @@ class RemoteCore:
         return True
 
     def step(self) -> list[SeqDelta]:
-        self._collect(POLL_S)
+        self._await(POLL_S)
+        self._collect(0)
         out, self._out = self._out, []
         return out
 
@@ -458,21 +463,27 @@ class RemoteCore:
     def run_deferred(self) -> None:
         """The idle loop: wait for the core's next message (the core runs its own deferred start-up work) or for
         `wake()`, at most IDLE_WAIT_S, then read what came."""
-        if not self._dead:
-            try:
-                woken = wait([self._conn, self._wake_r], IDLE_WAIT_S)
-            except (OSError, ValueError):  # the socket closed under the wait: seen by the read below
-                woken = []
-            if self._wake_r in woken:
-                try:
-                    while self._wake_r.recv(4096):
-                        pass
-                except (BlockingIOError, OSError):
-                    pass
+        self._await(IDLE_WAIT_S)
         self._collect(0)
 
+    def _await(self, timeout: float) -> None:
+        """Wait until the core says something or `wake()` is called, at most `timeout`; reads nothing."""
+        if self._dead:
+            return
+        try:
+            woken = wait([self._conn, self._wake_r], timeout)
+        except (OSError, ValueError):  # the socket closed under the wait: seen by the read after
+            woken = []
+        if self._wake_r in woken:
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+
     def wake(self) -> None:
-        """Thread-safe: end the idle loop's wait now (a request, an abort or a stop was posted)."""
+        """Thread-safe: end the loop's wait for the core now, idle or in a step (a request, an abort or a stop was
+        posted)."""
         try:
             self._wake_w.send(b"\0")
         except OSError:  # a wake already pending filled the buffer, or the core handle is closed
