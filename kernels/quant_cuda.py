@@ -60,7 +60,7 @@ AWQ_TC_DENSE_MIN_ROWS = 129
 # wide: there its 128 x 128 tiles (two of rows) fill the GPU without K splits and beat writing the dequantized
 # weight (the 8B's gate_up, 28,672 columns, one H200: 0.155 ms against 0.171 at 256 rows, 0.156 against 0.162 at
 # 224; 0.158 against 0.155 at 208, 0.160 against 0.153 at 192), while the narrow projections (4,096-6,144 columns,
-# split along K) lose at every row count from 129 (docs/decisions/quant-paths.md, 2026-11-28l).
+# split along K) lose at every row count from 129 (docs/decisions/quant-paths.md, the sweep by rows and columns).
 AWQ_TC_WIDE_MIN_ROWS = 224
 AWQ_TC_WIDE_MAX_ROWS = 256
 AWQ_TC_WIDE_MIN_N = 16384

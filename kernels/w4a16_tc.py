@@ -396,7 +396,7 @@ def tc_config(m: int, n: int, k: int) -> dict:
     there, less from 32 rows) and the splits summed by the last of them inside the kernel (IN_KERNEL: no second
     launch); above 64 rows, 128 x 128 with two warp groups (four warps would hold a 128 x 128 float32 accumulator
     in 128 registers each, and were 2x slower).  Up to 16 rows also two words a dequantization step (WORD_PAIRS)
-    and whole tiles loaded without masks (EVEN): 5 % faster at 1 row, slower from 32 (2026-11-28l)."""
+    and whole tiles loaded without masks (EVEN): faster at 1 row, slower from 32 (docs/decisions/quant-paths.md)."""
     if m <= 64:
         small = m <= 16
         return dict(

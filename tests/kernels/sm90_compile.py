@@ -129,12 +129,17 @@ def cases():
             cfg = tc_config(m, 4096, 4096)
             cfg.pop("WAVES", None)
             in_kernel = cfg.pop("IN_KERNEL", False)
+            even = cfg.pop("EVEN", False)  # unmasked where the tile divides M and N, as w4a16_tc launches it
+            block_m = cfg.pop("BLOCK_M")
             consts = dict(
                 GROUP=128,
-                BLOCK_M=cfg.pop("BLOCK_M"),
+                BLOCK_M=block_m,
                 BLOCK_N=cfg.pop("BLOCK_N"),
                 SWAP_AB=cfg.pop("SWAP_AB"),
                 FAST=True,
+                WORD_PAIRS=cfg.pop("WORD_PAIRS", False),
+                EVEN_M=even and m % block_m == 0,
+                EVEN_N=even,  # N = 4,096: a multiple of every column tile
                 ONE_DOT=cfg.pop("ONE_DOT", True),
                 F16=True,
                 DOT_PRECISION="tf32",
