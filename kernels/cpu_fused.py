@@ -58,7 +58,7 @@ def rotary(
     fine, as on CUDA) and returned."""
     if not (_compiled(q) and handles_rotary(q, k, cos, sin)):
         return reference.rotary(q, k, positions, cos, sin)
-    torch.ops.pagekeeper_cpu.rotary(q, k, positions.long(), cos, sin)
+    torch.ops.pagekeeper_cpu.rotary(q, k, positions.long().contiguous(), cos, sin)
     return q, k
 
 

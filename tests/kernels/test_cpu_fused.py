@@ -158,3 +158,13 @@ def test_a_weight_in_another_dtype_takes_the_reference() -> None:
     got, _ = cpu_fused.rms_norm(x, weight, 1e-6)
     want, _ = reference.rms_norm(x, weight, 1e-6)
     assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_rotary_takes_int32_and_strided_positions() -> None:
+    """The runner's positions may come as int32 or as a view; the compiled rotary gets them as contiguous int64."""
+    q, k = torch.randn(3, 4, 64), torch.randn(3, 2, 64)
+    table = torch.randn(32, 32)
+    positions = torch.tensor([[5, 0], [7, 0], [9, 0]], dtype=torch.int32)[:, 0]
+    want_q, want_k = reference.rotary(q.clone(), k.clone(), positions.long(), table, table)
+    got_q, got_k = cpu_fused.rotary(q, k, positions, table, table)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
