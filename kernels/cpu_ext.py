@@ -45,6 +45,7 @@ log = structlog.get_logger("pagekeeper.kernels")
 ENV = "PAGEKEEPER_CPU_KERNELS"
 MODES = ("auto", "off", "require")
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_paged_decode.cpp", "cpu_fused.cpp"))
+HEADERS = (Path(__file__).parent / "csrc" / "cpu_exp.h",)  # in the build key too: a change must rebuild
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17")
 
 
@@ -73,7 +74,7 @@ def _cpu_flags() -> str:
 
 def build_key() -> str:
     digest = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         digest.update(src.read_bytes())
     for part in (torch.__version__, sys.version, " ".join(CFLAGS), _cpu_flags()):
         digest.update(part.encode())

@@ -22,6 +22,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "cpu_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -76,25 +78,7 @@ inline typename Storage<T>::type* raw(const at::Tensor& t) {
   return reinterpret_cast<typename Storage<T>::type*>(t.data_ptr<T>());
 }
 
-// exp(x) for x <= 0: 2^k times a degree-7 polynomial on |r| <= ln(2)/2, in plain arithmetic so that it vectorizes
-// (relative error below 1e-7; the form of the attention kernel's, kernels/csrc/cpu_paged_decode.cpp).  k is rounded
-// by adding and subtracting 1.5 * 2^23 rather than by floorf, which GCC does not vectorize once the clamp before it
-// is turned into masked operations.
-inline float exp_nonpositive(float x) {
-  x = x > -87.0f ? x : -87.0f;  // exp(-87) ~ 1.6e-38: as good as zero beside 1
-  const float k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  const float r = (x - k * 0.693145751953125f) - k * 1.42860682030941723212e-6f;
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  return p * __builtin_bit_cast(float, bits);
-}
+using pagekeeper_cpu::exp_nonpositive;  // kernels/csrc/cpu_exp.h
 
 // silu(g) = g / (1 + exp(-g)), with exp taken of -|g| only (no overflow for large negative g).
 inline float silu(float g) {

@@ -18,6 +18,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "cpu_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -101,26 +103,7 @@ inline void prefetch_rows(const T* k, const T* v, int64_t rows, int64_t stride, 
   }
 }
 
-// exp(x) for x <= 0 (scores minus their running maximum), in plain arithmetic so that it vectorizes: 2^k times a
-// degree-7 Taylor polynomial on |r| <= ln(2)/2 (relative error below 1e-7, float32's own rounding).  libm's expf
-// is scalar and took about a third of the kernel's time.
-// k is rounded by adding and subtracting 1.5 * 2^23: GCC does not vectorize floorf once the clamp before it is
-// turned into masked operations (the loop calling this ran scalar until 2026-11-28).
-inline float exp_nonpositive(float x) {
-  x = x > -87.0f ? x : -87.0f;  // exp(-87) ~ 1.6e-38: as good as zero next to the maximum's exp(0) = 1
-  const float k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  const float r = (x - k * 0.693145751953125f) - k * 1.42860682030941723212e-6f;
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  return p * __builtin_bit_cast(float, bits);
-}
+using pagekeeper_cpu::exp_nonpositive;  // kernels/csrc/cpu_exp.h
 
 // How many pieces each sequence's KV heads are cut into: one (whole token rows, read front to back) unless there
 // are too few sequences to keep every thread busy, as at batch 1 with a long context.
