@@ -13,18 +13,13 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_ext, reference
+from kernels.operands import rows
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _compiled(x: torch.Tensor) -> bool:
     return x.dtype in _DTYPES and x.device.type == "cpu" and cpu_ext.available()
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as ``[rows, width]`` (a view where the layout allows, else a copy) with contiguous rows."""
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def rms_norm(
@@ -37,8 +32,8 @@ def rms_norm(
     shape = x.shape
     w = weight if weight.is_contiguous() else weight.contiguous()
     if residual is None:
-        return torch.ops.pagekeeper_cpu.rms_norm(_rows(x), w, eps).view(shape), None
-    normed, total = torch.ops.pagekeeper_cpu.add_rms_norm(_rows(x), _rows(residual), w, eps)
+        return torch.ops.pagekeeper_cpu.rms_norm(rows(x), w, eps).view(shape), None
+    normed, total = torch.ops.pagekeeper_cpu.add_rms_norm(rows(x), rows(residual), w, eps)
     return normed.view(shape), total.view(shape)
 
 
@@ -46,7 +41,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
     if not _compiled(gate_up):
         return reference.silu_mul(gate_up)
-    out = torch.ops.pagekeeper_cpu.silu_mul(_rows(gate_up))
+    out = torch.ops.pagekeeper_cpu.silu_mul(rows(gate_up))
     return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
