@@ -2,8 +2,15 @@
 e4m3 weight ``[N, K]`` once at close to copy bandwidth.
 
 A decode GEMV does two multiply-adds per weight byte and row: the weight read is what should bound it, so the
-kernels are shaped for bytes in flight, not for arithmetic.  Two kernels, by row count:
+kernels are shaped for bytes in flight, not for arithmetic.  Three kernels, by row count:
 
+- `_fp8_gemv_stream_kernel`, on the CUDA cores, for one row (where K is whole ``BLOCK_K`` steps): a grid of
+  ``CTAS`` programs per SM (not one per tile), each taking every grid-th tile of ``BLOCK_N`` weight rows and
+  running one loop over all its (tile, K step) pairs, so that Triton's software pipeline (``STAGES`` deep, the
+  tiles copied to shared memory asynchronously; with ``TMA`` by the bulk tensor-copy engine from a descriptor)
+  keeps loading across the tiles' boundaries; each tile's sum is stored after its last step, with no K splits.
+  The pipeline keeps several tiles in flight per program at a few dozen registers a thread, where the register
+  double buffer below holds one (docs/decisions/quant-paths.md, "The one-row FP8 product as a pipelined stream");
 - `_fp8_gemv_kernel`, on the CUDA cores, for one to four rows: a tile is ``BLOCK_N`` weight rows by ``BLOCK_K``
   contiguous bytes, 16 bytes per thread per load (one 128-bit load), and the next step's tile is loaded before this
   step's arithmetic (a register double buffer: Triton pipelines only loads that feed a dot).  The tile is converted
@@ -17,7 +24,7 @@ kernels are shaped for bytes in flight, not for arithmetic.  Two kernels, by row
   exact for e4m3.  With the register double buffer of the CUDA-core loop this path left Triton no pipeline to
   build, and was slower than bf16 at 3-16 rows (docs/decisions/quant-paths.md has both measurements);
 
-and in both:
+and in the last two:
 
 - every program covers all the rows of x, so the weight is read once whatever the batch; rows of x past the last
   are clamped to the last (loaded again, never stored), so that x's loads carry no mask;
@@ -38,6 +45,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.fp8_linear import dot_dtype
 from kernels.operands import rows
@@ -51,8 +59,15 @@ CUDA_CORE_MAX_ROWS = 4  # the CUDA-core kernel's accumulators, one per row
 # projections (docs/decisions/quant-paths.md, "The decode GEMVs swept and re-shaped": the dot from 3 rows, where the
 # CUDA-core kernel lost).  KIND "cuda-core" or "dot"; WAVES programs per SM that the K splits aim for; MIN_STEPS the
 # fewest K steps a split keeps.
+CUDA_CORE_ONE_ROW = dict(
+    KIND="cuda-core", BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1, WAVES=2, MIN_STEPS=4
+)
+# One row: the streaming kernel (8 weight rows x 512 bytes a step, 4 stages, 2 warps, 8 programs per SM), where K
+# is whole 512-byte steps, else CUDA_CORE_ONE_ROW (benchmarks/quant_gemv1.py's trials, the decision document's
+# "The one-row FP8 product as a pipelined stream").
+STREAM_ONE_ROW = dict(KIND="stream", BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, STAGES=4, num_warps=2, CTAS=8)
 CONFIGS: tuple[tuple[int, dict], ...] = (
-    (1, dict(KIND="cuda-core", BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1, WAVES=2, MIN_STEPS=4)),
+    (1, STREAM_ONE_ROW),
     (2, dict(KIND="cuda-core", BLOCK_M=2, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=1, WAVES=2, MIN_STEPS=4)),
     (16, dict(KIND="dot", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, WAVES=4, MIN_STEPS=4)),
 )
@@ -217,11 +232,71 @@ def _fp8_gemv_dot_kernel(
     store_or_finish(y, out_ptr, part_ptr, ticket_ptr, offs_m, offs_n, M, N, stride_om, pid_n, split, SPLITS, IN_KERNEL)
 
 
+@triton.jit(do_not_specialize=["tiles"])
+def _fp8_gemv_stream_kernel(
+    x_ptr,
+    w_ptr,
+    w_desc,
+    ws_ptr,
+    out_ptr,
+    N,
+    K,
+    tiles,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    TMA: tl.constexpr,
+    PER_TENSOR: tl.constexpr,
+):
+    """One row of x: ``out[n] = ws[n] * sum_k x[k] w[n, k]``, K a multiple of BLOCK_K.  The grid need not cover
+    the tiles: program p takes tiles p, p + grid, ... and runs one loop over all its (tile, K step) pairs, so that
+    Triton's software pipeline (STAGES deep, through shared memory; TMA: the weight tiles by the bulk tensor-copy
+    engine from `w_desc`) keeps loading across the tiles' boundaries; each tile's sum is stored after its last step."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    k_steps = K // BLOCK_K
+    total = tl.cdiv(tiles - pid, grid) * k_steps
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    for i in tl.range(0, total, num_stages=STAGES):
+        t = i // k_steps
+        kk = (i - t * k_steps) * BLOCK_K
+        n0 = (pid + t * grid) * BLOCK_N
+        if TMA:
+            w = w_desc.load([n0, kk])
+        else:
+            w_rows = tl.minimum(n0 + offs_b, N - 1)  # clamped, not masked
+            w = tl.load(
+                w_ptr + w_rows[:, None].to(tl.int64) * K + (kk + offs_k)[None, :], eviction_policy="evict_first"
+            )
+        x = tl.load(x_ptr + kk + offs_k)
+        p = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_K // VEC, VEC)), 2)
+        if kk == K - BLOCK_K:  # the tile's last step: its sums out, the accumulators cleared
+            offs_n = n0 + offs_b
+            y = tl.sum(acc, 1)
+            if PER_TENSOR:
+                y = y * tl.load(ws_ptr)
+            else:
+                y = y * tl.load(ws_ptr + tl.minimum(offs_n, N - 1))
+            tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+            acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+
+
 def fp8_gemv_config(m: int, n: int, k: int, device: torch.device, config: dict | None = None) -> dict:
     """CONFIGS' tiles for `m` rows (no autotuner: a first call compiles one kernel) updated by `config`, with SPLITS
     (unless `config` sets it): K split until the tiles make about WAVES programs per SM, each split keeping at
     least MIN_STEPS K steps."""
-    cfg = dict(next(c for rows_up_to, c in CONFIGS if m <= rows_up_to), **(config or {}))
+    base = next(c for rows_up_to, c in CONFIGS if m <= rows_up_to)
+    if base["KIND"] == "stream" and (config or {}).get("KIND", "stream") != "stream":
+        base = CUDA_CORE_ONE_ROW  # another kernel asked for at one row: its own tiles under the override
+    cfg = dict(base, **(config or {}))
+    if cfg["KIND"] == "stream":
+        if m == 1 and k % cfg["BLOCK_K"] == 0:
+            return cfg
+        # the stream kernel takes one row and whole K steps: else the CUDA-core kernel's tiles
+        cfg = dict(base if base["KIND"] != "stream" else CUDA_CORE_ONE_ROW)
     waves, min_steps = cfg.pop("WAVES"), cfg.pop("MIN_STEPS")
     if "SPLITS" not in cfg:
         cfg["SPLITS"] = splits_for(n, k, cfg["BLOCK_N"], cfg["BLOCK_K"], waves, min_steps, device)
@@ -258,6 +333,8 @@ def fp8_gemv(
     if m > MAX_ROWS:
         raise ValueError(f"fp8_gemv takes at most {MAX_ROWS} rows, not {m}")
     cfg = fp8_gemv_config(min(max(m, 1), MAX_ROWS), n, k, x2.device, config)
+    if cfg["KIND"] == "stream":
+        return _stream(x2, weight, weight_scale, cfg).reshape(*shape[:-1], n)
     bm, bn, bk, splits = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLITS")
     kind = cfg.pop("KIND")
     # DOT_FP16: the dot in float16 whatever x's type (a diagnostic of the sweep: what e4m3 -> bf16 costs over
@@ -292,3 +369,24 @@ def fp8_gemv(
         if splits > 1 and not in_kernel:
             out = reduce_splits(part, x.dtype)
     return out.reshape(*shape[:-1], n)
+
+
+def _stream(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """`_fp8_gemv_stream_kernel` on one row of x: CTAS programs per SM (0: one per tile), the weight through a TMA
+    descriptor where TMA is set and the device has the copy engine."""
+    n, k = weight.shape
+    cfg = dict(cfg)
+    bn, bk = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+    ctas, tma = cfg.pop("CTAS", 0), cfg.pop("TMA", False)
+    for key in ("KIND", "BLOCK_M", "WAVES", "MIN_STEPS", "SPLITS"):
+        cfg.pop(key, None)
+    tma = tma and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9 and weight.data_ptr() % 16 == 0
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    tiles = cdiv(n, bn)
+    grid = min(tiles, ctas * num_sms(x.device)) if ctas else tiles
+    desc = TensorDescriptor.from_tensor(weight, [bn, bk]) if tma else None
+    per_tensor = weight_scale.numel() == 1 and n != 1
+    _fp8_gemv_stream_kernel[(grid,)](
+        x, weight, desc, weight_scale, out, n, k, tiles, BLOCK_N=bn, BLOCK_K=bk, TMA=tma, PER_TENSOR=per_tensor, **cfg
+    )
+    return out

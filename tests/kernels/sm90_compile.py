@@ -20,7 +20,7 @@ from triton.compiler import ASTSource
 
 from kernels.awq_gemv import _awq_gemv_kernel, awq_gemv_config
 from kernels.fp8_gemv import CONFIGS as FP8_GEMV_CONFIGS
-from kernels.fp8_gemv import _fp8_gemv_dot_kernel, _fp8_gemv_kernel, fp8_gemv_config
+from kernels.fp8_gemv import _fp8_gemv_dot_kernel, _fp8_gemv_kernel, _fp8_gemv_stream_kernel, fp8_gemv_config
 from kernels.fp8_linear import _quant_rows_kernel, _w8a16_kernel, w8a16_config
 from kernels.splitk import _reduce_kernel
 from kernels.w4a16 import _w4a16_kernel, w4a16_config
@@ -158,6 +158,14 @@ def cases():
     for rows_up_to, _ in FP8_GEMV_CONFIGS:
         cfg = fp8_gemv_config(rows_up_to, 4096, 4096, cpu)
         kind = cfg.pop("KIND")
+        if kind == "stream":  # one row, no K splits; the weight by pointer loads (TMA off by default)
+            consts = {key: cfg.pop(key) for key in ("BLOCK_N", "BLOCK_K", "STAGES")}
+            consts.update(TMA=cfg.pop("TMA", False), PER_TENSOR=False, w_desc=None)
+            for key in ("BLOCK_M", "CTAS"):
+                cfg.pop(key, None)
+            types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr="*bf16", N=I32, K=I32, tiles=I32)
+            yield f"fp8_gemv bf16 m<={rows_up_to} stream", _fp8_gemv_stream_kernel, types, consts, cfg
+            continue
         consts = {key: cfg.pop(key) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
         cfg.pop("SPLITS")
         consts.update(SPLITS=2, IN_KERNEL=True, PER_TENSOR=False, EVEN_K=True)

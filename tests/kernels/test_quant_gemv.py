@@ -59,6 +59,37 @@ def test_fp8_gemv_equals_the_reference(dtype):
     assert int(splitk.tickets(torch.device(DEVICE), 1).count_nonzero()) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_gemv_stream_equals_the_reference(dtype):
+    """The one-row streaming kernel: N = 40 leaves half a 16-row tile (clamped rows, or TMA's zero fill), a grid
+    of one program per tile and a grid smaller than the tiles (each program looping over several), pointer loads
+    and TMA (on a GPU with the copy engine; the pointer path elsewhere), per-row and per-tensor scales; K = 272
+    (not whole 64-byte steps) and two rows fall back to the CUDA-core kernel."""
+    n, k = 40, 256
+    g = torch.Generator().manual_seed(6)
+    wq, ws = qr.quantize_rows(torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n)[:, None])
+    wq, ws = wq.to(DEVICE), ws.to(DEVICE)
+    exact = wq.double() * ws.double()[:, None]
+    x = torch.randn(1, k, generator=g).to(dtype).to(DEVICE)
+    want = x.double() @ exact.t()
+    for bn, ctas, tma in ((16, 0, False), (8, 1, False), (16, 0, True), (8, 1, True)):
+        cfg = dict(KIND="stream", BLOCK_M=1, BLOCK_N=bn, BLOCK_K=64, STAGES=3, CTAS=ctas, TMA=tma, num_warps=4)
+        got = fp8_gemv(x, wq, ws, config=cfg)
+        err = _rel(got, want)
+        print(f"fp8_gemv stream {str(dtype)[6:]} BLOCK_N={bn} CTAS={ctas} TMA={tma}: {err:.2e}")
+        assert got.shape == (1, n) and got.dtype == dtype and err < TOL[dtype]
+    scale = ws.amax().reshape(1)
+    cfg = dict(KIND="stream", BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, STAGES=2, CTAS=1, TMA=True, num_warps=4)
+    got = fp8_gemv(x, wq, scale, config=cfg)
+    assert _rel(got, x.double() @ (wq.double() * scale.double()).t()) < TOL[dtype]
+    for m, kk in ((1, 272), (2, 256)):  # not the stream kernel's shape: the CUDA-core kernel takes it
+        wq2, ws2 = qr.quantize_rows(torch.randn(n, kk, generator=g))
+        wq2, ws2 = wq2.to(DEVICE), ws2.to(DEVICE)
+        x2 = torch.randn(m, kk, generator=g).to(dtype).to(DEVICE)
+        got = fp8_gemv(x2, wq2, ws2, config=dict(KIND="stream", BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, STAGES=3))
+        assert _rel(got, x2.double() @ (wq2.double() * ws2.double()[:, None]).t()) < TOL[dtype]
+
+
 def test_fp8_gemv_per_tensor_scale_and_default_tiles():
     n, k = 48, 256
     g = torch.Generator().manual_seed(4)
