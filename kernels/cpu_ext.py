@@ -3,7 +3,8 @@
 Why compiled: decode attention on a CPU is bound by memory traffic, and torch offers no attention that reads a
 paged cache in place; the torch path copies every sequence's blocks once per layer first (kernels/cpu_backend.py).
 The decoder layer's small operations (RMSNorm with its residual add, SiLU-and-multiply, rotary, the KV write) are
-one pass each here, where torch runs each as five to ten dispatched operations (kernels/cpu_fused.py).
+one pass each here, where torch runs each as five to ten dispatched operations (kernels/cpu_fused.py); and a
+float32 linear layer of few rows reads its weight once at stream speed (kernels/cpu_linear.py).
 Why built here rather than shipped: ``-march=native`` vectorizes the kernel for the cores it runs on (AVX-512 on
 one machine, AVX2 on the next), and torch's own build machinery (``torch.utils.cpp_extension``, ninja) does the
 rest.  The build takes tens of seconds once per host, torch version and source; ``scripts/setup.sh`` runs it
@@ -44,7 +45,9 @@ log = structlog.get_logger("pagekeeper.kernels")
 
 ENV = "PAGEKEEPER_CPU_KERNELS"
 MODES = ("auto", "off", "require")
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_paged_decode.cpp", "cpu_fused.cpp"))
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("cpu_paged_decode.cpp", "cpu_fused.cpp", "cpu_linear.cpp")
+)
 HEADERS = (Path(__file__).parent / "csrc" / "cpu_exp.h",)  # in the build key too: a change must rebuild
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17")
 

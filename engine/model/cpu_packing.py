@@ -7,6 +7,8 @@ Two cases, chosen per weight dtype at load:
   the weight on every call as well (2-3x slower than packed from 4 to 32 rows); the weight is reordered once
   (`torch.ops.mkldnn._reorder_linear_weight`, as torch's CPU inductor does) and the packed product called
   (`_linear_pointwise`), as vLLM's CPU build does with its own oneDNN handler (docs/decisions/cpu-packing.md).
+  On an AVX-512 host a float32 layer also keeps a panel-packed copy that products of few rows (a decode step) read
+  at stream speed, where oneDNN's product is slower (kernels/cpu_linear.py, docs/decisions/cpu-linear.md).
 - **Widened** (no such instructions: AVX2, or AVX-512 without its bf16 extension): torch's bf16 matmul of more
   than one row takes an emulated path 5-7x slower than float32, and so does oneDNN's packed one; the product runs
   in float32 over the bf16 weight widened for the call (the same bf16 values, summed in float32 as the native path
@@ -27,12 +29,14 @@ from __future__ import annotations
 
 import threading
 import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.model.layers.linear import MergedLinear, RowLinear, VocabEmbedding
+from kernels import cpu_linear
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16)  # packed where the CPU has the instructions, else widened
 _ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; any number of rows works
@@ -66,13 +70,23 @@ def packing_available(dtype: torch.dtype) -> bool:
 
 
 class _PackedProduct:
-    """``x @ W^T (+ bias)`` over oneDNN's packed copy of W."""
+    """``x @ W^T (+ bias)`` over oneDNN's packed copy of W; up to `few_rows` rows (a decode step) over a second,
+    panel-packed copy when the layer has one (kernels/cpu_linear.py: read at stream speed, where oneDNN is not)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
         self.bias = bias
+        self.out_features = weight.shape[0]
+        self.panels: torch.Tensor | None = None
+        self.few_rows = 0
+
+    def add_panels(self, weight: torch.Tensor, few_rows: int) -> None:
+        self.panels = cpu_linear.pack(weight)
+        self.few_rows = few_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and x.numel() <= self.few_rows * x.shape[-1]:
+            return cpu_linear.linear(x, self.panels, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -125,6 +139,7 @@ def _scratch(elements: int) -> torch.Tensor:
 
 
 Product = _PackedProduct | _WidenedProduct
+Maker = Callable[[torch.Tensor, "torch.Tensor | None"], Product]
 
 
 def product_kind(dtype: torch.dtype) -> str | None:
@@ -142,6 +157,44 @@ def _replace_weight(layer: nn.Module, product: Product) -> None:
         layer.weight = nn.Parameter(product.packed, requires_grad=False)
 
 
+FEW_ROWS = 16  # a decoder layer's product of up to this many rows takes the panel copy (docs/decisions/cpu-linear.md)
+HEAD_FEW_ROWS = 4  # the LM head's: above it oneDNN's product was as fast or faster
+
+
+def _maker(kind: str, panels: bool) -> tuple[Maker, Maker]:
+    """The product makers for decoder layers and for the LM head: oneDNN's packed product, with the panel copy for
+    few rows where `panels`, or the widened one."""
+    if kind != "packed":
+        return _WidenedProduct, _WidenedProduct
+
+    def make(few_rows: int) -> Maker:
+        def build(weight: torch.Tensor, bias: torch.Tensor | None) -> Product:
+            product = _PackedProduct(weight, bias)
+            if panels and weight.dtype == torch.float32:
+                product.add_panels(weight, few_rows)
+            return product
+
+        return build
+
+    return make(FEW_ROWS), make(HEAD_FEW_ROWS)
+
+
+def panel_bytes(model: nn.Module) -> int:
+    """Bytes of the panel copies `pack_linears` added to `model` (memory beyond its weights)."""
+    total = 0
+    for module in model.modules():
+        for product in (getattr(module, "forward", None), getattr(module, "partial", None), _head_product(module)):
+            panels = getattr(product, "panels", None)
+            if isinstance(panels, torch.Tensor):
+                total += panels.numel() * panels.element_size()
+    return total
+
+
+def _head_product(module: nn.Module) -> object:
+    logits = getattr(module, "logits", None)
+    return getattr(logits, "product", None)
+
+
 def pack_linears(model: nn.Module, weights_shared: bool = False) -> int:
     """Give every linear layer of `model` whose weight dtype needs it the faster product (packed or widened);
     returns how many layers got one.  A tied LM head (the embedding's weight) is never packed: the embedding
@@ -149,6 +202,7 @@ def pack_linears(model: nn.Module, weights_shared: bool = False) -> int:
     a keeper's, mapped by every engine (engine/keeper/); a packed copy would be this process's own, so those layers
     keep the plain product and the one shared copy (widening copies nothing and still applies)."""
     count = 0
+    panels = cpu_linear.available()  # float32 decode steps over a second copy (kernels/cpu_linear.py)
     tied = {id(m) for m in model.modules() if isinstance(m, VocabEmbedding) and _is_embedding(model, m)}
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -157,13 +211,13 @@ def pack_linears(model: nn.Module, weights_shared: bool = False) -> int:
         kind = product_kind(weight.dtype)
         if kind is None or (kind == "packed" and weights_shared):
             continue
-        make = _PackedProduct if kind == "packed" else _WidenedProduct
+        make, make_head = _maker(kind, panels)
         if isinstance(module, RowLinear):
             _pack_row(module, make)
         elif isinstance(module, MergedLinear):
             _pack_column(module, make)
         elif isinstance(module, VocabEmbedding) and (kind == "widened" or id(module) not in tied):
-            _pack_head(module, make)
+            _pack_head(module, make_head)
         else:
             continue
         count += 1
@@ -175,13 +229,13 @@ def _is_embedding(model: nn.Module, module: nn.Module) -> bool:
     return any(name.endswith("embed_tokens") for name, m in model.named_modules() if m is module)
 
 
-def _pack_column(layer: MergedLinear, make: type[Product]) -> None:
+def _pack_column(layer: MergedLinear, make: Maker) -> None:
     product = make(layer.weight, layer.bias)
     _replace_weight(layer, product)
     layer.forward = product  # type: ignore[assignment]  # nn.Linear.forward names its argument `input`
 
 
-def _pack_row(layer: RowLinear, make: type[Product]) -> None:
+def _pack_row(layer: RowLinear, make: Maker) -> None:
     if not layer.tp.is_parallel:
         product = make(layer.weight, layer.bias)
         _replace_weight(layer, product)
@@ -192,7 +246,7 @@ def _pack_row(layer: RowLinear, make: type[Product]) -> None:
     layer.partial = partial  # type: ignore[method-assign]
 
 
-def _pack_head(head: VocabEmbedding, make: type[Product]) -> None:
+def _pack_head(head: VocabEmbedding, make: Maker) -> None:
     product = make(head.weight, None)
     _replace_weight(head, product)
 
@@ -202,4 +256,5 @@ def _pack_head(head: VocabEmbedding, make: type[Product]) -> None:
             return local
         return self.tp.all_gather_last(local)[..., : self.vocab_size]
 
+    logits.product = product  # type: ignore[attr-defined]  # panel_bytes finds the head's copy here
     head.logits = types.MethodType(logits, head)  # type: ignore[method-assign]

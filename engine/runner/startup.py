@@ -30,7 +30,7 @@ from engine.memory.budget import (
     profile_step,
     set_allocator_defaults,
 )
-from engine.model.cpu_packing import pack_linears, product_kind
+from engine.model.cpu_packing import pack_linears, panel_bytes, product_kind
 from engine.model.interface import CausalLM
 from engine.model.layers.attention import PagedAttention
 from engine.model.loader import ModelInfo, load_model
@@ -152,6 +152,8 @@ def start_runner(
     if not cuda:
         # packed or widened products (engine/model/cpu_packing.py says why); a keeper's weights stay shared
         packed, product = pack_linears(model, weights_shared=source == "keeper"), product_kind(model_info.dtype)
+        decode_copy = panel_bytes(model)  # the few-row products' second copy: memory this process holds too
+        weights += decode_copy
         if packed:
             startup_detail(
                 log,
@@ -159,6 +161,7 @@ def start_runner(
                 layers=packed,
                 dtype=str(model_info.dtype).removeprefix("torch."),
                 product=product,
+                decode_copy_mib=round(decode_copy / 2**20, 1),
             )
         elif source == "keeper" and product == "packed":
             startup_detail(log, "cpu_linears_plain", reason="the keeper's weights are shared: packing would copy them")
@@ -389,10 +392,11 @@ def prepare_cpu_kernels() -> None:
     """Build or load the CPU attention extension now, at start-up, rather than inside the first step: a build's
     seconds belong to start-up, and PAGEKEEPER_CPU_KERNELS=require (or a misspelt value) must stop the start with one
     line, not fail a request later."""
-    from kernels import cpu_ext
+    from kernels import cpu_ext, cpu_linear
 
     try:
         cpu_ext.unavailable_reason()
+        cpu_linear.mode()
     except (ValueError, cpu_ext.CpuKernelsUnavailable) as e:
         raise ConfigError(str(e)) from e
 

@@ -67,7 +67,9 @@ needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reas
 def test_float32_layers_are_packed_and_give_each_row_the_same_numbers_whatever_the_batch() -> None:
     """float32 layers take oneDNN's packed product as well: MKL's plain product of 3 to about 64 rows packs the weight
     on every call.  Its numbers stay within float32 rounding of the plain product, and each row's are the same
-    whether it is computed alone or among others (MKL's own sums change order at 16 rows)."""
+    whether it is computed alone or among others (MKL's own sums change order at 16 rows).  Up to 16 rows take the
+    panel copy on an AVX-512 host (kernels/cpu_linear.py), which sums in oneDNN's order for a K of one 512-k block
+    as here (K = 64); past one block the two differ by float32 rounding (tests/kernels/test_cpu_linear.py)."""
     torch.manual_seed(0)
     model = _Tiny(tied=False)
     for p in model.parameters():
