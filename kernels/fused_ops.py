@@ -40,6 +40,10 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    # Every read is issued before the first store: a load after the residual store could alias it, so it would
+    # wait for the store and the row's sum (one more memory latency, in a kernel of a few microseconds;
+    # docs/decisions/decode-small-kernels.md).
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -48,7 +52,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / n_cols
     normed = (xf * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     y = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
@@ -86,31 +89,36 @@ def _rotary_kernel(
     stride_cos,
     NUM_Q_HEADS: tl.constexpr,
     NUM_K_HEADS: tl.constexpr,
-    HEADS_PAD: tl.constexpr,
+    Q_HEADS_PAD: tl.constexpr,
+    K_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HALF_PAD)
     mask_d = offs_d < HALF
+    # q and k are read before the position and its cos/sin, and both before either is written: the reads are
+    # in flight together (a store to q before k's read would hold that read back, since the two may alias).
+    offs_q = tl.arange(0, Q_HEADS_PAD)
+    mask_q = (offs_q[:, None] < NUM_Q_HEADS) & mask_d[None, :]
+    pq = q_ptr + t * stride_qt + offs_q[:, None] * stride_qh + offs_d[None, :]
+    q1 = tl.load(pq, mask=mask_q, other=0.0).to(tl.float32)
+    q2 = tl.load(pq + HALF, mask=mask_q, other=0.0).to(tl.float32)
+    offs_k = tl.arange(0, K_HEADS_PAD)
+    mask_k = (offs_k[:, None] < NUM_K_HEADS) & mask_d[None, :]
+    pk = k_ptr + t * stride_kt + offs_k[:, None] * stride_kh + offs_d[None, :]
+    k1 = tl.load(pk, mask=mask_k, other=0.0).to(tl.float32)
+    k2 = tl.load(pk + HALF, mask=mask_k, other=0.0).to(tl.float32)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
     # cos/sin are rounded to the activation dtype first, as HF does before multiplying
     c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=mask_d, other=0.0).to(q_ptr.dtype.element_ty)
     s = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=mask_d, other=0.0).to(q_ptr.dtype.element_ty)
     c = c.to(tl.float32)[None, :]
     s = s.to(tl.float32)[None, :]
-    for which in tl.static_range(2):
-        if which == 0:
-            base, stride_t, stride_h, n_heads = q_ptr, stride_qt, stride_qh, NUM_Q_HEADS
-        else:
-            base, stride_t, stride_h, n_heads = k_ptr, stride_kt, stride_kh, NUM_K_HEADS
-        mask = (offs_h[:, None] < n_heads) & mask_d[None, :]
-        p1 = base + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
-        x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-        tl.store(p1, (x1 * c - x2 * s).to(base.dtype.element_ty), mask=mask)
-        tl.store(p1 + HALF, (x2 * c + x1 * s).to(base.dtype.element_ty), mask=mask)
+    tl.store(pq, (q1 * c - q2 * s).to(q_ptr.dtype.element_ty), mask=mask_q)
+    tl.store(pq + HALF, (q2 * c + q1 * s).to(q_ptr.dtype.element_ty), mask=mask_q)
+    tl.store(pk, (k1 * c - k2 * s).to(k_ptr.dtype.element_ty), mask=mask_k)
+    tl.store(pk + HALF, (k2 * c + k1 * s).to(k_ptr.dtype.element_ty), mask=mask_k)
 
 
 def rotary(
@@ -135,7 +143,8 @@ def rotary(
             cos.stride(0),
             NUM_Q_HEADS=hq,
             NUM_K_HEADS=hk,
-            HEADS_PAD=_next_pow2(max(hq, hk)),
+            Q_HEADS_PAD=_next_pow2(hq),
+            K_HEADS_PAD=_next_pow2(hk),
             HALF=half,
             HALF_PAD=_next_pow2(half),
             num_warps=4,

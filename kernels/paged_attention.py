@@ -147,23 +147,24 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
+    offs_g = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    heads = kvh * QUERY_GROUP + offs_g
+    mask_g = offs_g < QUERY_GROUP
+    mask_d = offs_d < HEAD_DIM
+    # The query is loaded before the length, not after it: the two reads are in flight together (a decode step
+    # of a few sequences is a chain of dependent reads, length -> block table -> K/V, not a stream of bytes).
+    q_in = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * tokens_per_split
     if start < seq_len:
         end = tl.minimum(start + tokens_per_split, seq_len)
-
-        offs_g = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM_PAD)
         offs_n = tl.arange(0, BLOCK_N)
-        heads = kvh * QUERY_GROUP + offs_g
-        mask_g = offs_g < QUERY_GROUP
-        mask_d = offs_d < HEAD_DIM
-
-        q = tl.load(
-            q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=mask_g[:, None] & mask_d[None, :],
-            other=0.0,
-        )
+        q = q_in  # a name of this branch's own: the fp8 cache's float16 query changes its type
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -414,8 +415,10 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the interpreter: small, so that tests exercise the split path
 
 
-# A split should still stream a useful amount of context, or the combine step costs more than it saves.
-MIN_TOKENS_PER_SPLIT = 256
+# A split should still stream a useful amount of context, or the combine step costs more than it saves: one tile of
+# BLOCK_N tokens.  A program's tiles are a chain of dependent reads and dots, so a batch of a few sequences finishes
+# sooner on one-tile splits and the second kernel's combine than on four-tile ones (docs/decisions/decode-split-k.md).
+MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 64
 
 

@@ -120,6 +120,14 @@ def test_decode(block_size, num_heads, num_kv_heads, dtype, poisoned_scratch):
             assert [shape[:3] for shape in poisoned_scratch] == [(len(DECODE_LENS), num_heads, 3)] * 2
 
 
+def test_one_tile_splits_fill_the_gpu_for_a_few_short_contexts():
+    # a split may be one tile long: one sequence of 8 KV heads in a 1,024-token graph takes 16 splits of 64 tokens
+    # on a 132-SM GPU (4 SMs in the interpreter: 8 programs for 2 waves)
+    assert pa.MIN_TOKENS_PER_SPLIT == pa.decode_config(128, 16, torch.bfloat16)["BLOCK_N"]
+    assert pa.num_decode_splits(1, 1, 1024, torch.device("cpu")) == 8
+    assert pa.num_decode_splits(1, 1, 256, torch.device("cpu")) == 256 // pa.MIN_TOKENS_PER_SPLIT
+
+
 def test_long_contexts_are_split_whatever_the_batch():
     # a full batch of short contexts stays one program per (sequence, KV head)
     assert pa.num_decode_splits(256, 8, 768, torch.device("cpu")) == 1
