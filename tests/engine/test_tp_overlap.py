@@ -148,7 +148,8 @@ def test_the_switch_is_refused_where_it_cannot_work():
 def test_a_packed_row_parallel_layer_replaces_its_partial_product(monkeypatch):
     """CPU packing (engine/model/cpu_packing.py) on a tensor-parallel rank swaps the layer's partial product and
     keeps its forward (the sum, then the bias), which the overlapped forward takes apart.  The packed product is
-    stubbed: this CPU may have no oneDNN bf16 (tests/engine/test_cpu_packing.py checks the real one)."""
+    stubbed: this CPU may have no oneDNN bf16 (tests/engine/test_cpu_packing.py checks the real one); the stub has
+    no few-row panel copy, so that copy is turned off here (tests/kernels/test_cpu_linear.py checks it)."""
     import torch.nn.functional as F
 
     from engine.model import cpu_packing
@@ -163,6 +164,7 @@ def test_a_packed_row_parallel_layer_replaces_its_partial_product(monkeypatch):
 
     monkeypatch.setattr(cpu_packing, "packing_available", lambda dtype: True)
     monkeypatch.setattr(cpu_packing, "_PackedProduct", Stub)
+    monkeypatch.setenv("PAGEKEEPER_CPU_DECODE_WEIGHTS", "off")
     tp = TwinRanks(0, 2)
     layer = RowLinear(8, 6, bias=True, tp=tp)
     torch.nn.init.normal_(layer.weight)

@@ -183,3 +183,25 @@ def test_a_misspelt_mode_stops_a_servers_start_with_one_line() -> None:
     last = r.stderr.strip().splitlines()[-1]
     print(last)
     assert r.returncode == 2 and "PAGEKEEPER_CPU_DECODE_WEIGHTS='sometimes' is not one of auto, off" in last
+
+
+@needs_avx512
+def test_a_row_parallel_layer_sums_its_ranks_over_the_panel_copy() -> None:
+    """On a tensor-parallel rank the partial product takes the copy, and the layer's forward still sums over the
+    ranks and adds the bias once."""
+    import torch.nn.functional as F
+
+    from engine.model import cpu_packing
+    from engine.model.layers.linear import RowLinear
+    from tests.engine.test_tp_overlap import TwinRanks
+
+    torch.manual_seed(3)
+    layer = RowLinear(700, 40, bias=True, tp=TwinRanks(0, 2))
+    torch.nn.init.normal_(layer.weight, std=0.1)
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(3, 350)  # this rank's half of K
+    with torch.no_grad():
+        want = 2 * F.linear(x, layer.weight) + layer.bias
+        assert cpu_packing.pack_linears(layer) == 1
+        assert layer.partial.panels is not None and "forward" not in vars(layer)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
