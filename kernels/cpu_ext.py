@@ -56,12 +56,18 @@ class CpuKernelsUnavailable(RuntimeError):
     """The extension could not be built or loaded, and PAGEKEEPER_CPU_KERNELS=require."""
 
 
-def mode() -> str:
-    """PAGEKEEPER_CPU_KERNELS, checked: a value we do not know is an error, never silently the default."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise ValueError(f"{ENV}={value!r} is not one of {', '.join(MODES)}")
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """Environment variable `name`, one of `choices` (the first when unset or empty); a value we do not know is an
+    error, never silently the default."""
+    value = os.environ.get(name, choices[0]).strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
     return value
+
+
+def mode() -> str:
+    """PAGEKEEPER_CPU_KERNELS, checked."""
+    return env_choice(ENV, MODES)
 
 
 def _cpu_flags() -> str:

@@ -9,8 +9,6 @@ oneDNN's product alone.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kernels import cpu_ext
@@ -22,11 +20,8 @@ MODES = ("auto", "off")
 
 
 def mode() -> str:
-    """PAGEKEEPER_CPU_DECODE_WEIGHTS, checked: a value we do not know is an error, never silently the default."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise ValueError(f"{ENV}={value!r} is not one of {', '.join(MODES)}")
-    return value
+    """PAGEKEEPER_CPU_DECODE_WEIGHTS, checked."""
+    return cpu_ext.env_choice(ENV, MODES)
 
 
 def available() -> bool:
