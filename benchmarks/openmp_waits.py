@@ -1,19 +1,20 @@
 """What OpenMP's wait policy costs a CPU engine server, alone and beside busy processes.
 
-    python -m benchmarks.openmp_waits [--policies passive,libgomp-default,active] [--busy 0,2] [--requests 10]
-                                      [--clients 1] [--max-tokens 32] [--model DIR] [--dtype D]
-                                      [--out benchmarks/results]
+    python -m benchmarks.openmp_waits [--policies default,passive,libgomp-default,active,active-N,spin-N]
+                                      [--busy 0,2] [--requests 10] [--clients 1] [--max-tokens 32]
+                                      [--model DIR] [--dtype D] [--out benchmarks/results]
 
 For each policy one real server (`python -m engine.server`) is started; for each `--busy` count that many
 processes spinning in a loop are started beside it (the other work of a shared host: clients, a supervisor, a
 second engine during a handover, a test suite), and `--clients` clients each send `--requests` completions of
 `--max-tokens` tokens (ignore_eos) one after another.  Reported per run: wall seconds, the server's CPU seconds
-(user + system, from /proc), tokens, and both per token.
+(user + system, from /proc, its engine core's process included), tokens, and both per token.
 
-Policies: `passive` is the engine's default (engine/openmp_waits.py: OMP_WAIT_POLICY=PASSIVE when the operator set
-no wait knob); `libgomp-default` is what the engine ran with before (GOMP_SPINCOUNT=300000, libgomp's own default
-spin when OMP_WAIT_POLICY is unset); `active` is OMP_WAIT_POLICY=ACTIVE (spin without end); `spin-N` is
-GOMP_SPINCOUNT=N.
+Policies: `default` is the engine's own (engine/openmp_waits.py: a short spin when the operator set no wait knob);
+`passive` is OMP_WAIT_POLICY=PASSIVE (never spin; the engine's default until 2026-11-29); `libgomp-default` is
+GOMP_SPINCOUNT=300000 (libgomp's own spin when OMP_WAIT_POLICY is unset, cut to 1,000 rounds where libgomp counts
+more of its threads than cores); `active` is OMP_WAIT_POLICY=ACTIVE (spin without end); `spin-N` is
+GOMP_SPINCOUNT=N; `active-N` is OMP_WAIT_POLICY=ACTIVE with GOMP_SPINCOUNT=N (spin N rounds, never cut, then sleep).
 
 JSON: `<out>/openmp-waits-cpu-<YYYY-MM-DD>.json`, with the CPU model, the core count and the command line.
 """
@@ -41,7 +42,8 @@ from engine.openmp_waits import WAIT_KNOBS
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 POLICY_ENV = {
-    "passive": {},
+    "default": {},
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "libgomp-default": {"GOMP_SPINCOUNT": "300000"},
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
 }
@@ -53,10 +55,34 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _tree_cpu_seconds(pid: int) -> float:
+    """The CPU of `pid` and every process below it: the server's front and its engine core (engine/loop/)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue  # a process that ended while the table was read
+    tree, total = [pid], 0.0
+    while tree:
+        current = tree.pop()
+        try:
+            total += _cpu_seconds(current)
+        except OSError:
+            continue
+        tree.extend(child for child, parent in parents.items() if parent == current)
+    return total
+
+
+COUNTED_POLICIES = ("spin-", "active-")  # policy names that end in a spin count
+
+
 def _policy_env(policy: str) -> dict[str, str]:
-    """A named policy's settings, or `spin-N`: GOMP_SPINCOUNT=N (spin N rounds at a barrier, then sleep)."""
+    """A named policy's settings; `spin-N`: GOMP_SPINCOUNT=N; `active-N`: the same with OMP_WAIT_POLICY=ACTIVE."""
     if policy.startswith("spin-"):
         return {"GOMP_SPINCOUNT": policy.removeprefix("spin-")}
+    if policy.startswith("active-"):
+        return {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": policy.removeprefix("active-")}
     return POLICY_ENV[policy]
 
 
@@ -96,10 +122,10 @@ def _client(url: str, model: str, requests: int, max_tokens: int) -> int:
 def measure(url: str, pid: int, clients: int, requests: int, max_tokens: int) -> dict[str, Any]:
     model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
     _client(url, model, 1, 4)  # warm-up
-    cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
+    cpu0, t0 = _tree_cpu_seconds(pid), time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         tokens = sum(pool.map(lambda _: _client(url, model, requests, max_tokens), range(clients)))
-    wall, cpu = time.perf_counter() - t0, _cpu_seconds(pid) - cpu0
+    wall, cpu = time.perf_counter() - t0, _tree_cpu_seconds(pid) - cpu0
     return {
         "wall_s": round(wall, 3),
         "server_cpu_s": round(cpu, 3),
@@ -111,15 +137,21 @@ def measure(url: str, pid: int, clients: int, requests: int, max_tokens: int) ->
 
 def _names(text: str, allowed: dict[str, Any], flag: str, p: argparse.ArgumentParser) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in allowed and not (n.startswith("spin-") and n[5:].isdigit())]
+
+    def counted(n: str) -> bool:
+        return any(n.startswith(pre) and n[len(pre) :].isdigit() for pre in COUNTED_POLICIES)
+
+    bad = [n for n in names if n not in allowed and not counted(n)]
     if bad or not names:
-        p.error(f"{flag}: unknown {', '.join(bad) or 'empty list'}; choose from {', '.join(allowed)} or spin-N")
+        p.error(
+            f"{flag}: unknown {', '.join(bad) or 'empty list'}; choose from {', '.join(allowed)}, spin-N or active-N"
+        )
     return names
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--policies", default="passive,libgomp-default,active")
+    p.add_argument("--policies", default="default,passive,libgomp-default,active")
     p.add_argument("--busy", default="0,2", help="comma-separated counts of spinning processes beside the server")
     p.add_argument("--requests", type=int, default=10, help="completions per client")
     p.add_argument("--clients", type=int, default=1)

@@ -25,9 +25,9 @@ _MODULE_STARTED = _time.time()  # before anything heavy is imported: the start-u
 
 from engine.gc_heap import pause_startup_collections  # noqa: E402
 from engine.lean_imports import import_structlog_without_rich  # noqa: E402
-from engine.openmp_waits import prefer_passive_waits  # noqa: E402
+from engine.openmp_waits import set_default_waits  # noqa: E402
 
-prefer_passive_waits()  # before anything loads torch, which loads libgomp (engine/openmp_waits.py)
+set_default_waits()  # before anything loads torch, which loads libgomp (engine/openmp_waits.py)
 if __name__ == "__main__":  # this process is the server: no collections until its heap is frozen (engine/gc_heap.py)
     pause_startup_collections()
     import_structlog_without_rich()  # before any module of ours imports structlog (engine/lean_imports.py)

@@ -11,6 +11,7 @@ import pytest
 
 from engine.config import ConfigError
 from engine.cpu_threads import plan_cpu_threads
+from engine.openmp_waits import SPIN_COUNT, WAIT_KNOBS
 
 
 def test_the_plan_keeps_one_core_of_four_by_default_and_refuses_to_keep_them_all() -> None:
@@ -36,12 +37,13 @@ def _allowed(pid: int) -> dict[int, str]:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding needs at least two cores")
 def test_a_cpu_server_keeps_a_core_for_its_event_loop(launch) -> None:
-    server = launch("--cpu-reserved-cores", "1")
+    # the engine's own wait default: the knobs the test run set for itself (tests/conftest.py) cleared
+    server = launch("--cpu-reserved-cores", "1", env=dict.fromkeys(WAIT_KNOBS, ""))
     r = httpx.post(server.url + "/v1/completions", json={"model": "pagekeeper-default", "prompt": "Now is"})
     assert r.status_code == 200
     bound = [json.loads(ln) for ln in server.log().splitlines() if '"cpu_threads_bound"' in ln]
     ready = [json.loads(ln) for ln in server.log().splitlines() if '"engine_ready"' in ln]
-    assert ready[0]["openmp_waits"] == "OMP_WAIT_POLICY=PASSIVE"  # engine/openmp_waits.py
+    assert ready[0]["openmp_waits"] == f"OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT={SPIN_COUNT}"  # engine/openmp_waits.py
     up = [json.loads(ln) for ln in server.log().splitlines() if '"serving"' in ln]
     assert up[0]["gc_frozen_objects"] > 50_000  # the start-up heap, out of full collections (engine/gc_heap.py)
     assert len(bound) == 1, server.log()[-2000:]
