@@ -49,6 +49,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.fp8_linear import dot_dtype
 from kernels.operands import rows
+from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl
 from kernels.splitk import cdiv, num_sms, reduce_splits, split_geometry, store_or_finish, tickets
 
 MAX_ROWS = 16  # the dot kernel holds all of x's rows in one tile of 16 (a 32-row tile measured 0.25 ms a layer)
@@ -247,14 +248,22 @@ def _fp8_gemv_stream_kernel(
     STAGES: tl.constexpr,
     TMA: tl.constexpr,
     PER_TENSOR: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One row of x: ``out[n] = ws[n] * sum_k x[k] w[n, k]``, K a multiple of BLOCK_K.  The grid need not cover
     the tiles: program p takes tiles p, p + grid, ... and runs one loop over all its (tile, K step) pairs, so that
     Triton's software pipeline (STAGES deep, through shared memory; TMA: the weight tiles by the bulk tensor-copy
-    engine from `w_desc`) keeps loading across the tiles' boundaries; each tile's sum is stored after its last step."""
+    engine from `w_desc`) keeps loading across the tiles' boundaries; each tile's sum is stored after its last step.
+
+    PDL (a programmatic dependent launch, kernels/pdl.py): the programs start while the kernel before finishes, wait
+    for it (it wrote x) before the loop, then let the next kernel launch (it waits for this one in turn).  An L2
+    prefetch of the first tiles before the wait was slower (docs/decisions/quant-paths.md, 2026-11-29)."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     k_steps = K // BLOCK_K
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     total = tl.cdiv(tiles - pid, grid) * k_steps
     offs_k = tl.arange(0, BLOCK_K)
     offs_b = tl.arange(0, BLOCK_N)
@@ -386,7 +395,22 @@ def _stream(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, c
     grid = min(tiles, ctas * num_sms(x.device)) if ctas else tiles
     desc = TensorDescriptor.from_tensor(weight, [bn, bk]) if tma else None
     per_tensor = weight_scale.numel() == 1 and n != 1
+    on = pdl(x.device)
     _fp8_gemv_stream_kernel[(grid,)](
-        x, weight, desc, weight_scale, out, n, k, tiles, BLOCK_N=bn, BLOCK_K=bk, TMA=tma, PER_TENSOR=per_tensor, **cfg
+        x,
+        weight,
+        desc,
+        weight_scale,
+        out,
+        n,
+        k,
+        tiles,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        TMA=tma,
+        PER_TENSOR=per_tensor,
+        PDL=on,
+        **cfg,
+        **launch_options(on),
     )
     return out

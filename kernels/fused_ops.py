@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.cache_ops import _next_pow2
+from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_one_row
 
 
 @triton.jit
@@ -36,10 +37,14 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    if PDL:  # kernels/pdl.py: wait for the kernel before, then let the next (a product) launch
+        gdc_wait()
+        gdc_launch_dependents()
     # Every read is issued before the first store: a load after the residual store could alias it, so it would
     # wait for the store and the row's sum (one more memory latency, in a kernel of a few microseconds;
     # docs/decisions/decode-small-kernels.md).
@@ -64,10 +69,14 @@ def _silu_mul_kernel(
     stride_out,
     n_cols,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
+    if PDL:  # kernels/pdl.py
+        gdc_wait()
+        gdc_launch_dependents()
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + n_cols + cols, mask=mask, other=0.0)
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
@@ -93,8 +102,12 @@ def _rotary_kernel(
     K_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
+    if PDL:  # kernels/pdl.py
+        gdc_wait()
+        gdc_launch_dependents()
     offs_d = tl.arange(0, HALF_PAD)
     mask_d = offs_d < HALF
     # q and k are read before the position and its cos/sin, and both before either is written: the reads are
@@ -130,6 +143,7 @@ def rotary(
     hk = k.shape[1]
     if num_tokens and q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1:
         half = d // 2
+        on = pdl_one_row(q.device, num_tokens)
         _rotary_kernel[(num_tokens,)](
             q,
             k,
@@ -147,7 +161,9 @@ def rotary(
             K_HEADS_PAD=_next_pow2(hk),
             HALF=half,
             HALF_PAD=_next_pow2(half),
+            PDL=on,
             num_warps=4,
+            **launch_options(on),
         )
         return q, k
     from kernels import reference
@@ -176,6 +192,7 @@ def rms_norm(
         new_residual = r_out = torch.empty_like(out)
     if n_rows:
         block = _next_pow2(n_cols)
+        on = pdl_one_row(x.device, n_rows)
         _rms_norm_kernel[(n_rows,)](
             x2,
             r2,
@@ -190,7 +207,9 @@ def rms_norm(
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
+            PDL=on,
             num_warps=min(16, max(1, block // 256)),
+            **launch_options(on),
         )
     out = out.view(shape)
     return out, (new_residual.view(shape) if new_residual is not None else None)
@@ -204,6 +223,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n_rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
     if n_rows:
         block = min(1024, _next_pow2(n_cols))
+        on = pdl_one_row(gate_up.device, n_rows)
         _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
             g2,
             out,
@@ -211,7 +231,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             out.stride(0),
             n_cols,
             BLOCK=block,
+            PDL=on,
             num_warps=4,
+            **launch_options(on),
         )
     return out.view(*gate_up.shape[:-1], n_cols)
 

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.cache_ops import _cdiv, _next_pow2
+from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_one_row
 
 LOG2E = 1.4426950408889634
 FP8 = torch.float8_e4m3fn
@@ -142,10 +143,13 @@ def _decode_kernel(
     DOT_UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP16_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if PDL:  # kernels/pdl.py: the combine (or the product) may launch now; this kernel itself is launched plainly
+        gdc_launch_dependents()
 
     offs_g = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -222,9 +226,13 @@ def _decode_reduce_kernel(
     tokens_per_split,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    if PDL:  # kernels/pdl.py: wait for the decode kernel, then let the product launch
+        gdc_wait()
+        gdc_launch_dependents()
     seq_len = tl.load(seq_lens_ptr + seq)
     num_splits = tl.cdiv(seq_len, tokens_per_split)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -516,6 +524,7 @@ def paged_attention_decode(
         part_o = part_lse = out  # unused
         p_strides = (0, 0, 0)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    on = pdl_one_row(query.device, batch)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         out,
         part_o,
@@ -549,6 +558,7 @@ def paged_attention_decode(
         DOT_UPCAST=_dot_upcast(query),
         KV_FP8=scales is not None,
         FP16_DOT=scales is not None and query.dtype == torch.bfloat16,
+        PDL=on,
         **cfg,
     )
     if split:
@@ -563,7 +573,9 @@ def paged_attention_decode(
             tokens_per_split,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=d_pad,
+            PDL=on,
             num_warps=4 if d_pad >= 128 else 2,
+            **launch_options(on),
         )
     return out
 

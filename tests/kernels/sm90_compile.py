@@ -160,7 +160,7 @@ def cases():
         kind = cfg.pop("KIND")
         if kind == "stream":  # one row, no K splits; the weight by pointer loads (TMA off by default)
             consts = {key: cfg.pop(key) for key in ("BLOCK_N", "BLOCK_K", "STAGES")}
-            consts.update(TMA=cfg.pop("TMA", False), PER_TENSOR=False, w_desc=None)
+            consts.update(TMA=cfg.pop("TMA", False), PER_TENSOR=False, w_desc=None, PDL=True)  # PDL: on Hopper
             for key in ("BLOCK_M", "CTAS"):
                 cfg.pop(key, None)
             types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr="*bf16", N=I32, K=I32, tiles=I32)
