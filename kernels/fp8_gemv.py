@@ -49,7 +49,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.fp8_linear import dot_dtype
 from kernels.operands import rows
-from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl
+from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, mark_chained, pdl
 from kernels.splitk import cdiv, num_sms, reduce_splits, split_geometry, store_or_finish, tickets
 
 MAX_ROWS = 16  # the dot kernel holds all of x's rows in one tile of 16 (a 32-row tile measured 0.25 ms a layer)
@@ -257,7 +257,7 @@ def _fp8_gemv_stream_kernel(
 
     PDL (a programmatic dependent launch, kernels/pdl.py): the programs start while the kernel before finishes, wait
     for it (it wrote x) before the loop, then let the next kernel launch (it waits for this one in turn).  An L2
-    prefetch of the first tiles before the wait was slower (docs/decisions/quant-paths.md, 2026-11-29)."""
+    prefetch of the first tiles before the wait was slower (docs/decisions/quant-paths.md)."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     k_steps = K // BLOCK_K
@@ -396,6 +396,8 @@ def _stream(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, c
     desc = TensorDescriptor.from_tensor(weight, [bn, bk]) if tma else None
     per_tensor = weight_scale.numel() == 1 and n != 1
     on = pdl(x.device)
+    if on:
+        mark_chained(x.device)  # the small kernels around this product may take PDL too (kernels/pdl.py)
     _fp8_gemv_stream_kernel[(grid,)](
         x,
         weight,

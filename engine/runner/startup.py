@@ -94,6 +94,7 @@ def start_runner(
     cuda = device.type == "cuda"
     swap: SwapSpace | None = None
     if cuda:
+        check_gpu_kernel_env()
         set_allocator_defaults()
         watch_kernel_loads()  # a variant compiled or loaded later names itself (engine/runner/kernel_loads.py)
         torch.cuda.init()
@@ -386,6 +387,16 @@ def warm_mixed_steps(runner: ModelRunner, config: ResolvedConfig) -> int:
         runner.update_state(StepPlan(finished=[s.seq_id for s in plan.seqs]))
         steps += 1
     return steps
+
+
+def check_gpu_kernel_env() -> None:
+    """A misspelt PAGEKEEPER_PDL stops the start with one line rather than failing the first decode step."""
+    from kernels import pdl
+
+    try:
+        pdl.mode()
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def prepare_cpu_kernels() -> None:

@@ -1,8 +1,10 @@
 """kernels/pdl.py: programmatic dependent launch stays off on the CPU, under Triton's interpreter and with
-PAGEKEEPER_PDL=0, and the small kernels take it at one row only (the GPU runs are in docs/decisions/quant-paths.md)."""
+PAGEKEEPER_PDL=0 (a misspelt value is refused), and the small kernels take it at one row only, beside products that
+take it (the GPU runs are in docs/decisions/quant-paths.md)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels import pdl
@@ -23,12 +25,28 @@ def test_the_switch_and_the_row_rule(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     gpu = torch.device("cuda", 0)
     monkeypatch.delenv(pdl.ENV, raising=False)
+    monkeypatch.setattr(pdl, "_CHAINED", set())
     assert pdl.pdl(gpu)
+    assert not pdl.pdl_one_row(gpu, 1)  # no product on the device took PDL yet (a bf16 model: cuBLAS)
+    pdl.mark_chained(gpu)
     assert pdl.pdl_one_row(gpu, 1)
     assert not pdl.pdl_one_row(gpu, 8)
     monkeypatch.setenv(pdl.ENV, "0")
     assert not pdl.pdl(gpu)
     assert not pdl.pdl_one_row(gpu, 1)
+
+
+def test_a_misspelt_switch_is_refused(monkeypatch):
+    monkeypatch.setenv(pdl.ENV, "no")
+    with pytest.raises(ValueError, match="PAGEKEEPER_PDL='no' is not one of 1, 0"):
+        pdl.mode()
+    from engine.config import ConfigError
+    from engine.runner.startup import check_gpu_kernel_env
+
+    with pytest.raises(ConfigError, match="PAGEKEEPER_PDL"):
+        check_gpu_kernel_env()
+    monkeypatch.setenv(pdl.ENV, "0")
+    check_gpu_kernel_env()
 
 
 def test_launch_options():
