@@ -7,8 +7,9 @@
 For each policy one real server (`python -m engine.server`) is started; for each `--busy` count that many
 processes spinning in a loop are started beside it (the other work of a shared host: clients, a supervisor, a
 second engine during a handover, a test suite), and `--clients` clients each send `--requests` completions of
-`--max-tokens` tokens (ignore_eos) one after another.  Reported per run: wall seconds, the server's CPU seconds
-(user + system, from /proc, its engine core's process included), tokens, and both per token.
+`--max-tokens` tokens (ignore_eos) one after another, to a short text prompt or (`--prompt-tokens N`) N token ids.
+Reported per run: wall seconds, the server's CPU seconds (user + system, from /proc, its engine core's process
+included), tokens, both per token, and wall time per request.
 
 Policies: `default` is the engine's own (engine/openmp_waits.py: a short spin when the operator set no wait knob);
 `passive` is OMP_WAIT_POLICY=PASSIVE (never spin; the engine's default until 2026-11-29); `libgomp-default` is
@@ -108,23 +109,32 @@ def _start_server(policy: str, model: str | None, dtype: str | None, log: Path) 
     raise RuntimeError(f"the server was not ready in 180 s: {log.read_text()[-2000:]}")
 
 
-def _client(url: str, model: str, requests: int, max_tokens: int) -> int:
+def _prompt(i: int, prompt_tokens: int) -> str | list[int]:
+    """Request i's prompt: a short text, or `prompt_tokens` token ids, different per request (no prefix is cached)
+    and below 380 (the embedded default model's vocabulary is 384)."""
+    if prompt_tokens <= 0:
+        return f"request {i}: hello there"
+    return [3 + (i * 7919 + j * 104729) % 377 for j in range(prompt_tokens)]
+
+
+def _client(url: str, model: str, requests: int, max_tokens: int, prompt_tokens: int = 0, first: int = 0) -> int:
     tokens = 0
     with httpx.Client(timeout=300) as c:
-        for i in range(requests):
-            body = {"model": model, "prompt": f"request {i}: hello there", "max_tokens": max_tokens, "ignore_eos": True}
+        for i in range(first, first + requests):
+            body = {"model": model, "prompt": _prompt(i, prompt_tokens), "max_tokens": max_tokens, "ignore_eos": True}
             r = c.post(url + "/v1/completions", json=body)
             r.raise_for_status()
             tokens += int(r.json()["usage"]["completion_tokens"])
     return tokens
 
 
-def measure(url: str, pid: int, clients: int, requests: int, max_tokens: int) -> dict[str, Any]:
+def measure(url: str, pid: int, clients: int, requests: int, max_tokens: int, prompt_tokens: int = 0) -> dict[str, Any]:
     model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-    _client(url, model, 1, 4)  # warm-up
+    _client(url, model, 1, 4, prompt_tokens, first=10**6)  # warm-up
     cpu0, t0 = _tree_cpu_seconds(pid), time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        tokens = sum(pool.map(lambda _: _client(url, model, requests, max_tokens), range(clients)))
+        run = lambda c: _client(url, model, requests, max_tokens, prompt_tokens, first=c * requests)  # noqa: E731
+        tokens = sum(pool.map(run, range(clients)))
     wall, cpu = time.perf_counter() - t0, _tree_cpu_seconds(pid) - cpu0
     return {
         "wall_s": round(wall, 3),
@@ -132,6 +142,7 @@ def measure(url: str, pid: int, clients: int, requests: int, max_tokens: int) ->
         "tokens": tokens,
         "ms_per_token": round(wall / tokens * 1e3, 3),
         "cpu_ms_per_token": round(cpu / tokens * 1e3, 3),
+        "ms_per_request": round(wall / (clients * requests) * 1e3, 3),
     }
 
 
@@ -156,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=10, help="completions per client")
     p.add_argument("--clients", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=0, help="prompts of this many token ids (0: a short text)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded default model)")
     p.add_argument("--dtype", default=None, help="the server's --dtype (default: the checkpoint's)")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -165,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         busy = [int(b) for b in args.busy.split(",")]
     except ValueError:
         p.error(f"--busy: comma-separated counts, not {args.busy!r}")
-    for flag, value in (("--requests", args.requests), ("--clients", args.clients), ("--max-tokens", args.max_tokens)):
+    counts = (("--requests", args.requests), ("--clients", args.clients), ("--max-tokens", args.max_tokens))
+    if args.prompt_tokens < 0:
+        p.error(f"--prompt-tokens must be 0 or more, not {args.prompt_tokens}")
+    for flag, value in counts:
         if value < 1:
             p.error(f"{flag} must be at least 1, not {value}")
     if any(b < 0 for b in busy):
@@ -179,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in busy:
                 spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(n)]
                 try:
-                    result = measure(url, proc.pid, args.clients, args.requests, args.max_tokens)
+                    result = measure(url, proc.pid, args.clients, args.requests, args.max_tokens, args.prompt_tokens)
                 finally:
                     for s in spinners:
                         s.kill()
@@ -205,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 "clients": args.clients,
                 "requests_per_client": args.requests,
                 "max_tokens": args.max_tokens,
+                "prompt_tokens": args.prompt_tokens or "a short text",
                 "model": args.model or "embedded default",
                 "dtype": args.dtype or "checkpoint's",
                 "runs": runs,

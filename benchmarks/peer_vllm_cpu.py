@@ -339,7 +339,9 @@ def _layers(size: str) -> int:
 
 
 def _engine_env(engine: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO)} if engine == PAGEKEEPER else vllm_env(engine)
+    if engine.startswith(PAGEKEEPER):
+        return {**os.environ, "PYTHONPATH": str(REPO), **SERVING_ENV.get(engine, {})}
+    return vllm_env(engine)
 
 
 def _run_worker(args: argparse.Namespace, engine: str, model: Path, dtype: str, n: int) -> dict[str, Any]:
@@ -421,14 +423,25 @@ def _bench(args: argparse.Namespace, model: Path, port: int, rate: str, result_d
     return {k: full.get(k) for k in keys}
 
 
-# pagekeeper's server as it starts by default, and (--pagekeeper-reserved1) with one core kept for HTTP.
-SERVING_VARIANTS = {PAGEKEEPER: [], "pagekeeper-reserved1": ["--cpu-reserved-cores", "1"]}
+# pagekeeper's server as it starts by default, (--pagekeeper-reserved1) with one core kept for HTTP, and
+# (--pagekeeper-passive) with OpenMP's idle threads sleeping at once (the default until 2026-11-29:
+# engine/openmp_waits.py).
+SERVING_VARIANTS = {PAGEKEEPER: [], "pagekeeper-reserved1": ["--cpu-reserved-cores", "1"], "pagekeeper-passive": []}
+SERVING_ENV = {"pagekeeper-passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 
 
 def serving(args: argparse.Namespace, models: dict[str, Path], workdir: Path) -> dict[str, Any]:
     size = args.serving_size
     model, dtype = models[size], args.dtypes[0]
-    engines = [PAGEKEEPER, *(["pagekeeper-reserved1"] if args.pagekeeper_reserved1 else []), *VLLM_BINDINGS]
+    variants = [
+        v
+        for v, on in (
+            ("pagekeeper-reserved1", args.pagekeeper_reserved1),
+            ("pagekeeper-passive", args.pagekeeper_passive),
+        )
+        if on
+    ]
+    engines = [PAGEKEEPER, *variants, *VLLM_BINDINGS]
     runs: list[dict[str, Any]] = []
     for rep in range(args.repeats):  # each server started afresh per repeat, alternating like offline
         for engine in engines:
@@ -487,6 +500,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--serving-size", default="512x8")
     ap.add_argument("--pagekeeper-reserved1", action="store_true", help="serving also with --cpu-reserved-cores 1")
+    ap.add_argument("--pagekeeper-passive", action="store_true", help="serving also with OMP_WAIT_POLICY=PASSIVE")
     ap.add_argument("--checkpoints", type=Path, default=Path(tempfile.gettempdir()) / "pagekeeper-peer")
     ap.add_argument("--out", type=Path, help="default: benchmarks/results/peer-vllm-cpu-<date>.json")
     args = ap.parse_args()
