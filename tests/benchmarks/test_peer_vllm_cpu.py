@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks import peer_vllm_cpu as peer
 from benchmarks.peer_vllm_cpu import (
     bound_cores,
     cpu_ranges,
@@ -173,3 +174,11 @@ def test_the_bf16_product_can_be_forced_for_an_ab_and_only_for_pagekeeper(monkey
         text=True,
     )
     assert r.returncode == 2 and "--bf16-product is pagekeeper's" in r.stderr
+
+
+def test_the_passive_arm_is_pagekeeper_with_openmp_sleeping_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    passive, default = peer._engine_env("pagekeeper-passive"), peer._engine_env(peer.PAGEKEEPER)
+    assert passive["OMP_WAIT_POLICY"] == "PASSIVE" and "OMP_WAIT_POLICY" not in default  # the engine's own default
+    assert passive["PYTHONPATH"] == default["PYTHONPATH"] == str(peer.REPO)
+    assert peer.SERVING_VARIANTS["pagekeeper-passive"] == []  # the same flags as the default arm
