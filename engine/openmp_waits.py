@@ -2,10 +2,10 @@
 
 Why: torch's CPU ops run on libgomp's thread team.  A step is dozens to hundreds of parallel regions a few
 microseconds apart, and a worker that slept between two of them has to be woken for the next; on a virtual machine
-that wake is slow enough to cost a prefill a sixth of its time (PASSIVE, which never spins).  A spinning worker, on
-the other hand, burns the core that the straggler it waits for needs when other processes load the cores (clients,
-other engines, a test suite): libgomp's own default spins a few milliseconds, and forever with ACTIVE.  The engine
-spins SPIN_COUNT rounds (under a millisecond), long enough to bridge the gaps inside a step and short enough to sleep
+that wake is slow enough to nearly double a loaded CPU server's time per token (PASSIVE, which never spins).  A
+spinning worker, on the other hand, burns the core that the straggler it waits for needs when other processes load
+the cores (clients, other engines, a test suite): libgomp's own default spins a few milliseconds, and forever with
+ACTIVE.  The engine spins SPIN_COUNT rounds, long enough to bridge the gaps inside a step and short enough to sleep
 between requests; OMP_WAIT_POLICY=ACTIVE comes with it because libgomp otherwise cuts the spin to 1,000 rounds when
 it counts more of its threads than cores.  What each choice cost, alone and beside busy processes:
 docs/decisions/openmp-waits.md.
