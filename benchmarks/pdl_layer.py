@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--notes", default="")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, not {args.rounds}")
     from benchmarks.kernels import bench_rotating, copy_tbps, device_slug
 
     if not torch.cuda.is_available():
@@ -155,11 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     copy = copy_tbps()
     floor_us = W.nbytes() / (copy * 1e12) * 1e6
     result.update(copy_TBps=round(copy, 3), layer_weight_bytes=W.nbytes(), floor_us=round(floor_us, 2))
-    saved = {"PAGEKEEPER_PDL": os.environ.get("PAGEKEEPER_PDL")}
     times: dict[str, dict[str, list[float]]] = {a: {"layer": [], "products": []} for a in arms}
     checks: dict[str, float] = {}
     reference: torch.Tensor | None = None
-    try:
+    with mock.patch.dict(os.environ):  # each arm sets PAGEKEEPER_PDL; the caller's environment comes back after
         for r in range(args.rounds):
             for arm in arms:
                 os.environ.update(_arm_env(arm))
@@ -172,12 +174,6 @@ def main(argv: list[str] | None = None) -> int:
                             reference = got
                         checks[arm] = float((got - reference).abs().max())
                 print(f"round {r} {arm}: layer {times[arm]['layer'][-1]} us, products {times[arm]['products'][-1]} us")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     rows = []
     for arm in arms:
         lay, prod = statistics.median(times[arm]["layer"]), statistics.median(times[arm]["products"])
@@ -195,16 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.profile:
         profiles = {}
-        try:
+        with mock.patch.dict(os.environ):
             for arm in arms:
                 os.environ.update(_arm_env(arm))
                 profiles[arm] = _profile(layer)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         result["profiles"] = profiles
         for arm, ev in profiles.items():  # the second layer's kernels
             per = len(ev) // 4
