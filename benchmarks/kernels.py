@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -174,6 +175,21 @@ def interpreted_or_cuda(quick: bool) -> torch.device | None:
 def device_slug(gpu: bool) -> str:
     """The device's name in results files: the GPU's slug (h100, h200) when the run uses it, else cpu."""
     return gpu_slug(torch.cuda.get_device_name()) if gpu else "cpu"
+
+
+def run_header(module: str, args: list[str], gpu: bool, timer: str) -> dict[str, Any]:
+    """The fields every kernel benchmark's results JSON opens with: the device, the date, the command that
+    reproduces it (`python -m benchmarks.<module> ARGS`), torch's and triton's versions and how it timed."""
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name() if gpu else "cpu",
+        "date": _dt.date.today().isoformat(),
+        "command": f"python -m benchmarks.{module} " + " ".join(args),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "timer": timer,
+    }
 
 
 def copy_tbps(nbytes: int = 2 << 30) -> float:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from benchmarks.cpu_pair_contention import cpu_model
 from benchmarks.serving import free_port
@@ -52,26 +53,20 @@ SPIN = "while True: pass"
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of one process."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def _tree_cpu_seconds(pid: int) -> float:
     """The CPU of `pid` and every process below it: the server's front and its engine core (engine/loop/)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in (root, *root.children(recursive=True)):
         try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            continue  # a process that ended while the table was read
-    tree, total = [pid], 0.0
-    while tree:
-        current = tree.pop()
-        try:
-            total += _cpu_seconds(current)
-        except OSError:
-            continue
-        tree.extend(child for child, parent in parents.items() if parent == current)
+            total += _cpu_seconds(proc.pid)
+        except psutil.NoSuchProcess:
+            continue  # a process that ended while the tree was read
     return total
 
 

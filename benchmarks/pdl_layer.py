@@ -17,7 +17,6 @@ DIR/pdl-layer-<gpu>-<date><tag>.json.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import statistics
@@ -132,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, not {args.rounds}")
-    from benchmarks.kernels import bench_rotating, copy_tbps, device_slug
+    from benchmarks.kernels import bench_rotating, copy_tbps, device_slug, run_header
 
     if not torch.cuda.is_available():
         print("error: no CUDA device", file=sys.stderr)
@@ -143,16 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     W = Weights(n, device)
     layer, products, outs = _layer_ops(L, W)
     arms = ["off", "on"]
-    result: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name() if gpu else "cpu",
-        "date": dt.date.today().isoformat(),
-        "command": "python -m benchmarks.pdl_layer " + " ".join(sys.argv[1:] if argv is None else argv),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "timer": "bench_rotating over 32 layers' own weights, us per layer",
-        "notes": args.notes,
-        "arms": arms,
-    }
+    given = sys.argv[1:] if argv is None else argv
+    timer = "bench_rotating over 32 layers' own weights, us per layer"
+    result: dict[str, Any] = {**run_header("pdl_layer", given, gpu, timer), "notes": args.notes, "arms": arms}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"pdl-layer-{device_slug(gpu)}-{result['date']}{args.tag}.json"
     copy = copy_tbps()

@@ -19,7 +19,6 @@ rewritten after each trial.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 import time
@@ -106,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="CPU dry run: tiny shapes, Triton's interpreter")
     p.add_argument("--budget-s", type=float, default=200.0)
     args = p.parse_args(argv)
-    from benchmarks.kernels import EAGER_FALLBACKS, device_slug, interpreted_or_cuda
+    from benchmarks.kernels import EAGER_FALLBACKS, device_slug, interpreted_or_cuda, run_header
     from benchmarks.throughput import copy_bandwidth
 
     device = interpreted_or_cuda(args.quick)
@@ -114,14 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gpu = device.type == "cuda"
     budget = Budget(args.budget_s)
-    result: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name() if gpu else "cpu",
-        "date": dt.date.today().isoformat(),
-        "command": "python -m benchmarks.quant_gemv1 " + " ".join(sys.argv[1:] if argv is None else argv),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "timer": "bench_rotating (benchmarks/kernels.py)" if gpu else "CPU dry run: one interpreted call",
-    }
+    timer = "bench_rotating (benchmarks/kernels.py)" if gpu else "CPU dry run: one interpreted call"
+    result: dict[str, Any] = run_header("quant_gemv1", sys.argv[1:] if argv is None else argv, gpu, timer)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"quant-gemv1-{device_slug(gpu)}-{result['date']}.json"
     result["copy_TBps"] = round(copy_bandwidth(device, (2 << 30) if gpu else (4 << 20)) / 1e12, 4)

@@ -21,7 +21,6 @@ Each new output is checked against the old one (max abs difference).  DIR/small-
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib.util
 import json
 import sys
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--notes", default="")
     args = p.parse_args(argv)
-    from benchmarks.kernels import device_slug, interpreted_or_cuda
+    from benchmarks.kernels import device_slug, interpreted_or_cuda, run_header
 
     device = interpreted_or_cuda(args.quick)
     if device is None:
@@ -164,13 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         }
     started = time.monotonic()
     result: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name() if gpu else "cpu",
-        "date": dt.date.today().isoformat(),
-        "command": "python -m benchmarks.small_kernels "
-        + " ".join(_without_notes(sys.argv[1:] if argv is None else argv)),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "timer": "bench_rotating over 32 layers' own buffers, us per layer" if gpu else "CPU dry run",
+        **run_header(
+            "small_kernels",
+            _without_notes(sys.argv[1:] if argv is None else argv),
+            gpu,
+            "bench_rotating over 32 layers' own buffers, us per layer" if gpu else "CPU dry run",
+        ),
         "shape": dict(hidden=HIDDEN, q_heads=HQ, kv_heads=HKV, head_dim=D, intermediate=INTER, block_size=BLOCK),
         "context": CTX,
         "max_seq_len": MAX_LEN,

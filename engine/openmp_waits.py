@@ -26,7 +26,7 @@ SPIN_COUNT = 100_000  # libgomp's rounds of spinning at a barrier before a worke
 DEFAULT_WAITS = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": str(SPIN_COUNT)}
 
 
-def _chosen() -> dict[str, str]:
+def chosen_waits() -> dict[str, str]:
     """The wait knobs set in this environment; an empty value counts as unset (libgomp ignores it too)."""
     return {k: os.environ[k] for k in WAIT_KNOBS if os.environ.get(k)}
 
@@ -34,12 +34,12 @@ def _chosen() -> dict[str, str]:
 def set_default_waits() -> None:
     """Make OpenMP's idle threads spin briefly, then sleep, unless the operator chose a wait setting or torch is
     already loaded."""
-    if _chosen() or "torch" in sys.modules:
+    if chosen_waits() or "torch" in sys.modules:
         return
     os.environ.update(DEFAULT_WAITS)
 
 
 def wait_policy() -> str:
     """The wait setting this process runs with, in words for the start-up log."""
-    chosen = [f"{k}={v}" for k, v in _chosen().items()]
+    chosen = [f"{k}={v}" for k, v in chosen_waits().items()]
     return ", ".join(chosen) or "libgomp default (spin, then sleep)"

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.openmp_waits import WAIT_KNOBS
+from engine.openmp_waits import chosen_waits
 
 # The test run is a shared host (parallel tests, busy processes beside servers, a loaded CI machine), the case
 # where OpenMP's idle threads should sleep rather than spin (engine/openmp_waits.py): the engines that tests run, in
 # this process and in the servers it starts (which keep a wait knob they inherit), use PASSIVE unless the runner
 # chose a knob.  libgomp reads it when torch loads, so before the first import of torch.  A test of the engine's own
 # default clears the knobs for its server (tests/server/test_cpu_threads.py).
-if not any(os.environ.get(k) for k in WAIT_KNOBS):
+if not chosen_waits():
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 import torch  # noqa: E402
